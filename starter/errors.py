@@ -1,0 +1,71 @@
+"""Errors the starter raises, kept apart from job failures.
+
+A StarterError means the starter could not do its part: the job did not start
+(or was torn down), nothing is left behind, and the process exits 125.  The
+job's own failures (exit code, signal, OOM, timeout) are not exceptions; they
+are outcomes in the report.
+"""
+
+EXIT_STARTER_FAILED = 125
+EXIT_NOT_EXECUTABLE = 126
+EXIT_NOT_FOUND = 127
+
+
+class StarterError(Exception):
+    """The starter failed.  `hint` says what the admin can do about it."""
+
+    exit_code = EXIT_STARTER_FAILED
+
+    def __init__(self, message, hint=None):
+        super().__init__(message)
+        self.hint = hint
+
+    def __str__(self):
+        msg = super().__str__()
+        return f"{msg} ({self.hint})" if self.hint else msg
+
+
+class SpecError(StarterError):
+    """A job description or command line that cannot be accepted."""
+
+    def __init__(self, field, message, hint=None):
+        super().__init__(f"{field}: {message}", hint)
+        self.field = field
+
+
+class SpawnError(StarterError):
+    """A step between clone() and execve() failed in the child.
+
+    `step` names it ("mount /sys"), `errno` is what the kernel said.  Exec
+    failures map to 126/127 like docker and crun do.
+    """
+
+    def __init__(self, step, errno_, hint=None):
+        import os
+
+        self.step = step
+        self.errno = errno_
+        name = _errno_name(errno_)
+        super().__init__(f"{step} failed: {name} ({os.strerror(errno_)})", hint)
+        if step.startswith("execve"):
+            import errno as E
+
+            self.exit_code = EXIT_NOT_FOUND if errno_ == E.ENOENT else EXIT_NOT_EXECUTABLE
+
+
+class CgroupError(StarterError):
+    """A cgroup could not be created, configured, attached or removed."""
+
+
+class NetworkError(StarterError):
+    """The job's network could not be set up; the job does not start."""
+
+
+class StagingError(StarterError):
+    """Scratch, spool or manifest verification failed; the job does not start."""
+
+
+def _errno_name(n):
+    import errno
+
+    return errno.errorcode.get(n, f"errno {n}")
