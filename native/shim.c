@@ -1,0 +1,1011 @@
+/* shim.c — the window between clone() and execve().
+ *
+ * No Python runs in the cloned child: a forked interpreter can deadlock on
+ * locks other threads held at clone time, and glibc's view of threads is
+ * stale after a raw clone.  Every buffer the child needs is built by the
+ * caller before clone; the child only makes raw syscalls and touches its own
+ * stack.  Credentials are changed with raw syscalls, never glibc's setxid
+ * broadcast (it would signal the parent's threads' stale TIDs).
+ *
+ * Theory of operation (shim_spawn):
+ *
+ *   starter (Python)                         child (C only)
+ *   ----------------                         --------------
+ *   pipes: sync, err (+status in init mode), all O_CLOEXEC
+ *   block all signals
+ *   clone3(NEWPID|NEWNET|NEWNS, PIDFD,  ───► signals to SIG_DFL
+ *          INTO_CGROUP)                      PR_SET_PDEATHSIG(SIGKILL)
+ *   restore signal mask                      read(sync) ........ blocks
+ *   attach v1 cgroups, wire network          :   EOF (starter died) -> _exit(125)
+ *   release(): write(sync, 1 byte) ───sync──►:
+ *                                            / rslave, /proc, /sys, lo up,
+ *                                            hostname, /tmp, binds, tmpfs,
+ *                                            setsid, setresgid, setgroups,
+ *                                            cap bounding drop, setresuid,
+ *                                            capset(0), NO_NEW_PRIVS,
+ *                                            re-arm PDEATHSIG, close fds, chdir
+ *   wait_started(): read(err) ◄────err────── on failure: {errno, exit, step}
+ *     EOF, 0 bytes  -> job runs               then _exit(125|126|127)
+ *     a report      -> reap, SpawnError      execve (CLOEXEC closes err: EOF)
+ *   close(sync) after EOF on err
+ *
+ * Init mode: the child above becomes a tiny init (tini-like) instead of
+ * exec'ing.  After the setup and the privilege drop it forks the job (PID 2),
+ * closes its copy of err (so the starter sees EOF when the *job* execs),
+ * forwards every signal but SIGCHLD to the job, reaps everything, writes the
+ * job's raw wait status on the status pipe and exits 128+N / the job's code.
+ *
+ * shim_enter: a short-lived helper (fork) setns()es into the job's
+ * namespaces, clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s the entering process
+ * (so its parent is the starter, which gets a pidfd with pidfd_open), writes
+ * the pid on a pipe and exits.  The entering process then follows the same
+ * path as above minus namespaces and mounts.  The starter never changes its
+ * own namespaces.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <fcntl.h>
+#include <net/if.h>
+#include <poll.h>
+#include <sched.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <sys/ioctl.h>
+#include <sys/mount.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/statfs.h>
+#include <sys/statvfs.h>
+#include <sys/syscall.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include "shim.h"
+
+#ifndef CLONE_PIDFD
+#define CLONE_PIDFD 0x00001000
+#endif
+#ifndef CLONE_INTO_CGROUP
+#define CLONE_INTO_CGROUP 0x200000000ULL
+#endif
+#ifndef SYS_clone3
+#define SYS_clone3 435
+#endif
+#ifndef SYS_pidfd_open
+#define SYS_pidfd_open 434
+#endif
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
+#ifndef SYS_open_tree
+#define SYS_open_tree 428
+#endif
+#ifndef SYS_move_mount
+#define SYS_move_mount 429
+#endif
+#ifndef SYS_mount_setattr
+#define SYS_mount_setattr 442
+#endif
+#ifndef OPEN_TREE_CLONE
+#define OPEN_TREE_CLONE 1
+#endif
+#ifndef OPEN_TREE_CLOEXEC
+#define OPEN_TREE_CLOEXEC O_CLOEXEC
+#endif
+#ifndef MOVE_MOUNT_F_EMPTY_PATH
+#define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
+#endif
+#ifndef AT_RECURSIVE
+#define AT_RECURSIVE 0x8000
+#endif
+#ifndef MOUNT_ATTR_RDONLY
+#define MOUNT_ATTR_RDONLY 0x00000001
+#endif
+#ifndef PR_CAP_AMBIENT
+#define PR_CAP_AMBIENT 47
+#define PR_CAP_AMBIENT_CLEAR_ALL 4
+#endif
+#ifndef TMPFS_MAGIC
+#define TMPFS_MAGIC 0x01021994
+#endif
+
+/* Our own copies of the uapi structs: <linux/sched.h> and <linux/mount.h>
+ * clash with glibc headers on some distributions. */
+struct clone_args_v2 {
+    uint64_t flags, pidfd, child_tid, parent_tid, exit_signal;
+    uint64_t stack, stack_size, tls, set_tid, set_tid_size, cgroup;
+};
+struct mount_attr_v0 {
+    uint64_t attr_set, attr_clr, propagation, userns_fd;
+};
+struct cap_header {
+    uint32_t version;
+    int pid;
+};
+struct cap_data {
+    uint32_t effective, permitted, inheritable;
+};
+
+#define EXIT_STARTER 125
+#define EXIT_NOEXEC 126
+#define EXIT_NOTFOUND 127
+
+/* Everything the child needs besides the spec: fd numbers of its pipe ends. */
+struct child_ctx {
+    const struct shim_spec *s;
+    int sync_rd;   /* release byte, or EOF when the starter is gone */
+    int err_wr;    /* struct shim_report */
+    int status_wr; /* init mode: job's wait status, else -1 */
+};
+
+/* ---- async-signal-safe helpers (child side) ---------------------------- */
+
+static size_t s_len(const char *s)
+{
+    size_t n = 0;
+    while (s[n])
+        n++;
+    return n;
+}
+
+static size_t s_cat(char *buf, size_t at, size_t cap, const char *s)
+{
+    while (s && *s && at + 1 < cap)
+        buf[at++] = *s++;
+    buf[at] = 0;
+    return at;
+}
+
+static void s_int(char *buf, size_t cap, int v)
+{
+    char tmp[16];
+    int n = 0;
+    unsigned int u = v < 0 ? -(unsigned int)v : (unsigned int)v;
+    do {
+        tmp[n++] = '0' + u % 10;
+        u /= 10;
+    } while (u && n < 15);
+    size_t at = 0;
+    if (v < 0 && at + 1 < cap)
+        buf[at++] = '-';
+    while (n && at + 1 < cap)
+        buf[at++] = tmp[--n];
+    buf[at] = 0;
+}
+
+static void write_all(int fd, const void *p, size_t n)
+{
+    const char *c = p;
+    while (n) {
+        ssize_t w = write(fd, c, n);
+        if (w < 0 && errno == EINTR)
+            continue;
+        if (w <= 0)
+            return;
+        c += w;
+        n -= (size_t)w;
+    }
+}
+
+/* Report "what arg" with errno `err` and exit with `code`. */
+static _Noreturn void fail_err(const struct child_ctx *c, int err, int code, const char *what,
+                               const char *arg)
+{
+    struct shim_report r;
+    char *p = (char *)&r;
+    for (size_t i = 0; i < sizeof r; i++)
+        p[i] = 0;
+    r.err = err;
+    r.exit_code = code;
+    size_t at = s_cat(r.step, 0, sizeof r.step, what);
+    if (arg) {
+        at = s_cat(r.step, at, sizeof r.step, " ");
+        s_cat(r.step, at, sizeof r.step, arg);
+    }
+    if (c->err_wr >= 0)
+        write_all(c->err_wr, &r, sizeof r);
+    _exit(code);
+}
+
+static _Noreturn void fail(const struct child_ctx *c, const char *what, const char *arg)
+{
+    fail_err(c, errno, EXIT_STARTER, what, arg);
+}
+
+static void reset_signals(void)
+{
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_handler = SIG_DFL;
+    for (int sig = 1; sig < _NSIG; sig++)
+        if (sig != SIGKILL && sig != SIGSTOP)
+            sigaction(sig, &sa, NULL); /* EINVAL for glibc-internal ones: fine */
+}
+
+static void unblock_signals(void)
+{
+    sigset_t none;
+    sigemptyset(&none);
+    sigprocmask(SIG_SETMASK, &none, NULL);
+}
+
+/* The starter holds the write end of sync until the job has exec'd; a hangup
+ * before that means it died. */
+static int starter_gone(const struct child_ctx *c)
+{
+    struct pollfd p = {.fd = c->sync_rd, .events = POLLIN};
+    if (c->sync_rd < 0)
+        return 0;
+    return poll(&p, 1, 0) == 1 && (p.revents & (POLLHUP | POLLERR));
+}
+
+static void arm_pdeathsig(const struct child_ctx *c)
+{
+    if (!c->s->die_with_parent)
+        return;
+    if (prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
+        fail(c, "PR_SET_PDEATHSIG", NULL);
+    if (starter_gone(c))
+        _exit(EXIT_STARTER);
+}
+
+static void wait_release(const struct child_ctx *c)
+{
+    char b;
+    ssize_t n;
+    if (c->sync_rd < 0)
+        return;
+    do
+        n = read(c->sync_rd, &b, 1);
+    while (n < 0 && errno == EINTR);
+    if (n != 1)
+        _exit(EXIT_STARTER); /* the starter is gone: run nothing */
+}
+
+/* ---- mounts ------------------------------------------------------------ */
+
+static unsigned long keep_flags(const char *path)
+{
+    struct statfs st;
+    unsigned long f = 0;
+    if (statfs(path, &st) < 0)
+        return 0;
+    if (st.f_flags & ST_NOSUID)
+        f |= MS_NOSUID;
+    if (st.f_flags & ST_NODEV)
+        f |= MS_NODEV;
+    if (st.f_flags & ST_NOEXEC)
+        f |= MS_NOEXEC;
+    if (st.f_flags & ST_NOATIME)
+        f |= MS_NOATIME;
+    if (st.f_flags & ST_NODIRATIME)
+        f |= MS_NODIRATIME;
+    if (st.f_flags & ST_RELATIME)
+        f |= MS_RELATIME;
+    return f;
+}
+
+/* Read-only for the whole subtree (mount_setattr, 5.12+); else the top mount
+ * only, keeping the flags the source had (a remount may not clear them). */
+static int make_readonly(const char *path)
+{
+    struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+    if (syscall(SYS_mount_setattr, AT_FDCWD, path, AT_RECURSIVE, &attr, sizeof attr) == 0)
+        return 0;
+    if (errno != ENOSYS)
+        return -1;
+    return mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | keep_flags(path), NULL);
+}
+
+/* mkdir -p for a mount point inside a tmpfs this child mounted (a fresh /tmp
+ * has no directories yet); never on the host's filesystems. */
+static int under(const char *path, const char *dir)
+{
+    size_t n = s_len(dir);
+    if (n == 1)
+        return 0; /* "/" is never ours */
+    for (size_t i = 0; i < n; i++)
+        if (path[i] != dir[i])
+            return 0;
+    return path[n] == '/';
+}
+
+static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m)
+{
+    const struct shim_spec *s = c->s;
+    struct stat st;
+    int ours = 0;
+    if (stat(m->dst, &st) == 0 || errno != ENOENT)
+        return 0;
+    if (s->private_tmp && under(m->dst, "/tmp"))
+        ours = 1;
+    for (int i = 0; i < s->nmounts && !ours; i++) {
+        const struct shim_mount *o = &s->mounts[i];
+        if (o == m)
+            break;
+        if (o->kind == SHIM_MOUNT_TMPFS && under(m->dst, o->dst))
+            ours = 1;
+    }
+    if (!ours)
+        return 0; /* let mount() say ENOENT */
+    char buf[4096];
+    size_t n = s_len(m->dst);
+    if (n >= sizeof buf)
+        return 0;
+    for (size_t i = 0; i <= n; i++) {
+        buf[i] = m->dst[i];
+        if (i > 0 && (m->dst[i] == '/' || m->dst[i] == 0)) {
+            buf[i] = 0;
+            int last = m->dst[i] == 0;
+            int file = 0;
+            if (last && m->kind != SHIM_MOUNT_TMPFS && stat(m->src, &st) == 0 && !S_ISDIR(st.st_mode))
+                file = 1;
+            if (file) {
+                int fd = open(buf, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
+                if (fd >= 0)
+                    close(fd);
+            } else if (mkdir(buf, 0755) < 0 && errno != EEXIST) {
+                return -1;
+            }
+            buf[i] = m->dst[i];
+        }
+    }
+    return 0;
+}
+
+static void do_mount(const struct child_ctx *c, const struct shim_mount *m)
+{
+    if (make_mountpoint(c, m) < 0)
+        fail(c, "mkdir", m->dst);
+    switch (m->kind) {
+    case SHIM_MOUNT_BIND:
+        if (mount(m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
+            fail(c, "bind", m->dst);
+        break;
+    case SHIM_MOUNT_RO_BIND:
+        if (mount(m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
+            fail(c, "ro-bind", m->dst);
+        if (make_readonly(m->dst) < 0)
+            fail(c, "remount read-only", m->dst);
+        break;
+    case SHIM_MOUNT_TMPFS:
+        if (mount("tmpfs", m->dst, "tmpfs", MS_NOSUID | MS_NODEV, m->data) < 0)
+            fail(c, "tmpfs", m->dst);
+        break;
+    default:
+        fail_err(c, EINVAL, EXIT_STARTER, "mount kind", m->dst);
+    }
+}
+
+/* A fresh sysfs shows the job's own network namespace.  It hides the host's
+ * /sys/fs/cgroup, so that tree is cloned first and put back, read-only (jobs
+ * read their limits there; they must not write the host's cgroups). */
+static void mount_sys(const struct child_ctx *c, int harden)
+{
+    int tree = (int)syscall(SYS_open_tree, AT_FDCWD, "/sys/fs/cgroup",
+                            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    if (tree >= 0) {
+        struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+        if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr,
+                    sizeof attr) < 0) {
+            close(tree); /* cannot make it read-only: leave it out */
+            tree = -1;
+        }
+    }
+    unsigned long fl = MS_NOSUID | MS_NODEV | MS_NOEXEC | (harden ? MS_RDONLY : 0);
+    if (mount("sysfs", "/sys", "sysfs", fl, NULL) < 0)
+        fail(c, "mount", "/sys");
+    if (tree >= 0) {
+        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, "/sys/fs/cgroup", MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            fail(c, "mount", "/sys/fs/cgroup");
+        close(tree);
+    }
+}
+
+/* A uid-0 job without capabilities still passes owner permission checks on
+ * root-owned files: /proc/sys (host sysctls), /proc/sysrq-trigger.  Make
+ * those read-only, like docker's readonly paths. */
+static void harden_proc(const struct child_ctx *c)
+{
+    static const char *const paths[] = {"/proc/sys", "/proc/sysrq-trigger", "/proc/irq",
+                                        "/proc/bus", "/proc/fs", NULL};
+    for (int i = 0; paths[i]; i++) {
+        if (mount(paths[i], paths[i], NULL, MS_BIND | MS_REC, NULL) < 0) {
+            if (errno == ENOENT)
+                continue;
+            fail(c, "bind", paths[i]);
+        }
+        if (mount(NULL, paths[i], NULL,
+                  MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+            fail(c, "remount read-only", paths[i]);
+    }
+}
+
+static void loopback_up(const struct child_ctx *c)
+{
+    int s = socket(AF_INET, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+    if (s < 0)
+        fail(c, "socket for", "lo");
+    struct ifreq ifr;
+    memset(&ifr, 0, sizeof ifr);
+    ifr.ifr_name[0] = 'l';
+    ifr.ifr_name[1] = 'o';
+    if (ioctl(s, SIOCGIFFLAGS, &ifr) < 0)
+        fail(c, "SIOCGIFFLAGS", "lo");
+    ifr.ifr_flags |= IFF_UP | IFF_RUNNING;
+    if (ioctl(s, SIOCSIFFLAGS, &ifr) < 0)
+        fail(c, "loopback up", "lo");
+    close(s);
+}
+
+static void setup_namespaces(const struct child_ctx *c)
+{
+    const struct shim_spec *s = c->s;
+    int ns = s->nsflags;
+    int harden = s->drop_privileges && s->uid == 0;
+
+    if (ns & SHIM_NEWNS) {
+        /* Before any mount, or the mounts below propagate to the host. */
+        if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0)
+            fail(c, "make / a slave mount", NULL);
+        if (ns & SHIM_NEWPID) {
+            if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
+                fail(c, "mount", "/proc");
+            if (harden)
+                harden_proc(c);
+        }
+        if (ns & SHIM_NEWNET) {
+            mount_sys(c, harden);
+        } else if (harden) {
+            if (mount("/sys", "/sys", NULL, MS_BIND | MS_REC, NULL) < 0 || make_readonly("/sys") < 0)
+                fail(c, "remount read-only", "/sys");
+        }
+    }
+    if (ns & SHIM_NEWNET)
+        loopback_up(c);
+    if (s->hostname && sethostname(s->hostname, s_len(s->hostname)) < 0)
+        fail(c, "sethostname", s->hostname);
+    if ((ns & SHIM_NEWNS) && s->private_tmp &&
+        mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") < 0)
+        fail(c, "mount", "/tmp");
+    for (int i = 0; i < s->nmounts; i++)
+        do_mount(c, &s->mounts[i]);
+}
+
+/* ---- credentials -------------------------------------------------------- */
+
+static void drop_privileges(const struct child_ctx *c)
+{
+    const struct shim_spec *s = c->s;
+    if (syscall(SYS_setresgid, s->gid, s->gid, s->gid) < 0)
+        fail(c, "setresgid", NULL);
+    if (syscall(SYS_setgroups, s->ngroups, s->groups) < 0)
+        fail(c, "setgroups", NULL);
+    /* Needs CAP_SETPCAP: before the uid changes. */
+    for (int cap = 0; cap <= s->cap_last_cap; cap++)
+        if (prctl(PR_CAPBSET_DROP, cap, 0, 0, 0) < 0 && errno != EINVAL)
+            fail(c, "PR_CAPBSET_DROP", NULL);
+    if (prctl(PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL, 0, 0, 0) < 0 && errno != EINVAL)
+        fail(c, "PR_CAP_AMBIENT_CLEAR_ALL", NULL);
+    if (syscall(SYS_setresuid, s->uid, s->uid, s->uid) < 0)
+        fail(c, "setresuid", NULL);
+    /* uid 0 keeps its sets across setresuid; empty them explicitly.  With an
+     * empty bounding set, exec as root gains nothing either. */
+    struct cap_header h = {.version = 0x20080522, .pid = 0};
+    struct cap_data d[2];
+    memset(d, 0, sizeof d);
+    if (syscall(SYS_capset, &h, d) < 0)
+        fail(c, "capset", NULL);
+    if (prctl(PR_SET_NO_NEW_PRIVS, 1, 0, 0, 0) < 0)
+        fail(c, "PR_SET_NO_NEW_PRIVS", NULL);
+}
+
+/* ---- fds ---------------------------------------------------------------- */
+
+static int close_from(unsigned int lo, unsigned int hi)
+{
+    if (lo > hi)
+        return 0;
+    if (syscall(SYS_close_range, lo, hi, 0) == 0)
+        return 0;
+    if (errno != ENOSYS)
+        return -1;
+    struct rlimit rl;
+    unsigned int max = 65536;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < max)
+        max = (unsigned int)rl.rlim_cur;
+    if (hi > max)
+        hi = max;
+    for (unsigned int fd = lo; fd <= hi; fd++)
+        close((int)fd);
+    return 0;
+}
+
+/* Close every fd >= 3 except the declared keep fds and our own CLOEXEC pipe
+ * ends (execve drops those). */
+static void close_fds(const struct child_ctx *c)
+{
+    const struct shim_spec *s = c->s;
+    int keep[SHIM_MAX_KEEP + 4];
+    int n = 0;
+    for (int i = 0; i < s->nkeep && n < SHIM_MAX_KEEP; i++)
+        keep[n++] = s->keep_fds[i];
+    if (c->err_wr >= 3)
+        keep[n++] = c->err_wr;
+    if (c->sync_rd >= 3)
+        keep[n++] = c->sync_rd;
+    if (c->status_wr >= 3)
+        keep[n++] = c->status_wr;
+    for (int i = 1; i < n; i++) /* insertion sort: n is small */
+        for (int j = i; j > 0 && keep[j - 1] > keep[j]; j--) {
+            int t = keep[j];
+            keep[j] = keep[j - 1];
+            keep[j - 1] = t;
+        }
+    unsigned int lo = 3;
+    for (int i = 0; i < n; i++) {
+        if (keep[i] < (int)lo)
+            continue;
+        if (close_from(lo, (unsigned int)keep[i] - 1) < 0)
+            fail(c, "close_range", NULL);
+        lo = (unsigned int)keep[i] + 1;
+    }
+    if (close_from(lo, ~0U) < 0)
+        fail(c, "close_range", NULL);
+    for (int i = 0; i < s->nkeep; i++)
+        if (fcntl(s->keep_fds[i], F_SETFD, 0) < 0) {
+            char num[16];
+            s_int(num, sizeof num, s->keep_fds[i]);
+            fail(c, "keep fd", num);
+        }
+}
+
+/* ---- exec --------------------------------------------------------------- */
+
+/* execvpe without the caller's environ: search argv[0] in the job's PATH. */
+static _Noreturn void exec_job(const struct child_ctx *c)
+{
+    const struct shim_spec *s = c->s;
+    const char *file = s->argv[0];
+    int code;
+    if (!file || !*file)
+        fail_err(c, ENOENT, EXIT_NOTFOUND, "execve", "(empty argv[0])");
+    for (const char *p = file; *p; p++)
+        if (*p == '/') {
+            execve(file, s->argv, s->envp);
+            code = errno == ENOENT ? EXIT_NOTFOUND : EXIT_NOEXEC;
+            fail_err(c, errno, code, "execve", file);
+        }
+    const char *path = s->path ? s->path : "/bin:/usr/bin";
+    char buf[4096];
+    int seen_eacces = 0, last = ENOENT;
+    size_t flen = s_len(file);
+    for (const char *p = path;; p++) {
+        const char *q = p;
+        while (*q && *q != ':')
+            q++;
+        size_t dlen = (size_t)(q - p);
+        if (dlen + flen + 2 <= sizeof buf) {
+            size_t at = 0;
+            if (dlen == 0)
+                buf[at++] = '.';
+            for (size_t i = 0; i < dlen; i++)
+                buf[at++] = p[i];
+            buf[at++] = '/';
+            for (size_t i = 0; i <= flen; i++)
+                buf[at++] = file[i];
+            execve(buf, s->argv, s->envp);
+            switch (errno) {
+            case EACCES:
+                seen_eacces = 1;
+                /* fallthrough */
+            case ENOENT:
+            case ENOTDIR:
+            case ESTALE:
+            case ENODEV:
+            case ETIMEDOUT:
+            case ELOOP:
+            case ENAMETOOLONG:
+                break;
+            default: /* found but could not run it: stop, like execvp */
+                fail_err(c, errno, EXIT_NOEXEC, "execve", file);
+            }
+            last = errno;
+        }
+        if (!*q)
+            break;
+        p = q;
+    }
+    if (seen_eacces)
+        last = EACCES;
+    code = last == ENOENT || last == ENOTDIR ? EXIT_NOTFOUND : EXIT_NOEXEC;
+    if (code == EXIT_NOTFOUND)
+        last = ENOENT;
+    fail_err(c, last, code, "execve", file);
+}
+
+/* From here on only the job's own setup: creds, fds, cwd, exec. */
+static _Noreturn void become_job(const struct child_ctx *c, int creds)
+{
+    const struct shim_spec *s = c->s;
+    if (creds && s->drop_privileges)
+        drop_privileges(c);
+    /* A credential change clears PDEATHSIG: arm it (again) now. */
+    arm_pdeathsig(c);
+    close_fds(c);
+    if (s->cwd && chdir(s->cwd) < 0)
+        fail(c, "chdir", s->cwd);
+    unblock_signals();
+    exec_job(c);
+}
+
+/* ---- init mode ---------------------------------------------------------- */
+
+static pid_t raw_fork(void)
+{
+    return (pid_t)syscall(SYS_clone, SIGCHLD, 0, 0, 0, 0);
+}
+
+static _Noreturn void init_main(const struct child_ctx *c)
+{
+    const struct shim_spec *s = c->s;
+    if (s->drop_privileges)
+        drop_privileges(c);
+    arm_pdeathsig(c);
+    /* The job runs as the same uid: it must not ptrace its init. */
+    prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    close_fds(c);
+    if (chdir("/") < 0)
+        fail(c, "chdir", "/");
+
+    sigset_t all;
+    sigfillset(&all);
+    sigprocmask(SIG_SETMASK, &all, NULL); /* already so since clone; be sure */
+
+    pid_t job = raw_fork();
+    if (job < 0)
+        fail(c, "fork", "job");
+    if (job == 0) {
+        struct child_ctx jc = *c;
+        jc.status_wr = -1;
+        become_job(&jc, 0);
+    }
+    /* The job's execve closes its copy of err; drop ours so the starter sees
+     * EOF then.  A failing job reports itself and exits 125..127. */
+    close(c->err_wr);
+    for (int i = 0; i < s->nkeep; i++)
+        close(s->keep_fds[i]);
+
+    for (;;) {
+        siginfo_t si;
+        int sig = sigwaitinfo(&all, &si);
+        if (sig < 0)
+            continue; /* EINTR */
+        if (sig != SIGCHLD) {
+            kill(job, sig);
+            continue;
+        }
+        int st;
+        pid_t p;
+        while ((p = waitpid(-1, &st, WNOHANG)) > 0) {
+            if (p != job)
+                continue;
+            write_all(c->status_wr, &st, sizeof st);
+            /* Orphans still running die with us: the kernel kills a PID
+             * namespace when its init exits. */
+            if (WIFEXITED(st))
+                _exit(WEXITSTATUS(st));
+            _exit(128 + WTERMSIG(st));
+        }
+    }
+}
+
+/* ---- the child ---------------------------------------------------------- */
+
+static _Noreturn void child_main(const struct child_ctx *c)
+{
+    reset_signals();
+    if (c->s->die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
+        fail(c, "PR_SET_PDEATHSIG", NULL);
+    wait_release(c);
+    setup_namespaces(c);
+    /* The caller's terminal is not the job's controlling tty, so TIOCSTI
+     * into it fails. */
+    if (setsid() < 0)
+        fail(c, "setsid", NULL);
+    if (c->s->init)
+        init_main(c);
+    become_job(c, 1);
+}
+
+/* ---- parent side -------------------------------------------------------- */
+
+struct pipes {
+    int sync[2], err[2], status[2];
+};
+
+static void close_pair(int p[2])
+{
+    if (p[0] >= 0)
+        close(p[0]);
+    if (p[1] >= 0)
+        close(p[1]);
+    p[0] = p[1] = -1;
+}
+
+/* Keep our pipes off 0..2 even if the caller runs with them closed. */
+static int pipe_hi(int p[2])
+{
+    if (pipe2(p, O_CLOEXEC) < 0)
+        return -errno;
+    for (int i = 0; i < 2; i++)
+        if (p[i] < 3) {
+            int n = fcntl(p[i], F_DUPFD_CLOEXEC, 3);
+            if (n < 0) {
+                int e = errno;
+                close_pair(p);
+                return -e;
+            }
+            close(p[i]);
+            p[i] = n;
+        }
+    return 0;
+}
+
+static int open_pipes(struct pipes *p, int status)
+{
+    int r;
+    p->sync[0] = p->sync[1] = p->err[0] = p->err[1] = p->status[0] = p->status[1] = -1;
+    if ((r = pipe_hi(p->sync)) < 0 || (r = pipe_hi(p->err)) < 0 ||
+        (status && (r = pipe_hi(p->status)) < 0)) {
+        close_pair(p->sync);
+        close_pair(p->err);
+        return r;
+    }
+    return 0;
+}
+
+static void child_ctx_init(struct child_ctx *c, const struct shim_spec *s, struct pipes *p)
+{
+    c->s = s;
+    c->sync_rd = p->sync[0];
+    c->err_wr = p->err[1];
+    c->status_wr = p->status[1];
+}
+
+/* In the child: drop the starter's ends of the pipes. */
+static void child_close_parent_ends(struct pipes *p)
+{
+    close(p->sync[1]);
+    close(p->err[0]);
+    if (p->status[0] >= 0)
+        close(p->status[0]);
+}
+
+static int clone3_state = 0; /* 0 unknown, 1 works, -1 ENOSYS */
+
+/* clone3 with a pidfd and, if given, straight into the cgroup; clone() where
+ * the kernel has no clone3 (then *attached = 0 and the caller writes
+ * cgroup.procs before release).  Returns the pid (0 in the child). */
+static pid_t do_clone(uint64_t flags, int cgroup_fd, int *pidfd, int *attached)
+{
+    pid_t pid;
+    *attached = 0;
+    if (clone3_state >= 0) {
+        struct clone_args_v2 a;
+        memset(&a, 0, sizeof a);
+        a.flags = flags | CLONE_PIDFD;
+        a.pidfd = (uint64_t)(uintptr_t)pidfd;
+        a.exit_signal = (flags & CLONE_PARENT) ? 0 : SIGCHLD;
+        if (cgroup_fd >= 0) {
+            a.flags |= CLONE_INTO_CGROUP;
+            a.cgroup = (uint64_t)cgroup_fd;
+        }
+        pid = (pid_t)syscall(SYS_clone3, &a, sizeof a);
+        if (pid >= 0) {
+            clone3_state = 1;
+            *attached = cgroup_fd >= 0;
+            return pid;
+        }
+        if (errno != ENOSYS && errno != E2BIG)
+            return -1;
+        clone3_state = -1;
+    }
+    /* x86_64/arm64 argument order: flags, stack, parent_tid, child_tid, tls.
+     * With CLONE_PIDFD the pidfd lands in parent_tid. */
+    unsigned long f = (unsigned long)flags | CLONE_PIDFD | ((flags & CLONE_PARENT) ? 0 : SIGCHLD);
+    return (pid_t)syscall(SYS_clone, f, 0, pidfd, 0, 0);
+}
+
+int shim_clone3_supported(void)
+{
+    return clone3_state;
+}
+
+int shim_spawn(const struct shim_spec *s, struct shim_child *out)
+{
+    struct pipes p;
+    int r = open_pipes(&p, s->init);
+    if (r < 0)
+        return r;
+    sigset_t all, old;
+    sigfillset(&all);
+    /* No signal may run the caller's (Python) handlers in the child before
+     * it resets them. */
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    int pidfd = -1, attached = 0;
+    pid_t pid = do_clone((uint64_t)(unsigned int)s->nsflags, s->cgroup_fd, &pidfd, &attached);
+    if (pid == 0) {
+        struct child_ctx c;
+        child_close_parent_ends(&p);
+        child_ctx_init(&c, s, &p);
+        child_main(&c);
+    }
+    int e = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    close(p.sync[0]);
+    close(p.err[1]);
+    if (p.status[1] >= 0)
+        close(p.status[1]);
+    if (pid < 0) {
+        close(p.sync[1]);
+        close(p.err[0]);
+        if (p.status[0] >= 0)
+            close(p.status[0]);
+        return -e;
+    }
+    out->pid = pid;
+    out->pidfd = pidfd;
+    out->sync_fd = p.sync[1];
+    out->err_fd = p.err[0];
+    out->status_fd = p.status[0];
+    out->cgroup_attached = attached;
+    return 0;
+}
+
+/* ---- enter -------------------------------------------------------------- */
+
+static int setns_by_pid(int pid, int nsflags)
+{
+    /* mnt last: after it, /proc is the job's. */
+    static const struct {
+        int flag;
+        const char *name;
+    } order[] = {{SHIM_NEWIPC, "ipc"}, {SHIM_NEWUTS, "uts"}, {SHIM_NEWNET, "net"},
+                 {SHIM_NEWPID, "pid"}, {SHIM_NEWNS, "mnt"}, {0, NULL}};
+    int fds[5];
+    int n = 0;
+    char num[16], path[64];
+    s_int(num, sizeof num, pid);
+    for (int i = 0; order[i].name; i++) {
+        fds[i] = -1;
+        if (!(nsflags & order[i].flag))
+            continue;
+        size_t at = s_cat(path, 0, sizeof path, "/proc/");
+        at = s_cat(path, at, sizeof path, num);
+        at = s_cat(path, at, sizeof path, "/ns/");
+        s_cat(path, at, sizeof path, order[i].name);
+        fds[i] = open(path, O_RDONLY | O_CLOEXEC);
+        if (fds[i] < 0)
+            return -1;
+        n = i + 1;
+    }
+    for (int i = 0; i < n; i++)
+        if (fds[i] >= 0 && setns(fds[i], order[i].flag) < 0)
+            return -1;
+    return 0;
+}
+
+/* The entering process: already in the job's namespaces, no mounts. */
+static _Noreturn void enter_child_main(const struct child_ctx *c)
+{
+    if (c->s->die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
+        fail(c, "PR_SET_PDEATHSIG", NULL);
+    wait_release(c);
+    if (setsid() < 0)
+        fail(c, "setsid", NULL);
+    become_job(c, 1);
+}
+
+int shim_enter(const struct shim_spec *s, struct shim_child *out)
+{
+    struct pipes p;
+    int pidpipe[2];
+    int r = open_pipes(&p, 0);
+    if (r < 0)
+        return r;
+    if ((r = pipe_hi(pidpipe)) < 0) {
+        close_pair(p.sync);
+        close_pair(p.err);
+        return r;
+    }
+    sigset_t all, old;
+    sigfillset(&all);
+    pthread_sigmask(SIG_SETMASK, &all, &old);
+    pid_t helper = raw_fork();
+    if (helper == 0) {
+        struct child_ctx c;
+        child_close_parent_ends(&p);
+        close(pidpipe[0]);
+        child_ctx_init(&c, s, &p);
+        reset_signals();
+        if (setns(s->enter_pidfd, s->nsflags) < 0) {
+            if (errno != EINVAL || setns_by_pid(s->enter_pid, s->nsflags) < 0)
+                fail(&c, "setns", "job namespaces");
+        }
+        int pidfd = -1, attached = 0;
+        /* CLONE_PARENT: the starter, not this helper, is the parent, so it
+         * can wait for it and PDEATHSIG follows the starter. */
+        pid_t pid = do_clone(CLONE_PARENT, s->cgroup_fd, &pidfd, &attached);
+        if (pid == 0)
+            enter_child_main(&c);
+        if (pid < 0)
+            fail(&c, "clone3", "into the job");
+        int msg[2] = {pid, attached};
+        write_all(pidpipe[1], msg, sizeof msg);
+        _exit(0);
+    }
+    int e = errno;
+    pthread_sigmask(SIG_SETMASK, &old, NULL);
+    close(p.sync[0]);
+    close(p.err[1]);
+    close(pidpipe[1]);
+    if (helper < 0) {
+        close(p.sync[1]);
+        close(p.err[0]);
+        close(pidpipe[0]);
+        return -e;
+    }
+    int msg[2] = {-1, 0};
+    ssize_t n;
+    do
+        n = read(pidpipe[0], msg, sizeof msg);
+    while (n < 0 && errno == EINTR);
+    close(pidpipe[0]);
+    int st;
+    while (waitpid(helper, &st, 0) < 0 && errno == EINTR)
+        ;
+    if (n != (ssize_t)sizeof msg) {
+        /* The helper failed; its report is on err.  Hand back err so the
+         * caller reads it like any other spawn failure. */
+        close(p.sync[1]);
+        out->pid = -1;
+        out->pidfd = -1;
+        out->sync_fd = -1;
+        out->err_fd = p.err[0];
+        out->status_fd = -1;
+        out->cgroup_attached = 0;
+        return 0;
+    }
+    int pidfd = (int)syscall(SYS_pidfd_open, msg[0], 0);
+    if (pidfd < 0) {
+        e = errno;
+        kill(msg[0], SIGKILL);
+        close(p.sync[1]);
+        close(p.err[0]);
+        while (waitpid(msg[0], &st, 0) < 0 && errno == EINTR)
+            ;
+        return -e;
+    }
+    out->pid = msg[0];
+    out->pidfd = pidfd;
+    out->sync_fd = p.sync[1];
+    out->err_fd = p.err[0];
+    out->status_fd = -1;
+    out->cgroup_attached = msg[1];
+    return 0;
+}
+
+int shim_setns(int fd, int nstype)
+{
+    return setns(fd, nstype) < 0 ? -errno : 0;
+}
+
+int shim_pidfd_open(int pid)
+{
+    int fd = (int)syscall(SYS_pidfd_open, pid, 0);
+    return fd < 0 ? -errno : fd;
+}

@@ -1,0 +1,81 @@
+/* The starter's native shim: everything between clone() and execve().
+ *
+ * The block between the cffi markers is read by native/build_shim.py as the
+ * cffi cdef, so it must stay plain C declarations (no includes, no macros
+ * other than integer #defines, no typedefs from system headers).
+ */
+#ifndef STARTER_SHIM_H
+#define STARTER_SHIM_H
+
+/* cffi-begin */
+#define SHIM_STEP_MAX 248
+#define SHIM_MAX_KEEP 256
+
+#define SHIM_MOUNT_BIND 1
+#define SHIM_MOUNT_RO_BIND 2
+#define SHIM_MOUNT_TMPFS 3
+
+#define SHIM_NEWNS 0x00020000
+#define SHIM_NEWUTS 0x04000000
+#define SHIM_NEWIPC 0x08000000
+#define SHIM_NEWPID 0x20000000
+#define SHIM_NEWNET 0x40000000
+
+/* What the child writes on the error pipe when a step fails: 256 bytes,
+ * less than PIPE_BUF, so it arrives whole or not at all. */
+struct shim_report {
+    int err;                  /* errno of the failed step */
+    int exit_code;            /* what the child _exit()s with: 125/126/127 */
+    char step[SHIM_STEP_MAX]; /* "mount /sys", "execve foo", NUL-terminated */
+};
+
+struct shim_mount {
+    int kind;                 /* SHIM_MOUNT_* */
+    const char *src;          /* binds: source path in the starter's view */
+    const char *dst;          /* absolute path in the job's view */
+    const char *data;         /* tmpfs options ("size=64m,mode=1777") or NULL */
+};
+
+struct shim_spec {
+    char *const *argv;        /* NULL-terminated, argv[0] is searched in path */
+    char *const *envp;        /* NULL-terminated, exactly the job's environment */
+    const char *path;         /* PATH to search argv[0] in (from envp) or NULL */
+    const char *cwd;
+    unsigned int uid;
+    unsigned int gid;
+    const unsigned int *groups;
+    int ngroups;
+    int nsflags;              /* SHIM_NEW* */
+    const char *hostname;     /* NULL: keep; needs SHIM_NEWUTS */
+    int private_tmp;          /* fresh tmpfs on /tmp; needs SHIM_NEWNS */
+    const struct shim_mount *mounts;
+    int nmounts;
+    const int *keep_fds;      /* stay open (and lose CLOEXEC) in the job */
+    int nkeep;
+    int init;                 /* shim stays PID 1, the job is PID 2 */
+    int cgroup_fd;            /* cgroup2 directory fd for CLONE_INTO_CGROUP, or -1 */
+    int die_with_parent;      /* PR_SET_PDEATHSIG(SIGKILL) */
+    int drop_privileges;      /* creds, no caps, NO_NEW_PRIVS */
+    int cap_last_cap;         /* from /proc/sys/kernel/cap_last_cap */
+    int enter_pidfd;          /* shim_enter: pidfd of the job's PID 1 */
+    int enter_pid;            /* shim_enter: its pid, for the /proc/PID/ns fallback */
+};
+
+struct shim_child {
+    int pid;                  /* in the caller's pid namespace */
+    int pidfd;
+    int sync_fd;              /* write one byte to release the child */
+    int err_fd;               /* struct shim_report on failure, EOF on exec */
+    int status_fd;            /* init mode: the job's raw wait status (int), else -1 */
+    int cgroup_attached;      /* 1 if CLONE_INTO_CGROUP placed it */
+};
+
+/* All return 0 (or a fd) on success, -errno on failure. */
+int shim_spawn(const struct shim_spec *spec, struct shim_child *out);
+int shim_enter(const struct shim_spec *spec, struct shim_child *out);
+int shim_setns(int fd, int nstype);
+int shim_pidfd_open(int pid);
+int shim_clone3_supported(void);
+/* cffi-end */
+
+#endif

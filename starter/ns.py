@@ -1,0 +1,477 @@
+"""Spawn a child in fresh namespaces; enter a running job's namespaces.
+
+The window between clone() and execve() belongs to native/shim.c (no Python
+runs in the child).  The protocol, in short (the full picture is in shim.c):
+
+    starter                                child
+    spawn(): clone3 ──────────────────►    blocks on sync
+    (cgroups, network from the caller)
+    release(): 1 byte ───── sync ──────►   mounts, setsid, creds, fds, exec
+    wait_started(): ◄────── err ────────   EOF = exec'd; else {errno, step}
+    wait()/poll(): pidfd                   init mode: ◄── status ── raw status
+
+PID 1.  By default the job itself is PID 1 of its namespace.  The kernel
+delivers to a namespace's PID 1 only the signals it has a handler for (and
+SIGKILL from an ancestor namespace), so a job without a SIGTERM handler
+ignores SIGTERM; the starter escalates to SIGKILL.  With `init=True` the shim
+stays PID 1 (tini-like): it forwards every signal but SIGCHLD to the job
+(PID 2, default dispositions, so SIGTERM kills it), reaps orphans, and exits
+with the job's code or 128+N; `Child.job_status()` then has the job's own
+raw wait status ("killed by signal 9" rather than "exit 137").
+"""
+
+import os
+import signal
+import struct
+
+from starter import mounts as _mounts
+from starter._native import cap_last_cap, check, ffi, lib
+from starter.errors import SpawnError, SpecError, StarterError
+from starter.mounts import Mount
+
+__all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "exit_code",
+           "NAMESPACES", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWPID",
+           "CLONE_NEWNET"]
+
+CLONE_NEWNS = lib.SHIM_NEWNS
+CLONE_NEWUTS = lib.SHIM_NEWUTS
+CLONE_NEWIPC = lib.SHIM_NEWIPC
+CLONE_NEWPID = lib.SHIM_NEWPID
+CLONE_NEWNET = lib.SHIM_NEWNET
+NAMESPACES = {"pid": CLONE_NEWPID, "net": CLONE_NEWNET, "mnt": CLONE_NEWNS,
+              "uts": CLONE_NEWUTS, "ipc": CLONE_NEWIPC}
+DEFAULT_NAMESPACES = frozenset({"pid", "net", "mnt"})
+
+_REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
+_MAX_ID = 2**32 - 2  # (uid_t)-1 means "unchanged" to setresuid
+
+
+class ChildSpec:
+    """What to run and how to isolate it.  Plain class (no dataclasses import
+    on the hot path); fields as documented in the project brief."""
+
+    __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
+                 "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
+                 "die_with_parent", "drop_privileges")
+
+    def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
+                 namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
+                 keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
+                 drop_privileges=True):
+        self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
+        self.env = env                # dict[str, str]: exactly the job's environment
+        self.cwd = cwd
+        self.uid = uid
+        self.gid = gid
+        self.groups = groups          # supplementary groups, exactly these
+        self.namespaces = namespaces  # subset of NAMESPACES
+        self.hostname = hostname      # needs "uts"
+        self.mounts = mounts          # tuple[Mount]; needs "mnt"
+        self.private_tmp = private_tmp  # fresh tmpfs /tmp; only with "mnt"
+        self.keep_fds = keep_fds      # besides 0-2, open in the job (CLOEXEC cleared)
+        self.init = init              # shim stays PID 1, job is PID 2
+        self.cgroup_fd = cgroup_fd    # cgroup2 dir fd: CLONE_INTO_CGROUP
+        self.die_with_parent = die_with_parent
+        self.drop_privileges = drop_privileges  # False: keep uid 0 and caps (ns-exec)
+
+    def __repr__(self):
+        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
+        return f"ChildSpec({fields})"
+
+
+def exit_code(status):
+    """Raw wait status -> shell-style code: the exit code, or 128+N for signal N."""
+    if os.WIFSIGNALED(status):
+        return 128 + os.WTERMSIG(status)
+    return os.WEXITSTATUS(status)
+
+
+class Child:
+    """A cloned child: pid (in the starter's pid namespace) and a pidfd."""
+
+    __slots__ = ("pid", "pidfd", "_sync", "_err", "_status_fd", "_released", "_started",
+                 "_status", "_job_status", "_init", "_spec")
+
+    def __init__(self, pid, pidfd, sync_fd, err_fd, status_fd, init, spec=None):
+        self.pid = pid
+        self.pidfd = pidfd
+        self._sync = sync_fd
+        self._err = err_fd
+        self._status_fd = status_fd
+        self._released = False
+        self._started = False
+        self._status = None
+        self._job_status = None
+        self._init = init
+        self._spec = spec
+
+    def __repr__(self):
+        return f"<Child pid={self.pid} pidfd={self.pidfd}>"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def release(self):
+        """The parent's side is done (cgroups, network): let the child go on."""
+        if self._released:
+            return
+        if self._sync < 0:
+            raise StarterError("release: the child's sync pipe is closed")
+        os.write(self._sync, b"\1")
+        self._released = True
+
+    def wait_started(self):
+        """Block until the job exec'd.  On a failure before exec, reap the child
+        and raise SpawnError(step, errno) naming the step."""
+        if self._started:
+            return
+        if not self._released:
+            raise StarterError("wait_started() before release(): the child would wait forever")
+        data = _read_report(self._err)
+        _close(self._err)
+        self._err = -1
+        if data:
+            self.wait()
+            self._close_fds()
+            raise _spawn_error(data, self._spec)
+        # The child no longer watches sync for the starter's death.
+        _close(self._sync)
+        self._sync = -1
+        self._started = True
+
+    def send_signal(self, sig):
+        """pidfd_send_signal; a child that is already gone is not an error."""
+        if self.pidfd < 0 or self._status is not None:
+            return
+        try:
+            signal.pidfd_send_signal(self.pidfd, sig)
+        except ProcessLookupError:
+            pass
+
+    def poll(self):
+        """Raw wait status if the child has exited (reaping it), else None."""
+        if self._status is None:
+            self._waitid(os.WNOHANG)
+        return self._status
+
+    def wait(self):
+        """Block until the child exits; its raw wait status (for init mode
+        that is the init's: job code or 128+N, see job_status())."""
+        while self._status is None:
+            self._waitid(0)
+        return self._status
+
+    def job_status(self):
+        """Init mode: the job's own raw wait status, once the init reported it."""
+        if self._job_status is None and self._status_fd >= 0:
+            try:
+                data = os.read(self._status_fd, 4)
+            except BlockingIOError:
+                return None
+            if len(data) == 4:
+                self._job_status = int.from_bytes(data, "little", signed=True)
+            _close(self._status_fd)
+            self._status_fd = -1
+        return self._job_status
+
+    def close(self):
+        """Close our fds.  A child that was never released is killed and reaped
+        (it would only have exited at EOF on sync anyway)."""
+        if not self._released and self._status is None and self.pidfd >= 0:
+            self.send_signal(signal.SIGKILL)
+            self.wait()
+        if self._status is not None:
+            self.job_status()  # keep it: it is readable only until we close
+        self._close_fds()
+        if self.pidfd >= 0:
+            _close(self.pidfd)
+            self.pidfd = -1
+
+    def _close_fds(self):
+        for name in ("_sync", "_err", "_status_fd"):
+            fd = getattr(self, name)
+            if fd >= 0:
+                _close(fd)
+                setattr(self, name, -1)
+
+    def _waitid(self, flags):
+        if self.pidfd < 0:
+            raise StarterError(f"wait for pid {self.pid}: the child's pidfd is closed")
+        r = os.waitid(os.P_PIDFD, self.pidfd, os.WEXITED | flags)
+        if r is None:
+            return
+        if r.si_code == os.CLD_EXITED:
+            self._status = (r.si_status & 0xFF) << 8
+        elif r.si_code == os.CLD_DUMPED:
+            self._status = r.si_status | 0x80
+        else:
+            self._status = r.si_status
+
+
+def spawn(spec):
+    """Clone a child for `spec`; it waits for Child.release()."""
+    keep = []
+    c = _build(spec, keep)
+    ns = c.nsflags
+    out = ffi.new("struct shim_child *")
+    try:
+        check(lib.shim_spawn(c, out), "clone3")
+    except OSError as e:
+        raise StarterError(str(e), _clone_hint(e.errno, ns, spec.cgroup_fd)) from None
+    child = Child(out.pid, out.pidfd, out.sync_fd, out.err_fd, out.status_fd, spec.init, spec)
+    if out.status_fd >= 0:
+        os.set_blocking(out.status_fd, False)
+    if spec.cgroup_fd is not None and not out.cgroup_attached:
+        _attach_by_pid(child, spec.cgroup_fd)
+    return child
+
+
+def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=None,
+          *, released=True, drop_privileges=True, keep_fds=()):
+    """Run argv inside a running job: join the namespaces of the job's PID 1
+    (given by its pidfd) in a short-lived helper, and clone the process into
+    `cgroup_fd`.  Returns a Child, already released unless released=False
+    (then attach it to v1 cgroups first, and call release())."""
+    spec = ChildSpec(argv, env, cwd=cwd, uid=uid, gid=gid, groups=groups,
+                     namespaces=frozenset(namespaces), mounts=(), private_tmp=False,
+                     keep_fds=keep_fds, cgroup_fd=cgroup_fd, drop_privileges=drop_privileges)
+    keep = []
+    c = _build(spec, keep, entering=True)
+    c.enter_pidfd = pidfd
+    c.enter_pid = _pid_of_pidfd(pidfd)
+    out = ffi.new("struct shim_child *")
+    try:
+        check(lib.shim_enter(c, out), "enter")
+    except OSError as e:
+        raise StarterError(str(e), _clone_hint(e.errno, c.nsflags, cgroup_fd)) from None
+    if out.pid < 0:  # the helper failed (setns, clone3): its report is on err
+        data = _read_report(out.err_fd)
+        _close(out.err_fd)
+        raise _spawn_error(data or _REPORT.pack(0, 125, b"enter"), spec)
+    child = Child(out.pid, out.pidfd, out.sync_fd, out.err_fd, -1, False, spec)
+    try:
+        if cgroup_fd is not None and not out.cgroup_attached:
+            _attach_by_pid(child, cgroup_fd)
+        if released:
+            child.release()
+    except BaseException:
+        child.close()
+        raise
+    return child
+
+
+def setns(fd, nstype=0):
+    """setns(2) for the calling thread.  The starter itself should not move:
+    use enter(), which does this in a helper process."""
+    check(lib.shim_setns(fd, nstype), "setns")
+
+
+# ---- building the C spec ----------------------------------------------------
+
+def _build(spec, keep, entering=False):
+    """A `struct shim_spec` for `spec`; every buffer goes to `keep`."""
+    argv = spec.argv
+    if not argv or not isinstance(argv, (list, tuple)):
+        raise SpecError("argv", "the command is empty")
+    env = spec.env
+    if not isinstance(env, dict):
+        raise SpecError("env", "must be a dict of str to str")
+    names = spec.namespaces
+    unknown = set(names) - NAMESPACES.keys()
+    if unknown:
+        raise SpecError("namespaces", f"unknown {', '.join(sorted(unknown))}; "
+                        f"choose from {', '.join(sorted(NAMESPACES))}")
+    nsflags = 0
+    for n in names:
+        nsflags |= NAMESPACES[n]
+    if spec.hostname is not None and "uts" not in names:
+        raise SpecError("hostname", "needs the uts namespace")
+    if spec.mounts and "mnt" not in names:
+        raise SpecError("mounts", "need the mnt namespace (they would land on the host)")
+    for field in ("uid", "gid"):
+        v = getattr(spec, field)
+        if not isinstance(v, int) or not 0 <= v <= _MAX_ID:
+            raise SpecError(field, f"{v!r} is not a valid id")
+    for g in spec.groups:
+        if not isinstance(g, int) or not 0 <= g <= _MAX_ID:
+            raise SpecError("groups", f"{g!r} is not a valid group id")
+    if len(spec.groups) > 65536:
+        raise SpecError("groups", "more than 65536 groups")
+    kfds = sorted(set(spec.keep_fds))
+    if len(kfds) > lib.SHIM_MAX_KEEP:
+        raise SpecError("keep_fds", f"at most {lib.SHIM_MAX_KEEP}")
+    for fd in kfds:
+        if not isinstance(fd, int) or fd < 3:
+            raise SpecError("keep_fds", f"{fd!r}: 0-2 are always kept; give fds >= 3")
+        try:
+            os.fstat(fd)
+        except OSError:
+            raise SpecError("keep_fds", f"fd {fd} is not open") from None
+    if spec.cgroup_fd is not None and (not isinstance(spec.cgroup_fd, int) or spec.cgroup_fd < 0):
+        raise SpecError("cgroup_fd", f"{spec.cgroup_fd!r} is not a fd")
+
+    c = ffi.new("struct shim_spec *")
+    keep.append(c)
+    c.argv = _strv("argv", argv, keep)
+    c.envp = _strv("env", [_env_item(k, v) for k, v in env.items()], keep)
+    path = env.get("PATH")
+    c.path = _cstr("env", path, keep) if path is not None else ffi.NULL
+    c.cwd = _cstr("cwd", spec.cwd, keep) if spec.cwd else ffi.NULL
+    c.uid = spec.uid
+    c.gid = spec.gid
+    groups = ffi.new("unsigned int[]", list(spec.groups) or [0])
+    keep.append(groups)
+    c.groups = groups
+    c.ngroups = len(spec.groups)
+    c.nsflags = nsflags
+    c.hostname = _cstr("hostname", spec.hostname, keep) if spec.hostname is not None else ffi.NULL
+    if not entering and "mnt" in names:
+        c.private_tmp = 1 if spec.private_tmp else 0
+        c.mounts = _mounts.to_c(ffi, spec.mounts, keep)
+        c.nmounts = len(spec.mounts)
+    kf = ffi.new("int[]", kfds or [0])
+    keep.append(kf)
+    c.keep_fds = kf
+    c.nkeep = len(kfds)
+    c.init = 1 if spec.init else 0
+    c.cgroup_fd = -1 if spec.cgroup_fd is None else spec.cgroup_fd
+    c.die_with_parent = 1 if spec.die_with_parent else 0
+    c.drop_privileges = 1 if spec.drop_privileges else 0
+    c.cap_last_cap = cap_last_cap()
+    c.enter_pidfd = -1
+    c.enter_pid = -1
+    return c
+
+
+def _cstr(field, s, keep):
+    b = os.fsencode(s)
+    if b"\0" in b:
+        raise SpecError(field, f"{s!r} contains a NUL byte")
+    p = ffi.new("char[]", b)
+    keep.append(p)
+    return p
+
+
+def _env_item(k, v):
+    if not isinstance(k, str) or not k or "=" in k:
+        raise SpecError("env", f"bad variable name {k!r}")
+    if not isinstance(v, str):
+        raise SpecError("env", f"{k}: value must be a string")
+    return f"{k}={v}"
+
+
+def _strv(field, items, keep):
+    ptrs = [_cstr(field, s, keep) for s in items]
+    ptrs.append(ffi.NULL)
+    arr = ffi.new("char *[]", ptrs)
+    keep.append(arr)
+    return arr
+
+
+# ---- parent-side helpers ----------------------------------------------------
+
+def _read_report(fd):
+    """The child's failure report, or b"" at EOF (execve succeeded)."""
+    buf = b""
+    while len(buf) < _REPORT.size:
+        chunk = os.read(fd, _REPORT.size - len(buf))
+        if not chunk:
+            break
+        buf += chunk
+    return buf
+
+
+def _spawn_error(data, spec):
+    if len(data) < _REPORT.size:
+        return StarterError("the child died during setup without a report",
+                            "see the kernel log (dmesg) for a killed process")
+    err, _code, raw = _REPORT.unpack(data)
+    step = raw.split(b"\0", 1)[0].decode(errors="replace")
+    return SpawnError(step, err, _step_hint(step, err, spec))
+
+
+def _attach_by_pid(child, cgroup_fd):
+    """clone() fallback (no clone3): put the child in the cgroup before it runs."""
+    try:
+        fd = os.open("cgroup.procs", os.O_WRONLY | os.O_CLOEXEC, dir_fd=cgroup_fd)
+        try:
+            os.write(fd, str(child.pid).encode())
+        finally:
+            os.close(fd)
+    except OSError as e:
+        child.close()
+        raise StarterError(f"attach pid {child.pid} to its cgroup failed: {os.strerror(e.errno)}",
+                           "check that cgroup_fd is a cgroup2 directory the starter created") from None
+
+
+def _pid_of_pidfd(pidfd):
+    try:
+        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"Pid:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
+def _close(fd):
+    try:
+        os.close(fd)
+    except OSError:
+        pass
+
+
+# ---- hints: what the admin can do about it ------------------------------------
+
+def _clone_hint(err, nsflags, cgroup_fd):
+    import errno as E
+    if err == E.EPERM:
+        return "creating namespaces needs root (CAP_SYS_ADMIN): run the starter as root"
+    if err == E.ENOSPC:
+        return ("the namespace limit is reached: raise user.max_pid_namespaces, "
+                "user.max_net_namespaces, user.max_mnt_namespaces (sysctl), or gc old jobs")
+    if err == E.EBUSY and cgroup_fd is not None:
+        return ("the target cgroup has controllers enabled for children "
+                "(cgroup v2 no-internal-process rule): use a leaf cgroup")
+    if err in (E.EINVAL, E.EOPNOTSUPP) and cgroup_fd is not None:
+        return "cgroup_fd must be a directory fd of a cgroup2 (unified) hierarchy"
+    if err == E.EAGAIN:
+        return "process limit reached (pids cgroup, ulimit -u or kernel.pid_max)"
+    if err == E.ENOMEM:
+        return "the kernel is out of memory, or pid namespace init already exited"
+    return None
+
+
+def _step_hint(step, err, spec):
+    import errno as E
+    uid = getattr(spec, "uid", 0)
+    if step.startswith("execve"):
+        if err == E.ENOENT:
+            path = spec.env.get("PATH") if spec is not None else None
+            if "/" in step[7:]:
+                return "no such file in the job's view of the filesystem"
+            return f"not found in the job's PATH={path}" if path else "the job's env has no PATH: give an absolute path"
+        if err == E.EACCES:
+            return f"not executable for uid {uid}, or on a noexec mount"
+        if err == E.ENOEXEC:
+            return "not a binary this kernel can run; scripts need a #! line"
+        return None
+    if step.startswith("chdir"):
+        return f"the working directory must exist in the job's view and be searchable by uid {uid}"
+    if step.startswith(("bind", "ro-bind", "tmpfs", "mkdir")):
+        if err == E.ENOENT:
+            return ("the source or the mount point does not exist; mount points are "
+                    "created only inside a tmpfs the job mounts (e.g. the private /tmp)")
+        if err == E.ENOTDIR:
+            return "a directory can only be bound onto a directory, a file onto a file"
+    if step.startswith("mount") and err == E.EPERM:
+        return "mounting needs CAP_SYS_ADMIN; is the starter itself in a restricted container?"
+    if step in ("setresuid", "setresgid", "setgroups", "capset") and err == E.EPERM:
+        return "changing credentials needs root: run the starter as root"
+    if step.startswith("setns") and err == E.EINVAL:
+        return "the job's PID 1 is gone, or the kernel lacks setns() on pidfds (>= 5.8)"
+    return None
