@@ -1,0 +1,607 @@
+"""The cgroup interface: one Backend per host, one JobCgroup per job.
+
+Call sites use only what is here.  Which cgroup version sits behind it is
+decided once, by open_backend() in __init__.py; optional kernel features are
+capabilities (`supports_kill`, ...) probed from the files that exist, never
+from version numbers.
+
+    Backend.create(id) -> JobCgroup      make job-<id> under the parent in every hierarchy
+    JobCgroup: clone_fd add_pid set_limits freeze thaw frozen kill is_empty pids
+               events_fd stats oom_kills destroy paths
+
+Layout on disk (one `starter` parent per hierarchy, under the starter's own
+cgroup unless configured otherwise):
+
+    <hierarchy>/<own cgroup>/starter/job-<id>/...      (anything the job makes below)
+"""
+
+import errno
+import math
+import os
+import re
+import signal
+import time
+from dataclasses import dataclass
+
+from ..errors import CgroupError, SpecError
+from . import files
+
+JOB_PREFIX = "job-"
+_JOB_ID = re.compile(r"^[A-Za-z0-9_.][A-Za-z0-9_.-]{0,63}$")
+
+CPU_PERIOD_US = 100_000
+CPU_WEIGHT_MIN, CPU_WEIGHT_MAX = 1, 10_000
+CPU_SHARES_MIN, CPU_SHARES_MAX = 2, 262_144
+# pids.max accepts up to PID_MAX_LIMIT (2^22); larger values are the kernel's to refuse.
+PIDS_MAX_SANE = 2**31 - 1
+
+
+def check_job_id(job_id):
+    """Refuse ids that could name a path outside the parent.  The caller
+    (spec.py) validates ids properly; this is the last line of defence."""
+    if (
+        not isinstance(job_id, str)
+        or not _JOB_ID.match(job_id)
+        or job_id in (".", "..")
+        or "/" in job_id
+        or ".." in job_id
+    ):
+        raise SpecError(
+            "job id",
+            f"{job_id!r} cannot name a cgroup",
+            "use 1-64 characters from [A-Za-z0-9_.-], not starting with '-', without '..'",
+        )
+    return job_id
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Resource limits for one job.  None means "not limited" for that resource.
+
+    memory_bytes  RAM limit; swap is not allowed beyond it (v2 memory.swap.max=0,
+                  v1 memory.memsw.limit_in_bytes = the same value).
+    cpus          CPU bandwidth in cores (1.5 = 150 ms per 100 ms period).
+    cpu_weight    relative share under contention, 1..10000 (cgroup v2 scale,
+                  default 100; mapped to v1 cpu.shares, 100 -> 1024).
+    pids          most tasks (processes + threads) alive at once.
+    """
+
+    memory_bytes: int = None
+    cpus: float = None
+    cpu_weight: int = None
+    pids: int = None
+
+    def validate(self):
+        def _int(name, v, lo, hi):
+            if v is None:
+                return
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise SpecError(f"limits.{name}", f"must be an integer, not {v!r}")
+            if not lo <= v <= hi:
+                raise SpecError(f"limits.{name}", f"{v} is out of range {lo}..{hi}")
+
+        _int("memory_bytes", self.memory_bytes, 4096, 2**62)
+        _int("cpu_weight", self.cpu_weight, CPU_WEIGHT_MIN, CPU_WEIGHT_MAX)
+        _int("pids", self.pids, 1, PIDS_MAX_SANE)
+        if self.cpus is not None:
+            c = self.cpus
+            if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c):
+                raise SpecError("limits.cpus", f"must be a number of cores, not {c!r}")
+            if cpu_quota_us(c) < 1000:
+                raise SpecError("limits.cpus", f"{c} is below the kernel's minimum of 0.01 cores")
+            if c > 1_000_000:
+                raise SpecError("limits.cpus", f"{c} cores is not a plausible limit")
+        return self
+
+    def empty(self):
+        return all(v is None for v in (self.memory_bytes, self.cpus, self.cpu_weight, self.pids))
+
+
+def cpu_quota_us(cpus):
+    return int(round(cpus * CPU_PERIOD_US))
+
+
+def weight_to_shares(weight):
+    """cgroup v2 cpu.weight -> v1 cpu.shares, the inverse of runc's
+    ConvertCPUSharesToCgroupV2Value (the quadratic-in-log2 form that maps the
+    defaults onto each other: 1 -> 2, 100 -> 1024, 10000 -> 262144)."""
+    if weight <= CPU_WEIGHT_MIN:
+        return CPU_SHARES_MIN
+    if weight >= CPU_WEIGHT_MAX:
+        return CPU_SHARES_MAX
+    # runc: weight = ceil(10 ** ((l*l + 125*l) / 612 - 7/34)), l = log2(shares)
+    e = math.log10(weight) + 7.0 / 34.0
+    l = (-125.0 + math.sqrt(125.0 * 125.0 + 4.0 * 612.0 * e)) / 2.0
+    shares = int(round(2.0**l))
+    # ceil() in the forward map: pick the smallest shares value mapping to weight.
+    while shares > CPU_SHARES_MIN and shares_to_weight(shares - 1) >= weight:
+        shares -= 1
+    while shares < CPU_SHARES_MAX and shares_to_weight(shares) < weight:
+        shares += 1
+    return shares
+
+
+def shares_to_weight(shares):
+    """runc's ConvertCPUSharesToCgroupV2Value (for tests and the inverse)."""
+    if shares <= CPU_SHARES_MIN:
+        return CPU_WEIGHT_MIN
+    if shares >= CPU_SHARES_MAX:
+        return CPU_WEIGHT_MAX
+    l = math.log2(shares)
+    return int(math.ceil(10 ** ((l * l + 125 * l) / 612.0 - 7.0 / 34.0)))
+
+
+# --------------------------------------------------------------------------
+# small filesystem helpers shared by the backends
+
+
+def mkdir(path):
+    """mkdir that reports (made_it: bool); EEXIST is fine."""
+    try:
+        os.mkdir(path)
+        return True
+    except FileExistsError:
+        return False
+    except OSError as e:
+        err = CgroupError(
+            f"cannot create cgroup {path}: {errno.errorcode.get(e.errno, e.errno)} ({os.strerror(e.errno)})",
+            files.hint_for(e.errno),
+        )
+        err.errno = e.errno
+        raise err from None
+
+
+def subdirs_bottom_up(top):
+    """Every cgroup below `top`, deepest first, then `top` itself.
+
+    Tolerates directories vanishing while walking (ENOENT) and modes the job
+    set on its own sub-cgroups (root reads them anyway)."""
+    out = []
+
+    def walk(d):
+        try:
+            it = os.scandir(d)
+        except FileNotFoundError:
+            return
+        with it:
+            children = [e.path for e in it if e.is_dir(follow_symlinks=False)]
+        for c in children:
+            walk(c)
+        out.append(d)
+
+    walk(top)
+    return out
+
+
+def rmdir_tree(top, attempts=50):
+    """rmdir every cgroup under `top` depth-first, then `top`.  ENOENT is
+    fine; EBUSY (a task still leaving) is retried briefly, then raised."""
+    delay = 0.001
+    for i in range(attempts):
+        busy = None
+        for d in subdirs_bottom_up(top):
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if e.errno == errno.EBUSY:
+                    busy = d
+                else:
+                    raise CgroupError(
+                        f"cannot remove cgroup {d}: {errno.errorcode.get(e.errno, e.errno)}",
+                        files.hint_for(e.errno),
+                    ) from None
+        if busy is None:
+            return
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    raise CgroupError(
+        f"cannot remove cgroup {busy}: EBUSY (it still has processes or children)",
+        "kill the processes listed in its cgroup.procs (starter gc does this)",
+    )
+
+
+def kill_pids(pids, sig=signal.SIGKILL):
+    for pid in pids:
+        try:
+            os.kill(pid, sig)
+        except ProcessLookupError:
+            pass
+
+
+class Inotify:
+    """A tiny inotify watcher through libc (no dependency, no child process
+    involved).  `fd` becomes readable when a watched file is modified; call
+    drain() after it does."""
+
+    IN_MODIFY = 0x2
+    IN_NONBLOCK = os.O_NONBLOCK
+    IN_CLOEXEC = os.O_CLOEXEC
+
+    _libc = None
+
+    def __init__(self, path):
+        import ctypes
+
+        if Inotify._libc is None:
+            Inotify._libc = ctypes.CDLL(None, use_errno=True)
+        libc = Inotify._libc
+        fd = libc.inotify_init1(self.IN_NONBLOCK | self.IN_CLOEXEC)
+        if fd < 0:
+            e = ctypes.get_errno()
+            raise CgroupError(f"inotify_init1 failed: {os.strerror(e)}", "raise fs.inotify.max_user_instances")
+        wd = libc.inotify_add_watch(fd, os.fsencode(path), self.IN_MODIFY)
+        if wd < 0:
+            e = ctypes.get_errno()
+            os.close(fd)
+            raise CgroupError(f"inotify_add_watch {path} failed: {os.strerror(e)}", files.hint_for(e))
+        self.fd = fd
+
+    def drain(self):
+        try:
+            while os.read(self.fd, 4096):
+                pass
+        except BlockingIOError:
+            pass
+
+    def wait(self, timeout):
+        import select
+
+        if timeout <= 0:
+            return False
+        r, _, _ = select.select([self.fd], [], [], timeout)
+        if r:
+            self.drain()
+        return bool(r)
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
+# --------------------------------------------------------------------------
+# the interface
+
+
+class JobCgroup:
+    """One job's cgroups: one directory per hierarchy, all named job-<id>.
+
+    `paths` maps a role ("unified" for cgroup2, or a v1 controller name:
+    memory, pids, cpu, cpuacct, blkio, freezer) to the directory.  Controllers
+    mounted together (cpu,cpuacct) map to the same directory.  File
+    descriptors handed out (clone_fd, events_fd) belong to this object and are
+    closed by close()/destroy().
+    """
+
+    def __init__(self, backend, job_id, paths):
+        self.backend = backend
+        self.id = job_id
+        self.paths = dict(paths)
+        self._clone_fd = None
+        self._events = None
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.id} {self.paths}>"
+
+    def dirs(self):
+        """Distinct directories, each once, tracking hierarchy first."""
+        seen = []
+        for p in self.paths.values():
+            if p not in seen:
+                seen.append(p)
+        return seen
+
+    def exists(self):
+        return any(os.path.isdir(d) for d in self.dirs())
+
+    # -- to be provided by tracking/resource mixins ---------------------
+    def clone_fd(self):
+        return None
+
+    def events_fd(self):
+        return None
+
+    def add_pid(self, pid):
+        """Attach `pid` to the job in every hierarchy (idempotent).
+
+        Tracking hierarchy first, so a process is never limited but
+        untracked."""
+        for d in self.dirs():
+            files.write(os.path.join(d, "cgroup.procs"), int(pid))
+
+    def pids(self):
+        """Every pid in the job's cgroups and their sub-cgroups, in every
+        hierarchy (sorted, unique)."""
+        found = set()
+        for d in self.dirs():
+            for sub in subdirs_bottom_up(d):
+                found.update(files.read_pids(os.path.join(sub, "cgroup.procs")))
+        return sorted(found)
+
+    def oom_kills(self):
+        return self.stats().get("oom_kills")
+
+    def destroy(self, timeout=5.0, prune=True):
+        """Kill what is left, then rmdir depth-first in every hierarchy.
+
+        Idempotent; a cgroup that is already gone is fine.  Raises
+        CgroupError naming the survivors when processes outlive `timeout`."""
+        if not self.is_empty() or self.pids():
+            survivors = self.kill(timeout)
+            if survivors:
+                raise CgroupError(
+                    f"job {self.id}: {len(survivors)} unkillable processes survived {timeout}s: "
+                    f"{survivors[:20]}",
+                    "they are probably in uninterruptible sleep (D state, e.g. a hung NFS mount); "
+                    "`starter gc` retries later",
+                )
+        self.close()
+        for d in self.dirs():
+            self._thaw_tree(d)
+            rmdir_tree(d)
+        if prune:
+            self.backend.prune()
+
+    def close(self):
+        """Close the file descriptors this object handed out."""
+        if self._clone_fd is not None:
+            os.close(self._clone_fd)
+            self._clone_fd = None
+        if self._events is not None:
+            self._events.close()
+            self._events = None
+
+    def _thaw_tree(self, d):
+        """Hook: make sure nothing under `d` stays frozen before rmdir."""
+
+    # -- stats -----------------------------------------------------------
+    def stats(self):
+        """Usage read from the cgroup files now (call before destroy()).
+
+        cpu_user_s, cpu_system_s   CPU time of every process ever in the job
+        memory_peak_bytes          high-water mark of memory use (None: kernel lacks it)
+        memory_current_bytes       memory in use now
+        pids_peak                  most tasks at once (None: kernel lacks pids.peak)
+        pids_current               tasks now
+        io_read_bytes, io_write_bytes   block-device bytes
+        oom_kills                  processes killed by the OOM killer in the job
+        psi                        {"cpu"|"memory"|"io": {"some": us, "full": us}} or None
+        """
+        out = dict.fromkeys(
+            (
+                "cpu_user_s",
+                "cpu_system_s",
+                "memory_peak_bytes",
+                "memory_current_bytes",
+                "pids_peak",
+                "pids_current",
+                "io_read_bytes",
+                "io_write_bytes",
+                "oom_kills",
+                "psi",
+            )
+        )
+        out.update(self._tracking_stats())
+        out.update(self._resource_stats())
+        return out
+
+
+class Backend:
+    """The host's cgroup setup, probed once.  Subclasses: V2Backend,
+    V1Backend, HybridBackend.
+
+    `parents` maps each role this backend uses to its parent directory
+    (default: <hierarchy>/<starter's own cgroup>/starter).
+    """
+
+    kind = None
+    job_class = JobCgroup
+
+    def __init__(self, layout, parent=None):
+        self.layout = layout
+        self.parent_setting = parent
+        self.parents = {}
+        for role in self.roles():
+            self.parents[role] = self._parent_dir(role, parent)
+
+    def __repr__(self):
+        return f"<{type(self).__name__} {self.parents}>"
+
+    # -- which hierarchies ------------------------------------------------
+    def roles(self):
+        raise NotImplementedError
+
+    def mount_for(self, role):
+        return self.layout.unified if role == "unified" else self.layout.v1[role]
+
+    def _parent_dir(self, role, parent):
+        m = self.mount_for(role)
+        if parent is None:
+            own = self.layout.own.get(role)
+            if own is None:
+                raise CgroupError(
+                    f"cannot find the starter's own {role} cgroup under {m.mount_point}",
+                    "set the cgroup parent explicitly (a cgroup path like /starter)",
+                )
+            return files.join(m.mount_point, own, "starter")
+        return files.join(m.mount_point, check_parent(parent))
+
+    def distinct_parents(self):
+        seen = []
+        for p in self.parents.values():
+            if p not in seen:
+                seen.append(p)
+        return seen
+
+    # -- capabilities (probed from files, cached once known) ---------------
+    def _probe_dirs(self, role):
+        """Existing non-root cgroups of `role` to look for optional files in."""
+        m = self.mount_for(role)
+        cands = [self.parents[role]]
+        own = self.layout.own.get(role)
+        if own and own != "/":
+            cands.append(files.join(m.mount_point, own))
+        try:
+            with os.scandir(m.mount_point) as it:
+                for e in it:
+                    if e.is_dir(follow_symlinks=False):
+                        cands.append(e.path)
+                        if len(cands) > 8:
+                            break
+        except OSError:
+            pass
+        return [c for c in cands if os.path.isdir(c)]
+
+    def _probe_file(self, role, name):
+        """Does a non-root cgroup of `role` have file `name`?  Cached.
+
+        Looks in cgroups that exist; if there are none (a fresh node where
+        the starter runs in the root cgroup), makes a short-lived probe-<pid>
+        cgroup inside the parent and removes it (and the parent, if made)."""
+        key = (role, name)
+        cache = self.__dict__.setdefault("_probed", {})
+        if key in cache:
+            return cache[key]
+        if role not in self.parents:
+            return False
+        dirs = self._probe_dirs(role)
+        if dirs:
+            found = any(os.path.exists(os.path.join(d, name)) for d in dirs)
+        else:
+            parent = self.parents[role]
+            probe = os.path.join(parent, f"probe-{os.getpid()}")
+            made_parent = mkdir(parent)
+            try:
+                mkdir(probe)
+                found = os.path.exists(os.path.join(probe, name))
+            finally:
+                _rmdir_quiet(probe)
+                if made_parent:
+                    try:
+                        os.rmdir(parent)
+                    except OSError:
+                        pass
+        cache[key] = found
+        return found
+
+    @property
+    def supports_kill(self):
+        """cgroup.kill exists: the whole tree dies in one write."""
+        return "unified" in self.parents and self._probe_file("unified", "cgroup.kill")
+
+    @property
+    def supports_psi(self):
+        if "unified" not in self.parents:
+            return False
+        m = self.layout.unified.mount_point
+        return files.read_text_or_none(os.path.join(m, "cpu.pressure")) is not None
+
+    # -- jobs ---------------------------------------------------------------
+    def job_paths(self, job_id):
+        check_job_id(job_id)
+        return {role: os.path.join(p, JOB_PREFIX + job_id) for role, p in self.parents.items()}
+
+    def create(self, job_id, limits=None):
+        """Make job-<id> in every hierarchy and apply `limits`.
+
+        Fails closed: on any error everything made here is removed and
+        CgroupError (or SpecError for an invalid limit) is raised."""
+        if limits is not None:
+            limits.validate()
+        paths = self.job_paths(job_id)
+        job = self.job_class(self, job_id, paths)
+        made = []
+        try:
+            for attempt in range(5):
+                try:
+                    self._ensure_parents()
+                    for d in job.dirs():
+                        if not mkdir(d):
+                            raise CgroupError(
+                                f"cgroup {d} already exists: job {job_id} is running or was not cleaned up",
+                                "run `starter gc` or pick another job id",
+                            )
+                        made.append(d)
+                    break
+                except CgroupError as e:
+                    # A concurrent prune() removed a parent between our mkdirs.
+                    if getattr(e, "errno", None) == errno.ENOENT and attempt < 4:
+                        for d in reversed(made):
+                            _rmdir_quiet(d)
+                        made.clear()
+                        continue
+                    raise
+            if limits is not None and not limits.empty():
+                job.set_limits(limits)
+        except BaseException:
+            for d in reversed(made):
+                _rmdir_quiet(d)
+            self.prune()
+            raise
+        return job
+
+    def _ensure_parents(self):
+        for p in self.distinct_parents():
+            mkdir(p)
+
+    def open_job(self, job_id, must_exist=True):
+        job = self.job_class(self, job_id, self.job_paths(job_id))
+        if must_exist and not job.exists():
+            raise CgroupError(f"no cgroup for job {job_id} under {self.distinct_parents()}")
+        return job
+
+    def list_jobs(self):
+        """Job ids with a cgroup under any parent (sorted)."""
+        ids = set()
+        for p in self.distinct_parents():
+            try:
+                with os.scandir(p) as it:
+                    for e in it:
+                        if e.name.startswith(JOB_PREFIX) and e.is_dir(follow_symlinks=False):
+                            ids.add(e.name[len(JOB_PREFIX) :])
+            except (FileNotFoundError, NotADirectoryError):
+                pass
+        return sorted(ids)
+
+    def prune(self):
+        """Remove the `starter` parents that hold no job.  Returns True when
+        none is left.  A parent still in use (EBUSY) or already gone (ENOENT)
+        is fine: another starter may be using it right now."""
+        clean = True
+        for p in self.distinct_parents():
+            self._prune_extra(p)
+            try:
+                os.rmdir(p)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if e.errno in (errno.EBUSY, errno.ENOTEMPTY, errno.EEXIST):
+                    clean = False
+                else:
+                    raise CgroupError(f"cannot remove {p}: {os.strerror(e.errno)}", files.hint_for(e.errno))
+        return clean
+
+    def _prune_extra(self, parent):
+        """Hook: remove backend-specific leftovers inside a parent."""
+
+    def close(self):
+        """Undo what this process did to its own cgroup, then prune()."""
+        return self.prune()
+
+
+def _rmdir_quiet(d):
+    try:
+        rmdir_tree(d, attempts=5)
+    except CgroupError:
+        pass
+
+
+def check_parent(parent):
+    if not isinstance(parent, str) or not parent.startswith("/"):
+        raise SpecError("cgroup parent", f"{parent!r} must be an absolute cgroup path like /starter")
+    parts = [p for p in parent.split("/") if p]
+    if not parts or any(p in (".", "..") for p in parts):
+        raise SpecError("cgroup parent", f"{parent!r} must name a cgroup below the root, without '.' or '..'")
+    return "/" + "/".join(parts)

@@ -1,0 +1,377 @@
+"""Reading, writing and parsing cgroup files; finding the cgroup mounts.
+
+Everything here is either a pure parser (unit-tested on fixture text in
+tests/fixtures/cgroup/) or a thin wrapper around one open()/read()/write()
+that turns an OSError into a CgroupError naming the path, the value and what
+to do about it.  No backend logic lives here.
+"""
+
+import errno
+import os
+from dataclasses import dataclass, field
+
+from ..errors import CgroupError
+
+# Controllers a v1 mount can carry.  Anything else in a mount's super options
+# (rw, xattr, name=systemd, release_agent=..., clone_children) is not one.
+V1_CONTROLLERS = frozenset(
+    "cpu cpuacct cpuset memory devices freezer net_cls net_prio blkio "
+    "perf_event hugetlb pids rdma misc".split()
+)
+# v1 controllers whose presence makes a host "hybrid" rather than pure v2:
+# the ones starter uses for limits and accounting.
+V1_RESOURCE_CONTROLLERS = frozenset("memory pids cpu cpuacct blkio freezer".split())
+
+
+# --------------------------------------------------------------------------
+# reading and writing
+
+
+def read_text(path):
+    with open(path, "rb", buffering=0) as f:
+        return f.read().decode()
+
+
+def read_text_or_none(path):
+    """The file's text, or None when the file (or its cgroup) does not exist."""
+    try:
+        return read_text(path)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        # ENODEV/EOPNOTSUPP: PSI files exist but psi=0 on the kernel command line.
+        if e.errno in (errno.ENODEV, errno.EOPNOTSUPP, errno.EINVAL):
+            return None
+        raise
+
+
+def read_int_or_none(path):
+    """An integer file ("max" reads as None); None when the file is missing."""
+    text = read_text_or_none(path)
+    if text is None:
+        return None
+    text = text.strip()
+    if text == "max" or text == "":
+        return None
+    return int(text)
+
+
+_HINTS = {
+    errno.EINVAL: "the kernel rejected the value: check its range and format",
+    errno.EBUSY: "the cgroup is busy: it has processes or children "
+    "(cgroup v2 allows controllers in cgroup.subtree_control only on cgroups without processes), "
+    "or the new memory limit is below current usage",
+    errno.ENOENT: "the file or cgroup does not exist: the controller is not mounted or not "
+    "enabled for this cgroup (cgroup.subtree_control of its parent), or the cgroup was removed",
+    errno.EACCES: "permission denied: starter must run as root or in a delegated cgroup",
+    errno.EPERM: "operation not permitted: starter must run as root or in a delegated cgroup",
+    errno.ESRCH: "the process has already exited",
+    errno.ENOSPC: "cgroup.max.descendants or cgroup.max.depth of an ancestor is reached",
+    errno.EOPNOTSUPP: "the kernel does not support this cgroup feature",
+    errno.ENODEV: "the kernel does not support this cgroup feature",
+}
+
+
+def hint_for(err, default=None):
+    return _HINTS.get(err, default)
+
+
+def write(path, value, hint=None):
+    """Write `value` to the cgroup file `path` in one write(), or raise CgroupError.
+
+    cgroup files take one value per write() call; Python's buffered write can
+    split or merge, so write unbuffered.
+    """
+    data = str(value).encode()
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise _write_error(path, value, e, hint) from None
+    try:
+        os.write(fd, data)
+    except OSError as e:
+        raise _write_error(path, value, e, hint) from None
+    finally:
+        os.close(fd)
+
+
+def _write_error(path, value, e, hint):
+    name = errno.errorcode.get(e.errno, str(e.errno))
+    err = CgroupError(
+        f"writing {str(value)!r} to {path} failed: {name} ({os.strerror(e.errno)})",
+        hint or hint_for(e.errno),
+    )
+    err.errno = e.errno
+    err.path = path
+    return err
+
+
+def read_pids(path):
+    """PIDs in one cgroup.procs file ([] when the cgroup is gone)."""
+    text = read_text_or_none(path)
+    if not text:
+        return []
+    return [int(x) for x in text.split()]
+
+
+# --------------------------------------------------------------------------
+# parsers (pure; fixture-tested)
+
+
+def parse_flat_keyed(text):
+    """`key value` lines (cpu.stat, memory.stat, memory.events, cgroup.events,
+    memory.oom_control, v1 cpu.stat) -> {key: int}.  Non-integer values are
+    skipped rather than guessed."""
+    out = {}
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if len(parts) != 2:
+            continue
+        try:
+            out[parts[0]] = int(parts[1])
+        except ValueError:
+            continue
+    return out
+
+
+def parse_nested_keyed(text):
+    """`name k=v k=v` lines (io.stat, pressure files) -> {name: {k: value}}.
+
+    Values are int where they parse as int, else float (avg10=0.12)."""
+    out = {}
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if not parts:
+            continue
+        entry = {}
+        for kv in parts[1:]:
+            k, sep, v = kv.partition("=")
+            if not sep:
+                continue
+            try:
+                entry[k] = int(v)
+            except ValueError:
+                try:
+                    entry[k] = float(v)
+                except ValueError:
+                    continue
+        out[parts[0]] = entry
+    return out
+
+
+def io_stat_totals(text):
+    """v2 io.stat -> (read_bytes, write_bytes) summed over devices."""
+    r = w = 0
+    for entry in parse_nested_keyed(text).values():
+        r += entry.get("rbytes", 0)
+        w += entry.get("wbytes", 0)
+    return r, w
+
+
+def blkio_totals(text):
+    """v1 blkio.*io_service_bytes -> (read_bytes, write_bytes).
+
+    Lines are `MAJ:MIN Read N` per device and operation, then one `Total N`
+    line that sums everything: sum the per-device Read and Write lines and
+    ignore the grand total."""
+    r = w = 0
+    for line in (text or "").splitlines():
+        parts = line.split()
+        if len(parts) != 3:
+            continue
+        _, op, n = parts
+        if op == "Read":
+            r += int(n)
+        elif op == "Write":
+            w += int(n)
+    return r, w
+
+
+def pressure_totals(text):
+    """A PSI file (cpu.pressure ...) -> {"some": total_us, "full": total_us}.
+
+    `total=` is cumulative stall time in microseconds.  Older kernels have no
+    "full" line in cpu.pressure; it is then absent from the dict."""
+    if text is None:
+        return None
+    out = {}
+    for name, entry in parse_nested_keyed(text).items():
+        if "total" in entry:
+            out[name] = int(entry["total"])
+    return out or None
+
+
+@dataclass(frozen=True)
+class ProcCgroup:
+    """One line of /proc/<pid>/cgroup."""
+
+    hierarchy_id: int
+    controllers: tuple  # () for the unified line "0::/path"; ("name=systemd",) for named
+    path: str
+
+
+def parse_proc_cgroup(text):
+    out = []
+    for line in (text or "").splitlines():
+        if not line.strip():
+            continue
+        hid, ctrls, path = line.split(":", 2)
+        controllers = tuple(c for c in ctrls.split(",") if c)
+        out.append(ProcCgroup(int(hid), controllers, path))
+    return out
+
+
+def _unescape_mountinfo(s):
+    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+    out = []
+    i = 0
+    while i < len(s):
+        if s[i] == "\\" and s[i + 1 : i + 4].isdigit() and i + 3 < len(s):
+            out.append(chr(int(s[i + 1 : i + 4], 8)))
+            i += 4
+        else:
+            out.append(s[i])
+            i += 1
+    return "".join(out)
+
+
+@dataclass(frozen=True)
+class Mount:
+    """A cgroup mount from /proc/self/mountinfo."""
+
+    mount_point: str
+    root: str  # the cgroup path this mount shows at mount_point
+    fstype: str  # "cgroup" (v1) or "cgroup2"
+    controllers: tuple  # v1 controllers on this hierarchy; () for cgroup2
+    name: str = None  # v1 named hierarchy (name=systemd), else None
+
+
+def parse_mountinfo(text):
+    """cgroup and cgroup2 mounts in mountinfo text, in file order."""
+    mounts = []
+    for line in (text or "").splitlines():
+        left, sep, right = line.partition(" - ")
+        if not sep:
+            continue
+        lf = left.split()
+        rf = right.split()
+        if len(lf) < 5 or len(rf) < 3:
+            continue
+        fstype = rf[0]
+        if fstype not in ("cgroup", "cgroup2"):
+            continue
+        root = _unescape_mountinfo(lf[3])
+        mount_point = _unescape_mountinfo(lf[4])
+        opts = rf[2].split(",")
+        controllers = ()
+        name = None
+        if fstype == "cgroup":
+            controllers = tuple(o for o in opts if o in V1_CONTROLLERS)
+            for o in opts:
+                if o.startswith("name="):
+                    name = o[5:]
+        mounts.append(Mount(mount_point, root, fstype, controllers, name))
+    return mounts
+
+
+@dataclass
+class Layout:
+    """What the host has, decided once: the backend kind and where each
+    hierarchy is mounted, and the starter's own cgroup in each.
+
+    `unified` is the cgroup2 mount (or None); `v1` maps each v1 controller to
+    its Mount (controllers mounted together share one Mount); `own` maps
+    "unified" and each v1 controller to the starter's cgroup path relative to
+    that mount's mount point ("/" = the mount point itself).
+    """
+
+    kind: str
+    unified: Mount = None
+    v1: dict = field(default_factory=dict)
+    own: dict = field(default_factory=dict)
+
+
+def _prefer(mounts):
+    # A hierarchy can be mounted more than once (bind mounts, containers);
+    # prefer the one under /sys/fs/cgroup, then the one showing the most.
+    def key(m):
+        return (not m.mount_point.startswith("/sys/fs/cgroup"), len(m.root))
+
+    return sorted(mounts, key=key)[0] if mounts else None
+
+
+def _relative(own_path, mount_root):
+    """The starter's cgroup relative to what a mount shows, or None if the
+    mount does not show it."""
+    own_path = own_path or "/"
+    if mount_root in ("/", ""):
+        return own_path
+    if own_path == mount_root:
+        return "/"
+    if own_path.startswith(mount_root.rstrip("/") + "/"):
+        return own_path[len(mount_root.rstrip("/")) :]
+    return None
+
+
+def detect_layout(mountinfo_text, proc_cgroup_text):
+    """Decide v2 / v1 / hybrid from mountinfo and /proc/self/cgroup text.
+
+    - v2: a cgroup2 mount and none of the resource controllers on v1.
+    - hybrid: a cgroup2 mount (used to track, freeze and kill) and the
+      resource controllers on v1 hierarchies.
+    - v1: no cgroup2 mount; one v1 hierarchy per controller (or group).
+    Raises CgroupError when there are no usable cgroup mounts.
+    """
+    mounts = parse_mountinfo(mountinfo_text)
+    procs = parse_proc_cgroup(proc_cgroup_text)
+    unified = _prefer([m for m in mounts if m.fstype == "cgroup2"])
+    by_ctrl = {}
+    for m in mounts:
+        for c in m.controllers:
+            by_ctrl.setdefault(c, []).append(m)
+    v1 = {c: _prefer(ms) for c, ms in by_ctrl.items()}
+
+    own = {}
+    for p in procs:
+        if p.hierarchy_id == 0 and not p.controllers:
+            if unified is not None:
+                rel = _relative(p.path, unified.root)
+                if rel is not None:
+                    own["unified"] = rel
+        else:
+            for c in p.controllers:
+                if c in v1:
+                    rel = _relative(p.path, v1[c].root)
+                    if rel is not None:
+                        own[c] = rel
+
+    resource_v1 = V1_RESOURCE_CONTROLLERS & set(v1)
+    if unified is not None and not resource_v1:
+        kind = "v2"
+        v1 = {}
+    elif unified is not None:
+        kind = "hybrid"
+    elif resource_v1:
+        kind = "v1"
+    else:
+        raise CgroupError(
+            "no cgroup hierarchy is mounted (no cgroup2 mount and no v1 memory/pids/cpu/freezer mount "
+            "in /proc/self/mountinfo)",
+            "mount cgroup2 at /sys/fs/cgroup (systemd does this on boot) or run starter where "
+            "/sys/fs/cgroup is visible",
+        )
+    if kind in ("v2", "hybrid") and "unified" not in own:
+        raise CgroupError(
+            f"the starter's own cgroup2 path is not visible under the cgroup2 mount at "
+            f"{unified.mount_point} (mount root {unified.root})",
+            "run starter with the whole cgroup2 hierarchy mounted, or in a cgroup namespace rooted at its cgroup",
+        )
+    return Layout(kind=kind, unified=unified, v1=v1, own=own)
+
+
+def join(mount_point, rel, *more):
+    """mount_point + a cgroup path relative to it (which starts with '/')."""
+    p = mount_point.rstrip("/") + (rel if rel != "/" else "")
+    for m in more:
+        p += "/" + m
+    return p

@@ -1,0 +1,240 @@
+"""cgroup v1: one hierarchy per controller (or per group: cpu,cpuacct).
+
+V1Resources (limits and accounting in the memory, cpu, cpuacct, pids and
+blkio hierarchies) is shared with the hybrid backend.  V1Tracking is used
+only on v1-only hosts: membership is the union of cgroup.procs over every
+hierarchy (v1 has no "populated" file, and a v1 cgroup.procs lists only its
+own cgroup, not sub-cgroups), freezing is freezer.state, and killing is
+freeze -> SIGKILL every listed pid -> thaw, repeated until empty: on v1 a
+frozen task does not die until thawed, and while frozen nothing can fork.
+
+v1-only hosts have no fd to wait on for "job empty" (notify_on_release runs
+a usermode helper, which is impractical here): events_fd() returns None and
+the caller polls is_empty() on a timer.
+"""
+
+import errno
+import os
+import time
+
+from ..errors import CgroupError
+from . import files
+from .base import (
+    CPU_PERIOD_US,
+    Backend,
+    JobCgroup,
+    cpu_quota_us,
+    kill_pids,
+    subdirs_bottom_up,
+    weight_to_shares,
+)
+from .v2 import _swap_active
+
+V1_ROLES = ("freezer", "memory", "pids", "cpu", "cpuacct", "blkio")
+# The hybrid backend freezes and kills through cgroup2; it needs no v1 freezer.
+HYBRID_V1_ROLES = ("memory", "pids", "cpu", "cpuacct", "blkio")
+
+
+def _file(job, role, name):
+    d = job.paths.get(role)
+    return None if d is None else os.path.join(d, name)
+
+
+def _need(job, role, name, what):
+    p = _file(job, role, name)
+    if p is None or not os.path.exists(p):
+        raise CgroupError(
+            f"cannot limit {what} for job {job.id}: the v1 {role} controller "
+            + ("is not mounted" if p is None else f"has no {p}"),
+            f"mount the {role} cgroup controller; starter refuses to run unlimited",
+        )
+    return p
+
+
+class V1Resources:
+    def set_limits(self, limits):
+        """Apply `limits`; raise CgroupError if any cannot be applied."""
+        limits.validate()
+        if limits.memory_bytes is not None:
+            self._set_memory(limits.memory_bytes)
+        if limits.cpus is not None:
+            files.write(_need(self, "cpu", "cpu.cfs_period_us", "cpu bandwidth"), CPU_PERIOD_US)
+            files.write(_need(self, "cpu", "cpu.cfs_quota_us", "cpu bandwidth"), cpu_quota_us(limits.cpus))
+        if limits.cpu_weight is not None:
+            files.write(_need(self, "cpu", "cpu.shares", "cpu weight"), weight_to_shares(limits.cpu_weight))
+        if limits.pids is not None:
+            files.write(_need(self, "pids", "pids.max", "the number of processes"), limits.pids)
+
+    def _set_memory(self, limit):
+        mem = _need(self, "memory", "memory.limit_in_bytes", "memory")
+        memsw = _file(self, "memory", "memory.memsw.limit_in_bytes")
+        if not os.path.exists(memsw):
+            if _swap_active():
+                raise CgroupError(
+                    f"cannot keep job {self.id} from swapping: {memsw} does not exist but swap is on",
+                    "boot with swapaccount=1 (or turn swap off); starter refuses a memory limit that swap can bypass",
+                )
+            files.write(mem, limit)
+            return
+        # memsw must stay >= the memory limit: lower memory first, raise memsw first.
+        try:
+            files.write(mem, limit)
+            files.write(memsw, limit)
+        except CgroupError as e:
+            if getattr(e, "errno", None) != errno.EINVAL:
+                raise
+            files.write(memsw, limit)
+            files.write(mem, limit)
+
+    def _resource_stats(self):
+        rd = files.read_int_or_none
+        out = {}
+        mem = self.paths.get("memory")
+        if mem:
+            out["memory_current_bytes"] = rd(os.path.join(mem, "memory.usage_in_bytes"))
+            out["memory_peak_bytes"] = rd(os.path.join(mem, "memory.max_usage_in_bytes"))
+            out["oom_kills"] = _oom_kills_v1(mem)
+        pids = self.paths.get("pids")
+        if pids:
+            out["pids_current"] = rd(os.path.join(pids, "pids.current"))
+            out["pids_peak"] = rd(os.path.join(pids, "pids.peak"))
+        blk = self.paths.get("blkio")
+        if blk:
+            for name in ("blkio.throttle.io_service_bytes_recursive", "blkio.throttle.io_service_bytes"):
+                text = files.read_text_or_none(os.path.join(blk, name))
+                if text is not None:
+                    out["io_read_bytes"], out["io_write_bytes"] = files.blkio_totals(text)
+                    break
+        return out
+
+
+def _oom_kills_v1(mem):
+    """Sum of memory.oom_control "oom_kill" over the job's memory subtree.
+
+    On v1 the counter is local to the cgroup whose task was killed, so a job
+    with its own sub-cgroups needs the sum.  None on kernels before 4.13,
+    which lack the line (memory.failcnt only counts limit hits, which page
+    cache reclaim also causes, so it is not reported as OOM kills)."""
+    total = None
+    for d in subdirs_bottom_up(mem):
+        n = files.parse_flat_keyed(files.read_text_or_none(os.path.join(d, "memory.oom_control"))).get("oom_kill")
+        if n is not None:
+            total = (total or 0) + n
+    return total
+
+
+class V1Tracking:
+    """Membership, freezing and killing on a v1-only host."""
+
+    def is_empty(self):
+        return not self.pids()
+
+    def _freezer_state(self):
+        p = _file(self, "freezer", "freezer.state")
+        text = files.read_text_or_none(p) if p else None
+        return text.strip() if text else None
+
+    def freeze(self, timeout=5.0):
+        p = _need(self, "freezer", "freezer.state", "freezing")
+        files.write(p, "FROZEN")
+        self._wait_state("FROZEN", timeout, "freeze")
+
+    def thaw(self, timeout=5.0):
+        p = _need(self, "freezer", "freezer.state", "freezing")
+        files.write(p, "THAWED")
+        self._wait_state("THAWED", timeout, "thaw")
+
+    def frozen(self):
+        return self._freezer_state() == "FROZEN"
+
+    def _wait_state(self, want, timeout, what):
+        # v1 passes through FREEZING; the kernel offers no notification.
+        deadline = time.monotonic() + timeout
+        delay = 0.001
+        while True:
+            state = self._freezer_state()
+            if state == want or state is None:
+                return
+            if time.monotonic() >= deadline:
+                raise CgroupError(
+                    f"{what} of {self.paths['freezer']} did not complete within {timeout}s (state {state})",
+                    "a process may be in uninterruptible sleep (D state)",
+                )
+            time.sleep(delay)
+            delay = min(delay * 2, 0.05)
+
+    def _thaw_tree(self, d):
+        if d != self.paths.get("freezer"):
+            return
+        for sub in subdirs_bottom_up(d):
+            p = os.path.join(sub, "freezer.state")
+            try:
+                if files.read_text_or_none(p) not in (None, "THAWED\n"):
+                    files.write(p, "THAWED")
+            except CgroupError:
+                pass
+
+    def kill(self, timeout=5.0):
+        """Freeze, SIGKILL every pid in every hierarchy's subtree, thaw
+        (every sub-cgroup too: a job may have frozen its own), repeat until
+        empty.  Returns the survivors after `timeout`."""
+        deadline = time.monotonic() + timeout
+        has_freezer = self.paths.get("freezer") and os.path.isdir(self.paths["freezer"])
+        while True:
+            left = self.pids()
+            if not left:
+                return []
+            if time.monotonic() >= deadline:
+                return left
+            if has_freezer:
+                try:
+                    files.write(os.path.join(self.paths["freezer"], "freezer.state"), "FROZEN")
+                    self._wait_state("FROZEN", max(0.0, min(1.0, deadline - time.monotonic())), "freeze")
+                except CgroupError:
+                    pass  # kill anyway; the next round catches what forked
+                left = self.pids()
+            kill_pids(left)
+            if has_freezer:
+                self._thaw_tree(self.paths["freezer"])
+            # Killed tasks leave their cgroups as they exit; give them a moment.
+            end = min(deadline, time.monotonic() + 0.2)
+            delay = 0.001
+            while time.monotonic() < end and self.pids():
+                time.sleep(delay)
+                delay = min(delay * 2, 0.02)
+
+    def _tracking_stats(self):
+        out = {}
+        acct = self.paths.get("cpuacct")
+        if acct:
+            u = files.read_int_or_none(os.path.join(acct, "cpuacct.usage_user"))
+            s = files.read_int_or_none(os.path.join(acct, "cpuacct.usage_sys"))
+            if u is not None and s is not None:
+                out["cpu_user_s"], out["cpu_system_s"] = u / 1e9, s / 1e9
+            else:
+                st = files.parse_flat_keyed(files.read_text_or_none(os.path.join(acct, "cpuacct.stat")))
+                if "user" in st:
+                    hz = os.sysconf("SC_CLK_TCK")
+                    out["cpu_user_s"], out["cpu_system_s"] = st["user"] / hz, st.get("system", 0) / hz
+        out["psi"] = None
+        return out
+
+
+class V1Job(V1Tracking, V1Resources, JobCgroup):
+    pass
+
+
+class V1Backend(Backend):
+    kind = "v1"
+    job_class = V1Job
+
+    def roles(self):
+        return tuple(r for r in V1_ROLES if r in self.layout.v1)
+
+    @property
+    def supports_memory_peak(self):
+        return "memory" in self.parents  # memory.max_usage_in_bytes is always there
+
+    @property
+    def supports_pids_peak(self):
+        return self._probe_file("pids", "pids.peak")

@@ -1,0 +1,396 @@
+"""cgroup v2 (the unified hierarchy).
+
+UnifiedTracking is the cgroup2 half that v2 and hybrid share: membership
+(cgroup.procs, cgroup.events "populated"), freezing (cgroup.freeze),
+killing (cgroup.kill), CPU time (cpu.stat's core fields, present even on a
+cgroup2 with no controllers enabled) and pressure (PSI).  V2Resources adds
+the controllers (memory, cpu, pids, io) found in the same directory.
+
+Where job cgroups live on pure v2, and why the starter may move itself
+--------------------------------------------------------------------
+Jobs are <parent>/job-<id>, parent = <own cgroup>/starter by default.  For
+job-<id> to have memory.max etc., the controllers must be enabled in
+starter/cgroup.subtree_control, which needs them in starter/cgroup.controllers,
+which needs them enabled in <own>/cgroup.subtree_control.  The kernel's
+no-internal-processes rule refuses that (EBUSY) while <own> holds processes,
+and the starter itself is one of them.  So, like a systemd delegate, the
+starter moves itself into a leaf <own>/starter/supervisor-<pid>, then enables
+the controllers in <own> and in starter/.  If <own> still has other
+processes (not ours to move) this fails closed with a hint: give the starter
+a cgroup of its own (systemd Delegate=yes, Slurm's task cgroup) or set the
+parent to a delegated cgroup.  close() undoes all of it once no job is left:
+controllers disabled again, the starter moved back, the leaf and starter/
+removed, so the node looks as before.
+"""
+
+import errno
+import os
+import time
+
+from ..errors import CgroupError
+from . import files
+from .base import (
+    CPU_PERIOD_US,
+    Backend,
+    Inotify,
+    JobCgroup,
+    cpu_quota_us,
+    kill_pids,
+    mkdir,
+    subdirs_bottom_up,
+)
+
+CONTROLLERS = ("cpu", "io", "memory", "pids")
+SUPERVISOR_PREFIX = "supervisor-"
+
+
+class UnifiedTracking:
+    """Tracking, freezing and killing through the job's cgroup2 directory."""
+
+    @property
+    def upath(self):
+        return self.paths["unified"]
+
+    def _ufile(self, name):
+        return os.path.join(self.paths["unified"], name)
+
+    def clone_fd(self):
+        """O_DIRECTORY fd of the cgroup2 dir for clone3(CLONE_INTO_CGROUP).
+        Owned by this object."""
+        if self._clone_fd is None:
+            try:
+                self._clone_fd = os.open(self.upath, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            except OSError as e:
+                raise CgroupError(f"cannot open {self.upath}: {os.strerror(e.errno)}", files.hint_for(e.errno))
+        return self._clone_fd
+
+    def events_fd(self):
+        """An inotify fd that becomes readable when cgroup.events changes
+        (populated, frozen).  After it does: read it empty (or ignore) and
+        check is_empty().  Owned by this object."""
+        if self._events is None:
+            self._events = Inotify(self._ufile("cgroup.events"))
+        return self._events.fd
+
+    def _read_events(self):
+        return files.parse_flat_keyed(files.read_text_or_none(self._ufile("cgroup.events")))
+
+    def is_empty(self):
+        """No process left in the job or any cgroup below it."""
+        ev = self._read_events()
+        return ev.get("populated", 0) == 0
+
+    # -- freezer ------------------------------------------------------------
+    def freeze(self, timeout=5.0):
+        """Freeze every process in the job (and below); returns once
+        cgroup.events says "frozen 1"."""
+        files.write(self._ufile("cgroup.freeze"), 1)
+        self._wait_events("frozen", 1, timeout, "freeze")
+
+    def thaw(self, timeout=5.0):
+        files.write(self._ufile("cgroup.freeze"), 0)
+        self._wait_events("frozen", 0, timeout, "thaw")
+
+    def frozen(self):
+        return self._read_events().get("frozen", 0) == 1
+
+    def _wait_events(self, key, value, timeout, what):
+        if self._events_value(key) == value:
+            return
+        w = Inotify(self._ufile("cgroup.events"))
+        try:
+            deadline = time.monotonic() + timeout
+            while self._events_value(key) != value:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise CgroupError(
+                        f"{what} of {self.upath} did not complete within {timeout}s "
+                        f"(cgroup.events: {self._read_events()})",
+                        "a process may be in uninterruptible sleep (D state)",
+                    )
+                w.wait(min(left, 0.05))
+        finally:
+            w.close()
+
+    def _events_value(self, key):
+        return self._read_events().get(key, 0)
+
+    def _thaw_tree(self, d):
+        # A job may have frozen its own sub-cgroups; an empty frozen cgroup
+        # can be removed anyway, so nothing to do on cgroup2.
+        pass
+
+    # -- kill -----------------------------------------------------------------
+    def kill(self, timeout=5.0):
+        """SIGKILL everything in the job, including sub-cgroups the job made,
+        froze or chmod'ed.  Returns the pids still alive after `timeout`
+        ([] = the cgroup is empty)."""
+        deadline = time.monotonic() + timeout
+        has_kill = os.path.exists(self._ufile("cgroup.kill"))
+        if not os.path.isdir(self.upath):
+            return self._kill_v1_leftovers(deadline)
+        w = Inotify(self._ufile("cgroup.events"))
+        try:
+            while True:
+                if has_kill:
+                    # Atomic against concurrent forks: one write kills the tree.
+                    try:
+                        files.write(self._ufile("cgroup.kill"), 1)
+                    except CgroupError as e:
+                        if getattr(e, "errno", None) != errno.ENOENT:
+                            raise
+                else:
+                    self._kill_by_freezing()
+                # populated drops when the last task has exited; wait on
+                # cgroup.events, re-sending every 0.5 s in case of stragglers
+                # (processes attached with add_pid after the write).
+                resend = time.monotonic() + 0.5
+                while not self.is_empty():
+                    now = time.monotonic()
+                    if now >= deadline:
+                        return self.pids()
+                    if now >= resend:
+                        break
+                    w.wait(min(deadline, resend) - now)
+                if self.is_empty():
+                    return self._kill_v1_leftovers(deadline)
+        finally:
+            w.close()
+
+    def _kill_by_freezing(self):
+        """Kernels before 5.14 have no cgroup.kill: freeze the tree so
+        nothing forks, SIGKILL every pid listed in it (fatal signals reach
+        frozen tasks on cgroup2), thaw."""
+        try:
+            files.write(self._ufile("cgroup.freeze"), 1)
+        except CgroupError:
+            pass
+        for d in subdirs_bottom_up(self.upath):
+            kill_pids(files.read_pids(os.path.join(d, "cgroup.procs")))
+        for d in subdirs_bottom_up(self.upath):
+            try:
+                files.write(os.path.join(d, "cgroup.freeze"), 0)
+            except CgroupError:
+                pass
+
+    def _kill_v1_leftovers(self, deadline):
+        """Hybrid: a process in a v1 job cgroup but not in the cgroup2 one
+        (attached halfway) would keep rmdir busy; kill those too."""
+        while True:
+            left = self.pids()
+            if not left:
+                return []
+            if time.monotonic() >= deadline:
+                return left
+            kill_pids(left)
+            time.sleep(0.01)
+
+    # -- accounting on the cgroup2 side -----------------------------------------
+    def _tracking_stats(self):
+        out = {}
+        cpu = files.parse_flat_keyed(files.read_text_or_none(self._ufile("cpu.stat")))
+        if "user_usec" in cpu:
+            out["cpu_user_s"] = cpu["user_usec"] / 1e6
+            out["cpu_system_s"] = cpu.get("system_usec", 0) / 1e6
+        psi = {}
+        for res in ("cpu", "memory", "io"):
+            t = files.pressure_totals(files.read_text_or_none(self._ufile(f"{res}.pressure")))
+            if t is not None:
+                psi[res] = t
+        out["psi"] = psi or None
+        return out
+
+
+class V2Resources:
+    """memory, cpu, pids and io controllers in the job's cgroup2 directory."""
+
+    def set_limits(self, limits):
+        """Apply `limits`; raise CgroupError if any cannot be applied (the
+        caller must not run the job then)."""
+        limits.validate()
+        d = self.upath
+
+        def need(name, what):
+            p = os.path.join(d, name)
+            if not os.path.exists(p):
+                raise CgroupError(
+                    f"cannot limit {what} for job {self.id}: {p} does not exist",
+                    f"the {name.split('.')[0]} controller is not enabled for {os.path.dirname(d)} "
+                    "(cgroup.subtree_control of its parent); starter refuses to run unlimited",
+                )
+            return p
+
+        if limits.memory_bytes is not None:
+            files.write(need("memory.max", "memory"), limits.memory_bytes)
+            swap = os.path.join(d, "memory.swap.max")
+            if os.path.exists(swap):
+                files.write(swap, 0)
+            elif _swap_active():
+                raise CgroupError(
+                    f"cannot keep job {self.id} from swapping: {swap} does not exist but swap is on",
+                    "boot with swapaccount=1 (or turn swap off); starter refuses a memory limit that swap can bypass",
+                )
+        if limits.cpus is not None:
+            files.write(need("cpu.max", "cpu bandwidth"), f"{cpu_quota_us(limits.cpus)} {CPU_PERIOD_US}")
+        if limits.cpu_weight is not None:
+            files.write(need("cpu.weight", "cpu weight"), limits.cpu_weight)
+        if limits.pids is not None:
+            files.write(need("pids.max", "the number of processes"), limits.pids)
+
+    def _resource_stats(self):
+        d = self.upath
+        out = {}
+        rd = files.read_int_or_none
+        out["memory_current_bytes"] = rd(os.path.join(d, "memory.current"))
+        out["memory_peak_bytes"] = rd(os.path.join(d, "memory.peak"))
+        out["pids_current"] = rd(os.path.join(d, "pids.current"))
+        out["pids_peak"] = rd(os.path.join(d, "pids.peak"))
+        io = files.read_text_or_none(os.path.join(d, "io.stat"))
+        if io is not None:
+            out["io_read_bytes"], out["io_write_bytes"] = files.io_stat_totals(io)
+        ev = files.read_text_or_none(os.path.join(d, "memory.events"))
+        if ev is not None:
+            # memory.events is hierarchical (memory.events.local is not):
+            # it counts OOM kills in sub-cgroups the job made too.
+            out["oom_kills"] = files.parse_flat_keyed(ev).get("oom_kill", 0)
+        return out
+
+
+def _swap_active():
+    text = files.read_text_or_none("/proc/swaps") or ""
+    return len(text.strip().splitlines()) > 1
+
+
+class V2Job(UnifiedTracking, V2Resources, JobCgroup):
+    pass
+
+
+class V2Backend(Backend):
+    kind = "v2"
+    job_class = V2Job
+
+    def __init__(self, layout, parent=None):
+        super().__init__(layout, parent)
+        self._moved_self = None  # the supervisor leaf we moved into, if any
+        self._enabled_above = []  # controllers we enabled in the parent's parent
+
+    def roles(self):
+        return ("unified",)
+
+    @property
+    def supports_memory_peak(self):
+        return self._probe_file("unified", "memory.peak")
+
+    @property
+    def supports_pids_peak(self):
+        return self._probe_file("unified", "pids.peak")
+
+    def _ensure_parents(self):
+        p = self.parents["unified"]
+        up = os.path.dirname(p)
+        mkdir(p)
+        avail = set((files.read_text_or_none(os.path.join(up, "cgroup.controllers")) or "").split())
+        have = _controllers(p)
+        missing = [c for c in CONTROLLERS if c in avail and c not in have]
+        if missing:
+            self._enable_above(up, p, missing)
+        have = _controllers(p)
+        sub = set((files.read_text_or_none(os.path.join(p, "cgroup.subtree_control")) or "").split())
+        todo = [c for c in CONTROLLERS if c in have and c not in sub]
+        if todo:
+            files.write(
+                os.path.join(p, "cgroup.subtree_control"),
+                " ".join("+" + c for c in todo),
+                hint=f"{p} must not hold processes itself (cgroup v2 no-internal-processes rule); "
+                "move them into a leaf below it",
+            )
+
+    def _enable_above(self, up, p, missing):
+        value = " ".join("+" + c for c in missing)
+        target = os.path.join(up, "cgroup.subtree_control")
+        try:
+            files.write(target, value)
+            self._enabled_above = missing
+            return
+        except CgroupError as e:
+            if getattr(e, "errno", None) != errno.EBUSY or not self._is_own(up):
+                raise CgroupError(
+                    f"cannot enable controllers {missing} for {p}: {e}",
+                    f"enable them in {target} (possible only while {up} holds no processes), "
+                    "or set the cgroup parent to a delegated cgroup that has them",
+                ) from None
+        # The starter's own cgroup holds processes, at least the starter:
+        # move the starter into a leaf below the parent and try again.
+        leaf = os.path.join(p, f"{SUPERVISOR_PREFIX}{os.getpid()}")
+        mkdir(leaf)
+        files.write(os.path.join(leaf, "cgroup.procs"), os.getpid())
+        self._moved_self = leaf
+        try:
+            files.write(target, value)
+            self._enabled_above = missing
+        except CgroupError:
+            self._move_back()
+            raise CgroupError(
+                f"cannot enable controllers {missing} for {p}: {up} holds processes other than the starter",
+                "give the starter a cgroup of its own (systemd Delegate=yes, Slurm's task cgroup) "
+                "or set the cgroup parent to a delegated cgroup with these controllers enabled",
+            ) from None
+
+    def _is_own(self, d):
+        own = self.layout.own.get("unified")
+        return own is not None and d == files.join(self.layout.unified.mount_point, own)
+
+    def _move_back(self):
+        leaf = self._moved_self
+        if leaf is None:
+            return True
+        up = os.path.dirname(os.path.dirname(leaf))
+        try:
+            files.write(os.path.join(up, "cgroup.procs"), os.getpid())
+        except CgroupError:
+            return False
+        self._moved_self = None
+        try:
+            os.rmdir(leaf)
+        except OSError:
+            pass
+        return True
+
+    def _prune_extra(self, parent):
+        # Leaves of starters that have exited are empty: rmdir succeeds only then.
+        try:
+            with os.scandir(parent) as it:
+                names = [e.name for e in it if e.name.startswith(SUPERVISOR_PREFIX)]
+        except OSError:
+            return
+        for n in names:
+            try:
+                os.rmdir(os.path.join(parent, n))
+            except OSError:
+                pass
+
+    def close(self):
+        """Once no job is left: disable what we enabled, move the starter
+        back into its own cgroup, remove starter/."""
+        if self._moved_self is not None and not self.list_jobs():
+            p = self.parents["unified"]
+            up = os.path.dirname(p)
+            sub = os.path.join(p, "cgroup.subtree_control")
+            enabled = (files.read_text_or_none(sub) or "").split()
+            try:
+                if enabled:
+                    files.write(sub, " ".join("-" + c for c in enabled))
+                if self._enabled_above:
+                    files.write(
+                        os.path.join(up, "cgroup.subtree_control"),
+                        " ".join("-" + c for c in self._enabled_above),
+                    )
+                    self._enabled_above = []
+                self._move_back()
+            except CgroupError:
+                pass  # another starter shares <own>; its close() finishes
+        return self.prune()
+
+
+def _controllers(d):
+    return set((files.read_text_or_none(os.path.join(d, "cgroup.controllers")) or "").split())
