@@ -1,0 +1,314 @@
+"""Command line: subcommands and their options, mapped to the modules that do
+the work; errors mapped to exit codes.  No logic lives here.
+
+The option parser is a small table-driven one, not argparse: argparse pulls
+in `re` and costs ~8 ms per start on these machines, half the budget of a
+whole `starter run -- /bin/true`.
+"""
+
+import os
+import sys
+
+from starter.errors import EXIT_STARTER_FAILED, StarterError
+
+USAGE = """\
+usage: starter COMMAND [options] ...
+
+Launch one batch job isolated in its own PID, mount and network namespaces
+and cgroup, and the tools to look after running jobs.
+
+commands:
+  run [options] -- CMD [ARGS]   run a job (see `starter run --help`)
+  ns-exec [-pnmui] -- CMD       run CMD in fresh namespaces, as root, for debugging
+  enter JOB [--user U] [-- CMD] run CMD inside a running job (its namespaces and cgroup)
+  ps [--json]                   list the jobs on this node
+  status JOB [--json]           live usage of one job
+  vacate|suspend|resume|kill JOB
+                                control a running job (same as signalling its starter)
+  gc                            reclaim what crashed starters left behind
+  netd                          run the per-node network helper (for --net nat)
+  spool [--spool DIR] add|ls|gc|link|release ...
+                                shared executables, stored once per owner and hash
+
+common options: --state-dir DIR (default /run/starter, or $STARTER_STATE_DIR)
+exit codes of run: the job's code, 128+N for signal N, 125 starter failed,
+126 not executable, 127 not found.
+"""
+
+# name -> (key, kind, help).  kind: flag | value | multi
+RUN_OPTIONS = {
+    "--job": ("job", "value", "FILE  JSON job description; options given here override it"),
+    "--id": ("id", "value", "ID  job id (default: random); [A-Za-z0-9_.-], at most 64"),
+    "--user": ("user", "value", "USER  run as this user (name or uid)"),
+    "--group": ("group", "value", "GROUP  primary group (default: the user's)"),
+    "--cwd": ("cwd", "value", "DIR  working directory inside the job"),
+    "--env": ("env", "multi", "K=V  set a variable (repeatable); the job gets only these plus HOME/USER/PATH"),
+    "--net": ("net", "value", "MODE  none (default: own namespace, loopback only), host, nat"),
+    "--hostname": ("hostname", "value", "NAME  host name inside the job (own UTS namespace)"),
+    "--bind": ("bind", "multi", "SRC[:DST]  bind mount (repeatable)"),
+    "--ro-bind": ("ro-bind", "multi", "SRC[:DST]  read-only bind mount (repeatable)"),
+    "--tmpfs": ("tmpfs", "multi", "DST[:OPTS]  a tmpfs (size=,mode=,nr_inodes=)"),
+    "--init": ("init", "flag", "keep a tiny init as PID 1 (reaps orphans, forwards signals)"),
+    "--memory": ("memory", "value", "SIZE  memory limit, no swap beyond it (e.g. 512M)"),
+    "--cpus": ("cpus", "value", "N  cpu quota in cores (e.g. 1.5)"),
+    "--cpu-weight": ("cpu-weight", "value", "N  cpu weight 1..10000 (default 100)"),
+    "--pids": ("pids", "value", "N  most processes/threads at once"),
+    "--wall-time": ("wall-time", "value", "SECONDS  wall-clock limit; then the job is killed (reason timeout)"),
+    "--grace": ("grace", "value", "SECONDS  vacate: time between SIGTERM and the kill (default 10)"),
+    "--on-signal": ("on-signal", "multi", "SIG=ACTION  map a signal to vacate|suspend|resume|kill"),
+    "--report": ("report", "value", "FILE|fd:N  write the JSON usage report here when the job ends"),
+    "--events": ("events", "value", "FILE|fd:N  write JSON lines, one per state change"),
+    "--state-dir": ("state-dir", "value", "DIR  per-job state (default /run/starter)"),
+    "--cgroup-parent": ("cgroup-parent", "value", "PATH  cgroup parent (default: starter/ under our own cgroup)"),
+    "--lan": ("lan", "multi", "CIDR  network counted as LAN (repeatable); the rest is WAN"),
+    "--pool": ("pool", "value", "CIDR  address pool for job networks (default 10.213.0.0/16)"),
+    "--uplink": ("uplink", "value", "IFACE  interface jobs are NATed out of"),
+    "--allow-host-port": ("allow-host-port", "multi", "PROTO:PORT  let jobs reach this port on the host"),
+    "--resolver": ("resolver", "value", "IP  name server written to the job's /etc/resolv.conf"),
+    "--scratch": ("scratch", "value", "DIR  fresh private working directory, removed at the end"),
+    "--execute-dir": ("execute-dir", "value", "DIR  make the scratch directory as DIR/job-ID"),
+    "--keep-scratch": ("keep-scratch", "flag", "do not remove the scratch directory"),
+    "--manifest": ("manifest", "value", "FILE  signature file listing the inputs (sha256sum format)"),
+    "--manifest-digest": ("manifest-digest", "value", "SHA256  trusted digest of the signature file"),
+    "--inputs": ("inputs", "value", "DIR  where the manifest's files are read from"),
+}
+
+
+class UsageError(StarterError):
+    pass
+
+
+def parse(argv, table, positional=0, command_after=True):
+    """-> (values dict of given options, positionals, command list)."""
+    values, pos, i = {}, [], 0
+    while i < len(argv):
+        a = argv[i]
+        if a == "--":
+            return values, pos, argv[i + 1:]
+        if a.startswith("--"):
+            name, eq, inline = a.partition("=")
+            if name not in table:
+                raise UsageError(f"unknown option {name} (see --help)")
+            key, kind, _ = table[name]
+            if kind == "flag":
+                if eq:
+                    raise UsageError(f"{name} takes no value")
+                values[key] = True
+            else:
+                if not eq:
+                    i += 1
+                    if i >= len(argv):
+                        raise UsageError(f"{name} needs a value")
+                    inline = argv[i]
+                if kind == "multi":
+                    values.setdefault(key, []).append(inline)
+                else:
+                    values[key] = inline
+        elif len(pos) < positional:
+            pos.append(a)
+        elif command_after:
+            return values, pos, argv[i:]
+        else:
+            raise UsageError(f"unexpected argument {a!r}")
+        i += 1
+    return values, pos, []
+
+
+def help_text(title, table):
+    lines = [title, "", "options:"]
+    for name, (_, kind, text) in table.items():
+        arg, _, desc = text.partition("  ") if kind != "flag" else ("", "", text)
+        lines.append(f"  {name} {arg}".ljust(30) + " " + desc)
+    return "\n".join(lines) + "\n"
+
+
+def need_root(what):
+    if os.geteuid() != 0:
+        raise StarterError(
+            f"{what} must run as root",
+            "it creates namespaces, cgroups and network devices and switches to the job's user; "
+            "run it from the node daemon (startd, slurmd) or with sudo",
+        )
+
+
+# ------------------------------------------------------------ subcommands
+
+def cmd_run(argv):
+    if argv[:1] in (["--help"], ["-h"]):
+        sys.stdout.write(help_text("usage: starter run [options] -- CMD [ARGS]", RUN_OPTIONS))
+        return 0
+    values, _, command = parse(argv, RUN_OPTIONS)
+    from starter import spec as S
+
+    job_file = S.load_job_file(values.pop("job")) if "job" in values else None
+    if command:
+        values["command"] = command
+    need_root("starter run")
+    js = S.build(values, job_file)
+    from starter.job import run
+
+    return run(js)
+
+
+NS_FLAGS = {"p": "pid", "n": "net", "m": "mnt", "u": "uts", "i": "ipc"}
+
+
+def cmd_ns_exec(argv):
+    """ns_exec from the seed: `starter ns-exec -nm -- /bin/bash`."""
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(
+            "usage: starter ns-exec [-p] [-n] [-m] [-u] [-i] [--] CMD [ARGS]\n\n"
+            "Run CMD as root (capabilities kept) in fresh namespaces: -p pid, -n net,\n"
+            "-m mount, -u uts, -i ipc; flags combine (-nm).  For an admin reproducing\n"
+            "a job's view by hand.  With -p, /proc is remounted (needs -m, added).\n"
+        )
+        return 0 if argv else 2
+    namespaces, i = set(), 0
+    while i < len(argv) and argv[i].startswith("-") and argv[i] != "--":
+        for ch in argv[i][1:]:
+            if ch not in NS_FLAGS:
+                raise UsageError(f"unknown flag -{ch} (use -p -n -m -u -i)")
+            namespaces.add(NS_FLAGS[ch])
+        i += 1
+    if i < len(argv) and argv[i] == "--":
+        i += 1
+    command = argv[i:]
+    if not command:
+        raise UsageError("no command given")
+    if not namespaces:
+        raise UsageError("no namespace flag given (-p -n -m -u -i)")
+    need_root("starter ns-exec")
+    from starter.job import ns_exec
+
+    return ns_exec(command, frozenset(namespaces))
+
+
+def cmd_enter(argv):
+    table = {
+        "--user": ("user", "value", "USER  run as this user (default: the job's user)"),
+        "--state-dir": ("state-dir", "value", "DIR  state directory"),
+    }
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(help_text("usage: starter enter JOB [--user USER] [-- CMD [ARGS]]", table))
+        return 0 if argv else 2
+    values, pos, command = parse(argv, table, positional=1)
+    if not pos:
+        raise UsageError("which job? (starter ps lists them)")
+    need_root("starter enter")
+    from starter import admin
+
+    return admin.enter(_state_dir(values), pos[0], command or ["/bin/sh"], values.get("user"))
+
+
+def cmd_ps(argv):
+    table = {"--json": ("json", "flag", "print JSON"), "--state-dir": ("state-dir", "value", "DIR  state directory")}
+    values, _, _ = parse(argv, table, command_after=False)
+    from starter import admin
+
+    return admin.ps(_state_dir(values), values.get("json", False))
+
+
+def cmd_status(argv):
+    table = {"--json": ("json", "flag", "print JSON"), "--state-dir": ("state-dir", "value", "DIR  state directory")}
+    values, pos, _ = parse(argv, table, positional=1, command_after=False)
+    if not pos:
+        raise UsageError("which job? (starter ps lists them)")
+    from starter import admin
+
+    return admin.status(_state_dir(values), pos[0], values.get("json", False))
+
+
+def _control(action):
+    def cmd(argv):
+        table = {"--state-dir": ("state-dir", "value", "DIR  state directory")}
+        values, pos, _ = parse(argv, table, positional=1, command_after=False)
+        if not pos:
+            raise UsageError(f"usage: starter {action} JOB")
+        need_root(f"starter {action}")
+        from starter import admin
+
+        return admin.control(_state_dir(values), pos[0], action)
+
+    return cmd
+
+
+def cmd_gc(argv):
+    table = {"--state-dir": ("state-dir", "value", "DIR  state directory")}
+    values, _, _ = parse(argv, table, command_after=False)
+    need_root("starter gc")
+    from starter import admin
+
+    for line in admin.gc(_state_dir(values)):
+        print(line)
+    return 0
+
+
+def cmd_netd(argv):
+    table = {
+        "--state-dir": ("state-dir", "value", "DIR  state directory (socket: DIR/netd.sock)"),
+        "--pool": ("pool", "value", "CIDR  address pool"),
+        "--lan": ("lan", "multi", "CIDR  LAN networks"),
+        "--uplink": ("uplink", "value", "IFACE  uplink"),
+    }
+    values, _, _ = parse(argv, table, command_after=False)
+    need_root("starter netd")
+    from starter import net
+
+    state = _state_dir(values)
+    net.serve(state, os.path.join(state, "netd.sock"))
+    return 0
+
+
+def cmd_spool(argv):
+    from starter import spool
+
+    return spool.main(argv)
+
+
+def _state_dir(values):
+    from starter.spec import check_path
+
+    d = values.get("state-dir") or os.environ.get("STARTER_STATE_DIR") or "/run/starter"
+    return check_path("state-dir", d)
+
+
+COMMANDS = {
+    "run": cmd_run,
+    "ns-exec": cmd_ns_exec,
+    "enter": cmd_enter,
+    "ps": cmd_ps,
+    "status": cmd_status,
+    "vacate": _control("vacate"),
+    "suspend": _control("suspend"),
+    "resume": _control("resume"),
+    "kill": _control("kill"),
+    "gc": cmd_gc,
+    "netd": cmd_netd,
+    "spool": cmd_spool,
+}
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        sys.stdout.write(USAGE)
+        return 0 if argv else 2
+    if argv[0] == "--version":
+        from starter import __version__
+
+        print(f"starter {__version__}")
+        return 0
+    cmd = COMMANDS.get(argv[0])
+    if cmd is None:
+        sys.stderr.write(f"starter: unknown command {argv[0]!r}\n{USAGE}")
+        return 2
+    try:
+        return cmd(argv[1:])
+    except UsageError as e:
+        sys.stderr.write(f"starter {argv[0]}: {e}\n")
+        return EXIT_STARTER_FAILED if argv[0] == "run" else 2
+    except StarterError as e:
+        sys.stderr.write(f"starter: {e}\n")
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130

@@ -1,0 +1,258 @@
+"""One job's lifetime: acquire in order, release in reverse, always.
+
+    gc of dead starters' leftovers
+    state entry (lock held for the job's life)
+    scratch / verified inputs
+    cgroup (limits set before anything runs in it)
+    clone into the cgroup; the child waits on the sync fd
+    attach the v1 hierarchies; wire the network
+    release; the child execs (or reports the step that failed)
+    supervise until the main process is gone and the cgroup is empty
+    measure (cgroup stats, network counters), report, then tear down
+
+Each teardown is registered right after its resource exists, so any failure
+on the way unwinds exactly what was made.  Measurements are taken before
+anything is destroyed.
+"""
+
+import os
+import sys
+import time
+
+from starter.errors import EXIT_STARTER_FAILED, StarterError
+
+
+class Undo:
+    """A stack of teardowns; every one runs even when an earlier one fails."""
+
+    def __init__(self):
+        self.steps = []
+
+    def push(self, fn, *args):
+        self.steps.append((fn, args))
+
+    def run(self):
+        err = None
+        while self.steps:
+            fn, args = self.steps.pop()
+            try:
+                fn(*args)
+            except Exception as e:  # keep unwinding; report the first failure
+                sys.stderr.write(f"starter: teardown {getattr(fn, '__qualname__', fn)} failed: {e}\n")
+                err = err or e
+        return err
+
+
+def run(spec):
+    """Run the job described by a checked JobSpec; -> the starter's exit code."""
+    from starter import state as S
+    from starter.report import Events, write_report
+    from starter.supervisor import Signals
+
+    t0 = time.time()
+    undo = Undo()
+    signals = Signals(spec.on_signal)
+    undo.push(signals.close)
+    events = Events(None, spec.id)
+    report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
+              "signal": None, "started_at": round(t0, 6)}
+    try:
+        try:
+            events = Events(spec.events, spec.id)
+        except OSError as e:
+            raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
+        from starter import admin
+
+        admin.gc_quick(spec.state_dir)
+        job_state = S.JobState(spec.state_dir, spec.id).create(
+            state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
+            argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
+        undo.push(job_state.remove)
+        events.emit("starting", argv=spec.argv, user=spec.uid)
+        code = _run(spec, job_state, signals, events, undo, report)
+    except StarterError as e:
+        sys.stderr.write(f"starter: {e}\n")
+        report.update(error=str(e), exit_code=e.exit_code)
+        code = e.exit_code
+    except Exception as e:
+        # A bug or an unexpected kernel answer: still fail closed, unwind, report.
+        import traceback
+
+        traceback.print_exc()
+        sys.stderr.write(f"starter: internal error: {e!r}\n")
+        report.update(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
+        code = EXIT_STARTER_FAILED
+    finally:
+        err = undo.run()
+        if err is not None and report.get("reason") != "starter_error":
+            report["teardown_error"] = str(err)
+        report["ended_at"] = round(time.time(), 6)
+        if spec.report:
+            try:
+                write_report(spec.report, report)
+            except OSError as e:
+                sys.stderr.write(f"starter: cannot write report {spec.report}: {e.strerror}\n")
+        events.emit("exited", report=report)
+        events.close()
+    return code
+
+
+def _run(spec, job_state, signals, events, undo, report):
+    from starter import cgroups, ns
+    from starter.mounts import Mount
+    from starter.supervisor import Supervisor, classify
+
+    # Scratch directory and verified inputs, before anything can run.
+    cwd = spec.cwd
+    mounts = list(spec.mounts)
+    argv = list(spec.argv)
+    if spec.scratch or spec.execute_dir:
+        from starter import scratch
+
+        if spec.scratch:
+            sc = scratch.create(spec.scratch, spec.uid, spec.gid)
+        else:
+            sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid)
+        if not spec.keep_scratch:
+            undo.push(sc.remove)
+        job_state.update(scratch=sc.path, keep_scratch=spec.keep_scratch)
+        cwd = cwd or sc.path
+        if spec.manifest:
+            from starter import manifest
+
+            staged = manifest.verify_and_stage(
+                spec.manifest, spec.manifest_digest, spec.inputs or os.path.dirname(spec.manifest),
+                sc.path, spec.uid, spec.gid)
+            # Run the verified copy, never the path that was checked.
+            if argv[0] in staged:
+                argv[0] = staged[argv[0]]
+    elif spec.manifest:
+        raise StarterError("--manifest needs a scratch directory to stage into",
+                           "add --scratch DIR or --execute-dir DIR")
+
+    # The cgroup, with its limits, before anything runs in it.
+    backend = cgroups.open_backend(spec.cgroup_parent)
+    cg = backend.create(spec.id)
+    undo.push(cg.destroy)
+    cg.set_limits(cgroups.Limits(memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
+                                 cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
+    job_state.update(cgroup=cg.paths, cgroup_kind=backend.kind)
+
+    netcfg = None
+    if spec.network.mode == "nat":
+        from starter import net
+
+        netcfg = _net_config(spec)
+        resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
+        S_write(resolv, net.resolv_conf_text(netcfg))
+        undo.push(_unlink, resolv)
+        mounts.append(Mount(kind="ro-bind", src=resolv, dst="/etc/resolv.conf"))
+
+    namespaces = {"pid", "mnt"}
+    if spec.network.mode != "host":
+        namespaces.add("net")
+    if spec.hostname:
+        namespaces.add("uts")
+    child_spec = ns.ChildSpec(
+        argv=argv, env=spec.env, cwd=cwd or "/", uid=spec.uid, gid=spec.gid,
+        groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
+        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd())
+    child = ns.spawn(child_spec)
+    undo.push(child.close)
+    cg.add_pid(child.pid)
+
+    lease = None
+    if netcfg is not None:
+        from starter import net
+
+        fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            undo.push(_net_teardown, spec.id, netcfg, report)
+            lease = net.setup(spec.id, fd, netcfg)
+        finally:
+            os.close(fd)
+        job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway)
+
+    child.release()
+    try:
+        child.wait_started()
+    except StarterError as e:
+        report.update(error=str(e), exit_code=e.exit_code)
+        raise
+    job_state.update(state="running", pid=child.pid)
+    events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None)
+
+    sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace)
+    out = sup.run()
+
+    # Measure before anything is destroyed.
+    stats = cg.stats()
+    reason, code, sig = classify(out, stats.get("oom_kills"))
+    if reason == "oom":
+        events.emit("oom", oom_kills=stats.get("oom_kills"))
+    report.update(reason=reason, exit_code=code, signal=sig,
+                  wall_s=round(time.monotonic() - sup.started, 6),
+                  cgroup=backend.kind, **stats)
+    if out.unkillable:
+        report["unkillable"] = out.unkillable
+    if netcfg is not None:
+        from starter import net
+
+        report["network"] = net.teardown(spec.id, netcfg)
+    job_state.update(state="exited")
+    return code
+
+
+def _net_config(spec):
+    from starter import net
+
+    kw = {"state_dir": spec.state_dir, "lan": spec.network.lan, "uplink": spec.network.uplink,
+          "allow_host_ports": spec.network.allow_host_ports, "resolver": spec.network.resolver}
+    if spec.network.pool:
+        kw["pool"] = spec.network.pool
+    return net.NetConfig(**kw)
+
+
+def _net_teardown(job_id, cfg, report):
+    from starter import net
+
+    counters = net.teardown(job_id, cfg)
+    if counters and "network" not in report:
+        report["network"] = counters
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def S_write(path, text):
+    from starter.state import write_atomic
+
+    write_atomic(path, text, 0o644)
+
+
+def ns_exec(argv, namespaces):
+    """The seed's ns_exec: CMD in fresh namespaces, root, caps kept; for admins."""
+    from starter import ns
+
+    child = ns.spawn(ns.ChildSpec(
+        argv=list(argv), env=_admin_env(), cwd=os.getcwd(), uid=0, gid=0,
+        namespaces=namespaces | ({"mnt"} if "pid" in namespaces else set()),
+        private_tmp=False, drop_privileges=False, keep_fds=()))
+    try:
+        child.release()
+        child.wait_started()
+        from starter.report import decode_status
+
+        return decode_status(child.wait())[0]
+    finally:
+        child.close()
+
+
+def _admin_env():
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TERM", "USER", "LANG", "LC_ALL")}
+    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    return env
