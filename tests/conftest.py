@@ -1,0 +1,155 @@
+"""Shared fixtures: the starter command, a private state directory, and the
+leak check every test passes through.
+
+A test that leaves something on the node fails: after each test we compare
+what the node holds (veths, network namespaces, nft tables, job cgroups,
+mounts, state entries, our own child processes) with what it held before.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STARTER = os.path.join(REPO, ".venv", "bin", "starter")
+PYTHON = os.path.join(REPO, ".venv", "bin", "python")
+
+
+def pytest_configure(config):
+    if os.geteuid() != 0:
+        raise pytest.UsageError("the tests use real namespaces, cgroups and nftables: run them as root")
+
+
+# ---------------------------------------------------------------- helpers
+
+@pytest.fixture(scope="session")
+def state_root(tmp_path_factory):
+    d = tmp_path_factory.mktemp("state")
+    os.environ["STARTER_STATE_DIR"] = str(d / "run")
+    yield str(d / "run")
+
+
+@pytest.fixture
+def state_dir(state_root):
+    return state_root
+
+
+@pytest.fixture
+def starter(state_root):
+    """Run the real CLI: starter(args...) -> CompletedProcess (text)."""
+
+    def run(*args, timeout=60, check=None, **kw):
+        kw.setdefault("capture_output", True)
+        kw.setdefault("text", True)
+        p = subprocess.run([STARTER, *args], timeout=timeout, **kw)
+        if check is not None:
+            assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
+        return p
+
+    return run
+
+
+# ---------------------------------------------------------------- leak check
+
+def _lines(cmd):
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.TimeoutExpired):
+        return set()
+    return {l.strip() for l in out.splitlines() if l.strip()}
+
+
+def _veths():
+    return {l.split(": ")[1].split("@")[0] for l in _lines(["ip", "-o", "link", "show", "type", "veth"]) if ": " in l}
+
+
+def _job_cgroups():
+    found = set()
+    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
+        for d in dirs:
+            if d.startswith("job-") or d == "starter" or d.startswith("starter-"):
+                found.add(os.path.join(root, d))
+        # do not descend into job cgroups or very deep trees
+        depth = root.count("/")
+        if depth > 9:
+            dirs[:] = []
+    return found
+
+
+def _mounts():
+    with open("/proc/self/mountinfo") as f:
+        # mount ids change, the rest of the line must not
+        return {" ".join(l.split()[2:]) for l in f}
+
+
+def _children():
+    me = str(os.getpid())
+    kids = set()
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                data = f.read()
+        except OSError:
+            continue
+        fields = data[data.rindex(")") + 2:].split()
+        if fields[1] == me:
+            kids.add((pid, data[data.index("(") + 1:data.rindex(")")]))
+    return kids
+
+
+def _state_entries():
+    d = os.environ.get("STARTER_STATE_DIR")
+    found = set()
+    for base in filter(None, (d, "/run/starter")):
+        try:
+            found |= {os.path.join(base, n) for n in os.listdir(base)}
+        except FileNotFoundError:
+            pass
+    return found
+
+
+def snapshot():
+    return {
+        "veth": _veths(),
+        "netns": _lines(["ip", "netns", "list"]),
+        "nft tables": _lines(["nft", "list", "tables"]),
+        "job cgroups": {c for c in _job_cgroups() if os.path.basename(c).startswith("job-")},
+        "mounts": _mounts(),
+        "child processes": _children(),
+        "state entries": _state_entries(),
+    }
+
+
+@pytest.fixture(autouse=True)
+def leak_check(request, state_root):
+    before = snapshot()
+    yield
+    after = snapshot()
+    leaks = {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]}
+    # Give our own children a moment: a process we killed may still be exiting.
+    if "child processes" in leaks:
+        import time
+
+        time.sleep(0.5)
+        kids = _children() - before["child processes"]
+        leaks.pop("child processes")
+        if kids:
+            leaks["child processes"] = sorted(kids)
+    if leaks:
+        pytest.fail(f"test left on the node: {leaks}", pytrace=False)
+
+
+@pytest.fixture(scope="session", autouse=True)
+def node_clean_at_end(state_root):
+    """After the whole run: gc, then nothing of ours may remain at all."""
+    yield
+    if os.path.exists(STARTER):
+        subprocess.run([STARTER, "gc", "--state-dir", state_root], capture_output=True, timeout=60)
+    left = {c for c in _job_cgroups()}
+    if left:
+        sys.stderr.write(f"\nLEAK: cgroups left after the session: {sorted(left)}\n")
+        raise RuntimeError(f"cgroups left after the session: {sorted(left)}")
