@@ -26,6 +26,19 @@ def write_report(dest, report):
     if dest is None:
         return
     text = (dumps(report) + "\n").encode()
+    import stat
+
+    try:
+        special = not stat.S_ISREG(os.stat(dest).st_mode) if not dest.startswith("fd:") else False
+    except FileNotFoundError:
+        special = False
+    if special:  # /dev/stdout, a fifo: write in place
+        fd = os.open(dest, os.O_WRONLY | os.O_CLOEXEC)
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
+        return
     if dest.startswith("fd:"):
         fd = open_dest(dest, append=True)
         try:
