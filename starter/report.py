@@ -29,11 +29,12 @@ def write_report(dest, report):
     import stat
 
     try:
-        special = not stat.S_ISREG(os.stat(dest).st_mode) if not dest.startswith("fd:") else False
+        # lstat: /dev/stdout is a symlink, and renaming over it would replace it.
+        special = not stat.S_ISREG(os.lstat(dest).st_mode) if not dest.startswith("fd:") else False
     except FileNotFoundError:
         special = False
-    if special:  # /dev/stdout, a fifo: write in place
-        fd = os.open(dest, os.O_WRONLY | os.O_CLOEXEC)
+    if special:  # /dev/stdout, a fifo, a link the caller chose: write through it
+        fd = os.open(dest, os.O_WRONLY | os.O_CLOEXEC | os.O_APPEND)
         try:
             os.write(fd, text)
         finally:
