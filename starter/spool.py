@@ -1,0 +1,640 @@
+"""Shared executables: one copy per (owner, content) in the spool, hard links as refcounts.
+
+A node that runs hundreds of jobs with the same executable keeps one file,
+``$SPOOL/exe-<EscapedOwner>-<CmdHash>``, and hard-links it into each job's
+directory (the job's copy, the seed's "ickpt").  The inode's link count is the
+reference count:
+
+    nlink of the job copy   meaning
+    1                       a private copy (no hash, links disabled, or copied)
+    2                       we are the last user: release removes the hash path too
+    3+                      other jobs still use it
+
+The owner is part of the name so that one user who finds a hash collision can
+only ever hurt their own jobs.  Names are built with the seed's escaping: every
+byte outside ``[A-Za-z0-9_.]`` becomes ``%XX``, so ``-`` (the separator) and
+``%`` (the escape) never appear raw inside a key or value and the name maps back
+to exactly one (owner, attributes) list.
+
+Every change to the spool (store, link, release, gc) happens under an flock on
+``$SPOOL/.lock`` (never deleted), so gc cannot remove a file between an add and
+its first link.  Files are written to a temp name, fsynced, renamed into place
+and the directory fsynced; stored executables are read-only (0555, or 0444 when
+the source had no exec bit).
+
+Where link() cannot work (the job directory is on another filesystem, EPERM,
+EMLINK) the job gets a private copy and a warning is logged.  After 10 such
+failures with no success ever, the spool stops trying (state in
+``$SPOOL/.linkstate`` so every process on the node sees it; delete the file to
+try again).
+"""
+
+import errno
+import fcntl
+import hashlib
+import hmac
+import logging
+import os
+import stat
+
+from starter.errors import SpecError, StagingError
+
+log = logging.getLogger("starter.spool")
+
+INVALID = "invalid"
+PREFIX = "exe-"
+LOCK_NAME = ".lock"
+LINKSTATE_NAME = ".linkstate"
+TMP_PREFIX = ".tmp-"
+LINK_FAIL_LIMIT = 10
+DEFAULT_GC_MIN_AGE = 600  # seconds an unlinked file is kept: room between add and link
+NAME_MAX = 255
+_CHUNK = 1 << 20
+
+#: hash attribute name -> hashlib constructor name
+HASH_ATTRS = {
+    "CmdHashSHA256": "sha256",
+    "CmdHashSHA512": "sha512",
+    "CmdHashSHA1": "sha1",
+    "CmdHashMD5": "md5",
+}
+
+_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.")
+_HEX = "0123456789ABCDEF"
+_LINK_ERRNOS = (errno.EXDEV, errno.EPERM, errno.EMLINK)
+
+
+# ---------------------------------------------------------------- escaping
+
+
+def escape(value):
+    """The seed's escaping: bytes outside [A-Za-z0-9_.] become %XX (uppercase hex).
+
+    Non-ASCII text is escaped byte by byte of its UTF-8 encoding.  Injective:
+    '%' itself is escaped, so unescape() recovers the input exactly.
+    """
+    data = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
+    out = []
+    for b in data:
+        if b in _SAFE:
+            out.append(chr(b))
+        else:
+            out.append("%" + _HEX[b >> 4] + _HEX[b & 15])
+    return "".join(out)
+
+
+def unescape(text):
+    """Inverse of escape(); raises ValueError on text escape() cannot produce."""
+    out = bytearray()
+    i, n = 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "%":
+            h = text[i + 1 : i + 3]
+            if len(h) != 2 or any(x not in _HEX for x in h):
+                raise ValueError(f"bad escape at offset {i} in {text!r}")
+            out.append(int(h, 16))
+            i += 3
+        elif ord(c) < 128 and ord(c) in _SAFE:
+            out.append(ord(c))
+            i += 1
+        else:
+            raise ValueError(f"unescaped character {c!r} at offset {i} in {text!r}")
+    return out.decode("utf-8", "surrogateescape")
+
+
+def encode_cmdhash(pairs):
+    """[(key, value), ...] -> "KEY1-VALUE1-KEY2-VALUE2" with every part escaped."""
+    pairs = list(pairs)
+    if not pairs:
+        return INVALID
+    return "-".join(escape(k) + "-" + escape(v) for k, v in pairs)
+
+
+def decode_cmdhash(cmdhash):
+    """Inverse of encode_cmdhash(); ValueError if it is not one."""
+    parts = cmdhash.split("-")
+    if cmdhash == INVALID or len(parts) % 2:
+        raise ValueError(f"not a CmdHash: {cmdhash!r}")
+    vals = [unescape(p) for p in parts]
+    return list(zip(vals[0::2], vals[1::2]))
+
+
+def hash_name(owner, cmdhash):
+    """File name of the spool entry: exe-<EscapedOwner>-<CmdHash>."""
+    return PREFIX + escape(check_owner(owner)) + "-" + cmdhash
+
+
+def parse_name(name):
+    """exe-<EscapedOwner>-<CmdHash> -> (owner, cmdhash); ValueError otherwise."""
+    if not name.startswith(PREFIX):
+        raise ValueError(f"not a spool entry: {name!r}")
+    esc_owner, sep, cmdhash = name[len(PREFIX) :].partition("-")
+    if not sep:
+        raise ValueError(f"not a spool entry: {name!r}")
+    decode_cmdhash(cmdhash)
+    return unescape(esc_owner), cmdhash
+
+
+def check_owner(owner):
+    if not isinstance(owner, str) or owner in ("", ".", "..") or "/" in owner or "\0" in owner:
+        raise SpecError(
+            "owner",
+            f"{owner!r} is not a usable owner name",
+            hint="give the job owner's user name: not empty, not '.' or '..', no '/' or NUL",
+        )
+    return owner
+
+
+def check_cmdhash(cmdhash):
+    if cmdhash == INVALID:
+        return cmdhash
+    try:
+        decode_cmdhash(cmdhash)
+    except ValueError as e:
+        raise SpecError("cmdhash", str(e), hint="pass the value `starter spool add` printed, or 'invalid'") from None
+    return cmdhash
+
+
+def file_digests(src, algorithms):
+    """Hash a file (path or open fd) once with several algorithms -> {alg: hexdigest}."""
+    hs = {a: hashlib.new(a) for a in algorithms}
+    fd = _open_src(src) if not isinstance(src, int) else src
+    try:
+        while True:
+            buf = os.read(fd, _CHUNK)
+            if not buf:
+                break
+            for h in hs.values():
+                h.update(buf)
+    finally:
+        if not isinstance(src, int):
+            os.close(fd)
+    return {a: h.hexdigest() for a, h in hs.items()}
+
+
+def compute_cmdhash(src, hash_attrs=("CmdHashSHA256",)):
+    """The CmdHash string of a file, e.g. 'CmdHashSHA256-<hex>'; 'invalid' for no attributes."""
+    attrs = _check_attrs(hash_attrs)
+    if not attrs:
+        return INVALID
+    digests = file_digests(src, {HASH_ATTRS[a] for a in attrs})
+    return encode_cmdhash((a, digests[HASH_ATTRS[a]]) for a in attrs)
+
+
+def _check_attrs(hash_attrs):
+    attrs = [hash_attrs] if isinstance(hash_attrs, str) else list(hash_attrs)
+    for a in attrs:
+        if a not in HASH_ATTRS:
+            raise SpecError("hash_attrs", f"unknown hash attribute {a!r}", hint="use one of " + ", ".join(HASH_ATTRS))
+    return attrs
+
+
+def _open_src(path):
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except OSError as e:
+        raise StagingError(f"spool: cannot open {path}: {e.strerror}") from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise StagingError(f"spool: {path} is not a regular file")
+    return fd
+
+
+# ---------------------------------------------------------------- the spool
+
+
+class Spool:
+    """A spool directory of shared executables.  All methods return plain data."""
+
+    def __init__(self, dir, *, link_fail_limit=LINK_FAIL_LIMIT):
+        self.dir = os.path.abspath(dir)
+        self.link_fail_limit = link_fail_limit
+        self._links_disabled = False  # sticky per instance once seen
+        self._links_ok = False  # link() has worked here once: no need to read .linkstate again
+        self._dfd = None
+        self._open_dir()
+
+    # -- setup
+
+    def _open_dir(self):
+        try:
+            os.mkdir(self.dir, 0o700)
+        except FileExistsError:
+            pass
+        except OSError as e:
+            raise StagingError(f"spool: cannot create {self.dir}: {e.strerror}") from None
+        try:
+            fd = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        except OSError as e:
+            raise StagingError(
+                f"spool: cannot open {self.dir}: {e.strerror}", hint="the spool must be a real directory, not a symlink"
+            ) from None
+        st = os.fstat(fd)
+        if st.st_uid != os.geteuid() or st.st_mode & 0o022:
+            os.close(fd)
+            raise StagingError(
+                f"spool: {self.dir} is owned by uid {st.st_uid} with mode {stat.S_IMODE(st.st_mode):04o}; "
+                "anyone who can write there can plant executables for other users",
+                hint=f"chown root: {self.dir} && chmod 0700 {self.dir}",
+            )
+        self._dfd = fd
+
+    def close(self):
+        if self._dfd is not None:
+            os.close(self._dfd)
+            self._dfd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _lock(self):
+        return _Flock(self._dfd)
+
+    def path_of(self, owner, cmdhash):
+        """Absolute hash path, or None for 'invalid'."""
+        if check_cmdhash(cmdhash) == INVALID:
+            check_owner(owner)
+            return None
+        name = hash_name(owner, cmdhash)
+        if len(name.encode()) > NAME_MAX:
+            raise SpecError("owner", f"spool name for {owner!r} is {len(name)} bytes, over the {NAME_MAX} limit")
+        return os.path.join(self.dir, name)
+
+    # -- the seed's two steps: "may I send it?" and "here it is"
+
+    def lookup(self, owner, cmdhash):
+        """The hash path if the spool has this file for this owner ("have it"), else None ("send it")."""
+        path = self.path_of(owner, cmdhash)
+        if path is None:
+            return None
+        try:
+            st = os.stat(os.path.basename(path), dir_fd=self._dfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return None
+        return path if stat.S_ISREG(st.st_mode) else None
+
+    def store(self, owner, cmdhash, src, *, verify=True, dest=None):
+        """Copy `src` into the spool as the hash path; returns (answer, path).
+
+        answer is "have" if the file was already there (nothing written),
+        "send" if it was written now; ("send", None) for 'invalid'.  With
+        `verify`, every known hash attribute in `cmdhash` is checked against
+        the bytes actually copied; a mismatch raises StagingError.  With
+        `dest`, the job's copy is linked in the same lock hold, so gc never
+        sees the new file unused.
+        """
+        path = self.path_of(owner, cmdhash)
+        if path is None:
+            if dest is not None:
+                _copy_file(src, dest)
+            return "send", None
+        name = os.path.basename(path)
+        if dest is None and self.lookup(owner, cmdhash):
+            return "have", path
+        pairs = decode_cmdhash(cmdhash)
+        algs = {HASH_ATTRS[k] for k, _ in pairs if k in HASH_ATTRS} if verify else set()
+        for attempt in range(2):
+            tmp = None
+            if attempt or not self.lookup(owner, cmdhash):
+                tmp = self._write_verified(src, pairs, algs)
+            try:
+                with self._lock():
+                    if self.lookup(owner, cmdhash):
+                        answer = "have"
+                    elif tmp is None:
+                        continue  # gc removed it since we looked: write it after all
+                    else:
+                        os.rename(tmp, name, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+                        tmp = None
+                        os.fsync(self._dfd)
+                        answer = "send"
+                    if dest is not None:
+                        self._link_locked(name, path, dest)
+                    return answer, path
+            finally:
+                if tmp is not None:
+                    _unlink_quiet(tmp, self._dfd)
+        raise AssertionError("unreachable")
+
+    def _write_verified(self, src, pairs, algs):
+        sfd = _open_src(src)
+        try:
+            mode = 0o555 if os.fstat(sfd).st_mode & 0o111 else 0o444
+            tmp, digests = self._write_temp(sfd, algs, mode)
+        finally:
+            os.close(sfd)
+        for k, v in pairs:
+            alg = HASH_ATTRS.get(k)
+            if alg in digests and not hmac.compare_digest(digests[alg], v.lower()):
+                _unlink_quiet(tmp, self._dfd)
+                raise StagingError(
+                    f"spool: {src}: {k} mismatch (expected {v}, got {digests[alg]})",
+                    hint="the file changed while it was added, or the hash given for it is wrong",
+                )
+        return tmp
+
+    def _write_temp(self, sfd, algs, mode):
+        hs = {a: hashlib.new(a) for a in algs}
+        tmp = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dfd)
+        try:
+            while True:
+                buf = os.read(sfd, _CHUNK)
+                if not buf:
+                    break
+                for h in hs.values():
+                    h.update(buf)
+                mv = memoryview(buf)
+                while mv:
+                    mv = mv[os.write(fd, mv) :]
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            _unlink_quiet(tmp, self._dfd)
+            raise
+        os.close(fd)
+        return tmp, {a: h.hexdigest() for a, h in hs.items()}
+
+    def add(self, owner, file, hash_attrs=("CmdHashSHA256",), *, dest=None):
+        """Hash `file`, store it unless the owner already has it: (answer, hash_path).
+
+        answer: "have" (nothing copied) or "send" (stored now).  With no hash
+        attributes the hash path is 'invalid' and nothing is stored.  With
+        `dest`, also give the job its copy there (see link_into).
+        """
+        check_owner(owner)
+        cmdhash = compute_cmdhash(file, hash_attrs)
+        answer, path = self.store(owner, cmdhash, file, dest=dest)
+        return answer, (path if path is not None else INVALID)
+
+    # -- jobs
+
+    def link_into(self, owner, cmdhash, dest, *, src=None):
+        """Give a job its copy at `dest` (must not exist): a hard link to the hash path.
+
+        'invalid' means a private copy of `src`.  If the spool lost the file
+        and `src` is given, it is stored again first.  Where link() fails
+        (EXDEV, EPERM, EMLINK) the job gets a private copy and a warning.
+        Call it before the job starts: `dest`'s directory is trusted here.
+        """
+        path = self.path_of(owner, cmdhash)
+        if path is None:
+            if src is None:
+                raise StagingError("spool: CmdHash is 'invalid' and no source file was given for a private copy")
+            _copy_file(src, dest)
+            return dest
+        if src is not None:
+            self.store(owner, cmdhash, src, dest=dest)
+            return dest
+        name = os.path.basename(path)
+        with self._lock():
+            if not self.lookup(owner, cmdhash):
+                raise StagingError(
+                    f"spool: no {name} in {self.dir}",
+                    hint="add the executable first (`starter spool add`), or pass the source file",
+                )
+            self._link_locked(name, path, dest)
+        return dest
+
+    def _link_locked(self, name, path, dest):
+        if not self._links_enabled():
+            _copy_file(path, dest)
+            return
+        try:
+            os.link(name, dest, src_dir_fd=self._dfd, follow_symlinks=False)
+        except OSError as e:
+            if e.errno not in _LINK_ERRNOS:
+                raise StagingError(f"spool: cannot link {path} to {dest}: {e.strerror}") from None
+            self._note_link(False, e, dest)
+            _copy_file(path, dest)
+            return
+        self._note_link(True)
+
+    def release(self, job_copy, owner, cmdhash):
+        """The seed's steps 8-9: drop the hash path if we are its last user, then the job copy.
+
+        Returns True if the hash path was removed.  The job copy counts only if
+        it is the very inode of the hash path (a job that replaced its copy
+        cannot make us delete someone else's file).
+        """
+        path = self.path_of(owner, cmdhash)
+        removed = False
+        with self._lock():
+            try:
+                jst = os.lstat(job_copy)
+            except FileNotFoundError:
+                jst = None
+            if path is not None and jst is not None and jst.st_nlink == 2:
+                name = os.path.basename(path)
+                try:
+                    hst = os.stat(name, dir_fd=self._dfd, follow_symlinks=False)
+                except FileNotFoundError:
+                    hst = None
+                if hst is not None and (hst.st_dev, hst.st_ino) == (jst.st_dev, jst.st_ino):
+                    os.unlink(name, dir_fd=self._dfd)
+                    os.fsync(self._dfd)
+                    removed = True
+            if jst is not None:
+                try:
+                    os.unlink(job_copy)
+                except FileNotFoundError:
+                    pass
+        return removed
+
+    # -- admin
+
+    def ls(self):
+        """[{name, owner, cmdhash, users, size, mode}] for every exe- entry, sorted by name."""
+        out = []
+        for name, st in self._entries():
+            try:
+                owner, cmdhash = parse_name(name)
+            except ValueError:
+                owner, cmdhash = None, None
+            out.append(
+                {
+                    "name": name,
+                    "owner": owner,
+                    "cmdhash": cmdhash,
+                    "users": st.st_nlink - 1,
+                    "size": st.st_size,
+                    "mode": f"{stat.S_IMODE(st.st_mode):04o}",
+                }
+            )
+        return sorted(out, key=lambda d: d["name"])
+
+    def gc(self, min_age=DEFAULT_GC_MIN_AGE, now=None):
+        """Remove exe- files no job links to (nlink 1) and unchanged for `min_age` s.
+
+        Also removes temp files left by dead processes.  Returns the removed names.
+        The age guard keeps a file that was just added and not yet linked.
+        """
+        import time
+
+        now = time.time() if now is None else now
+        removed = []
+        with self._lock():
+            for name, st in self._entries():
+                if st.st_nlink == 1 and now - st.st_ctime >= min_age:
+                    _unlink_quiet(name, self._dfd)
+                    removed.append(name)
+            with os.scandir(self._dfd) as it:
+                for e in it:
+                    if e.name.startswith(TMP_PREFIX) and not _pid_alive(e.name):
+                        _unlink_quiet(e.name, self._dfd)
+                        removed.append(e.name)
+            if removed:
+                os.fsync(self._dfd)
+        return removed
+
+    def _entries(self):
+        with os.scandir(self._dfd) as it:
+            names = [e.name for e in it if e.name.startswith(PREFIX)]
+        for name in names:
+            try:
+                st = os.stat(name, dir_fd=self._dfd, follow_symlinks=False)
+            except FileNotFoundError:
+                continue
+            if stat.S_ISREG(st.st_mode):
+                yield name, st
+
+    # -- link() bookkeeping (the seed's "don't try link() if it never works")
+
+    def link_state(self):
+        """(ever_succeeded, failures) as persisted in the spool."""
+        try:
+            fd = os.open(LINKSTATE_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dfd)
+        except FileNotFoundError:
+            return False, 0
+        try:
+            text = os.read(fd, 64).decode("ascii", "replace").split()
+        finally:
+            os.close(fd)
+        try:
+            return text[0] == "1", int(text[1])
+        except (IndexError, ValueError):
+            return False, 0
+
+    def _links_enabled(self):
+        if self._links_ok:
+            return True
+        if self._links_disabled:
+            return False
+        ok, fails = self.link_state()
+        self._links_ok = ok
+        if not ok and fails >= self.link_fail_limit:
+            self._links_disabled = True
+            return False
+        return True
+
+    def _note_link(self, success, err=None, dest=None):
+        if success and self._links_ok:
+            return
+        ok, fails = self.link_state()
+        if success:
+            if not ok:
+                self._save_link_state(True, fails)
+            self._links_ok = True
+            return
+        fails += 1
+        self._save_link_state(ok, fails)
+        log.warning(
+            "spool: cannot hard-link into %s (%s); the job gets a private copy", dest, errno.errorcode.get(err.errno)
+        )
+        if not ok and fails >= self.link_fail_limit:
+            self._links_disabled = True
+            log.warning(
+                "spool: link() failed %d times and never worked in %s; copying from now on "
+                "(delete %s to try links again)",
+                fails,
+                self.dir,
+                os.path.join(self.dir, LINKSTATE_NAME),
+            )
+
+    def _save_link_state(self, ok, fails):
+        tmp = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=self._dfd)
+        try:
+            os.write(fd, f"{int(ok)} {fails}\n".encode())
+        finally:
+            os.close(fd)
+        os.rename(tmp, LINKSTATE_NAME, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+
+
+class _Flock:
+    """flock on $SPOOL/.lock; the file is never deleted (deleting it would let two holders in)."""
+
+    def __init__(self, dfd):
+        self.dfd = dfd
+        self.fd = None
+
+    def __enter__(self):
+        self.fd = os.open(LOCK_NAME, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self.dfd)
+        fcntl.flock(self.fd, fcntl.LOCK_EX)
+        return self
+
+    def __exit__(self, *exc):
+        os.close(self.fd)  # releases the flock
+        self.fd = None
+
+
+def _copy_file(src, dest):
+    """A private read-only copy at `dest` (O_EXCL, never follows a symlink at dest)."""
+    sfd = _open_src(src)
+    try:
+        mode = 0o555 if os.fstat(sfd).st_mode & 0o111 else 0o444
+        try:
+            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        except OSError as e:
+            raise StagingError(f"spool: cannot create {dest}: {e.strerror}") from None
+        try:
+            while os.sendfile(fd, sfd, None, _CHUNK):
+                pass
+            os.fchmod(fd, mode)
+            os.fsync(fd)
+        except BaseException:
+            os.close(fd)
+            try:
+                os.unlink(dest)
+            except OSError:
+                pass
+            raise
+        os.close(fd)
+    finally:
+        os.close(sfd)
+    return dest
+
+
+def _unlink_quiet(name, dfd):
+    try:
+        os.unlink(name, dir_fd=dfd)
+    except FileNotFoundError:
+        pass
+
+
+def _pid_alive(tmpname):
+    try:
+        pid = int(tmpname[len(TMP_PREFIX) :].split("-", 1)[0])
+    except ValueError:
+        return False
+    if pid == os.getpid():
+        return True
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
