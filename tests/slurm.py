@@ -1,0 +1,607 @@
+"""A private single-node Slurm for tests: munged, slurmctld and slurmd on 127.0.0.1.
+
+    with SlurmCluster(tmp_path, proctrack="cgroup") as slurm:
+        slurm.srun(["/bin/true"])                      # CompletedProcess
+        jobid = slurm.sbatch("#!/bin/sh\\nexec sleep 60\\n")
+        slurm.scancel(jobid)
+        state, code = slurm.wait_job(jobid, timeout=30)
+
+Everything lives in the given directory (config, key, state, logs, pids), except the
+unix sockets (munged's, slurmd's spool), which need a short path and get a private
+/tmp/slurm-t-* removed at stop. Daemons run in the foreground as our children and are
+stopped by pid (SIGTERM, bounded wait, SIGKILL). Clients find the cluster
+through SLURM_CONF in `slurm.env`. Nothing listens beyond 127.0.0.1 (NoInAddrAny,
+NoCtldInAddrAny), nothing goes through systemd, and the distribution's munge key and
+config in /etc are never read.
+
+proctrack="cgroup" (with task/cgroup ConstrainCores) makes Slurm create
+/sys/fs/cgroup/{freezer,cpuset}/slurm_<node>/uid_0/job_N/step_M (cgroup v1 on this
+hybrid host). The node name is random per cluster, so those trees are ours alone; we
+refuse to start if they (or a bare <ctrl>/slurm) already exist, and remove them,
+deepest first, at stop, after killing by pid anything still inside.
+
+Every wait is bounded: a Slurm that does not come up, or a job that does not end, fails
+with the daemon logs in the message instead of hanging the test run.
+"""
+
+import os
+import random
+import re
+import shutil
+import signal as _signal
+import socket
+import string
+import subprocess
+import tempfile
+import time
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+
+# Terminal job states as `scontrol show job` prints them (JobState=...).
+FINAL_STATES = frozenset({
+    "BOOT_FAIL", "CANCELLED", "COMPLETED", "DEADLINE", "FAILED", "NODE_FAIL",
+    "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
+})
+
+_BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol",
+             "scancel", "sinfo")
+
+
+class SlurmError(RuntimeError):
+    """The private Slurm did not start, or a command against it failed."""
+
+
+def missing_binaries():
+    """Names of the programs the harness needs that are not installed."""
+    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
+    return [b for b in _BINARIES if shutil.which(b, path=path) is None]
+
+
+def skip_reason():
+    """Why a SlurmCluster cannot run here, or None when it can."""
+    missing = missing_binaries()
+    if missing:
+        return ("Slurm/munge not installed (missing %s); install slurmd slurmctld "
+                "slurm-client munge" % ", ".join(missing))
+    if os.geteuid() != 0:
+        return "the private Slurm runs slurmd as root (SlurmdUser=root)"
+    return None
+
+
+def _which(name):
+    found = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
+    if found is None:
+        raise SlurmError("%s not found; install slurmd slurmctld slurm-client munge" % name)
+    return found
+
+
+def _free_ports(n):
+    """n distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
+    socks = []
+    try:
+        for _ in range(n):
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            s.bind(("127.0.0.1", 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+def _cgroup_v1_controllers():
+    """Mounted v1 hierarchies under /sys/fs/cgroup (directories that are not cgroup2)."""
+    out = []
+    try:
+        with open("/proc/self/mounts") as f:
+            for line in f:
+                dev, mnt, fstype = line.split()[:3]
+                if fstype == "cgroup" and mnt.startswith(CGROUP_ROOT + "/"):
+                    out.append(mnt)
+    except OSError:
+        pass
+    return sorted(out)
+
+
+def parse_scontrol_record(text):
+    """`scontrol show -o ...` one-line record -> dict of Key=Value.
+
+    Values may contain spaces only in a few fields (Command=, WorkDir= paths with
+    spaces, Reason=); we split on ' Key=' boundaries, where Key is an identifier,
+    so such values stay whole.
+    """
+    fields = {}
+    for m in re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s+[A-Za-z][A-Za-z0-9_:/]*=|\s*$)",
+                         text.strip()):
+        fields[m.group(1)] = m.group(2)
+    return fields
+
+
+def parse_exit_code(value):
+    """Slurm's 'ExitCode=7:0' -> (7, 0): exit status and terminating signal."""
+    code, _, sig = value.partition(":")
+    return int(code), int(sig or 0)
+
+
+class SlurmCluster:
+    """A private single-node Slurm; use as a context manager.
+
+    proctrack: "linuxproc", "pgid" or "cgroup".
+    kill_wait: seconds between SIGTERM and SIGKILL on scancel/time limit (KillWait).
+    """
+
+    def __init__(self, base_dir, proctrack="linuxproc", cpus=None, real_memory_mb=1024,
+                 kill_wait=10, start_timeout=30.0, debug="info", constrain_cores=None):
+        if proctrack not in ("linuxproc", "pgid", "cgroup"):
+            raise ValueError("proctrack must be linuxproc, pgid or cgroup, not %r" % proctrack)
+        self.dir = os.path.abspath(os.fspath(base_dir))
+        self.proctrack = proctrack
+        self.cpus = cpus or os.cpu_count() or 1
+        self.real_memory_mb = real_memory_mb
+        self.kill_wait = kill_wait
+        self.start_timeout = start_timeout
+        self.debug = debug
+        # task/cgroup with ConstrainCores puts each step in a cpuset cgroup too; it is
+        # the only task/cgroup constraint we turn on: memory/devices would move job
+        # processes out of the memory cgroup the test runner itself lives in.
+        self.constrain_cores = (proctrack == "cgroup") if constrain_cores is None else constrain_cores
+        if self.constrain_cores and proctrack != "cgroup":
+            raise ValueError("constrain_cores needs proctrack='cgroup' (task/cgroup)")
+        self.conf = os.path.join(self.dir, "slurm.conf")
+        self.sockdir = None        # short private dir for unix sockets, made at start
+        self.munge_socket = None
+        # Unique per cluster (and letters only, so hostlist syntax never splits it):
+        # it names Slurm's cgroup directories, so concurrent clusters never share them.
+        self.node = "starter" + "".join(random.choice(string.ascii_lowercase) for _ in range(6))
+        self.env = None
+        self.startup_s = None
+        self._procs = {}          # name -> Popen, started in order, stopped in reverse
+        self._cgroup_dirs = []    # /sys/fs/cgroup/<ctrl>/slurm we must remove at stop
+
+    # ---- lifecycle -------------------------------------------------------------
+
+    def __enter__(self):
+        reason = skip_reason()
+        if reason:
+            raise SlurmError(reason)
+        t0 = time.monotonic()
+        try:
+            self._prepare_dirs()
+            self._claim_cgroups()
+            self._start_munged()
+            self._write_config()
+            self._start_slurmctld()
+            self._start_slurmd()
+            self._wait_node_idle()
+        except BaseException:
+            self.stop()
+            raise
+        self.startup_s = time.monotonic() - t0
+        return self
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+    def stop(self):
+        """Cancel leftover jobs, stop the daemons by pid (reverse order), remove cgroups."""
+        if "slurmctld" in self._procs and self._alive("slurmctld"):
+            # Give running steps a chance to end through Slurm so slurmstepd cleans
+            # its own cgroups; bounded, and harmless when nothing is queued.
+            try:
+                self._run([_which("scancel"), "--full", "--user=root"], check=False, timeout=10)
+                self._wait_queue_empty(timeout=self.kill_wait + 15)
+            except Exception:
+                pass
+        for name in reversed(list(self._procs)):
+            self._stop_proc(name)
+        self._procs.clear()
+        self._reap_stepds()
+        self._remove_cgroups()
+        if self.sockdir:
+            shutil.rmtree(self.sockdir, ignore_errors=True)
+            self.sockdir = None
+
+    def _alive(self, name):
+        p = self._procs.get(name)
+        return p is not None and p.poll() is None
+
+    def _stop_proc(self, name, term_timeout=10.0):
+        p = self._procs[name]
+        if p.poll() is None:
+            p.send_signal(_signal.SIGTERM)
+            try:
+                p.wait(term_timeout)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(5)
+        for fh in (p.stdout, p.stderr):
+            if fh:
+                fh.close()
+
+    def _reap_stepds(self, timeout=10.0):
+        """slurmstepd processes are slurmd's detached grandchildren; they exit on their
+        own once their step is done. Wait for ours (bounded); then SIGKILL, by pid, any
+        that remain together with their descendants and whatever is left in our cgroups
+        (all of them processes this cluster started), so nothing of ours survives."""
+        deadline = time.monotonic() + timeout
+        while self._our_stepds() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for _ in range(20):
+            stepds = self._our_stepds()
+            pids = set(stepds) | _descendants(stepds) | self._pids_in_cgroups()
+            if not pids:
+                return
+            self._thaw_cgroups()
+            for pid in pids:
+                try:
+                    os.kill(pid, _signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
+            time.sleep(0.1)
+
+    def _pids_in_cgroups(self):
+        pids = set()
+        for top in self._cgroup_dirs:
+            for root, _dirs, files in os.walk(top):
+                if "cgroup.procs" in files:
+                    try:
+                        with open(os.path.join(root, "cgroup.procs")) as f:
+                            pids.update(int(x) for x in f.read().split())
+                    except OSError:
+                        pass
+        return pids
+
+    def _thaw_cgroups(self):
+        for top in self._cgroup_dirs:
+            for root, _dirs, files in os.walk(top):
+                if "freezer.state" in files:
+                    try:
+                        with open(os.path.join(root, "freezer.state"), "w") as f:
+                            f.write("THAWED")
+                    except OSError:
+                        pass
+
+    def _our_stepds(self):
+        """Pids of slurmstepd processes whose environment points at our slurm.conf."""
+        found = []
+        needle = ("SLURM_CONF=" + self.conf).encode()
+        for entry in os.listdir("/proc"):
+            if not entry.isdigit():
+                continue
+            try:
+                with open("/proc/%s/comm" % entry) as f:
+                    if f.read().strip() != "slurmstepd":
+                        continue
+                with open("/proc/%s/environ" % entry, "rb") as f:
+                    if needle in f.read().split(b"\0"):
+                        found.append(int(entry))
+            except OSError:
+                continue
+        return found
+
+    # ---- setup steps -----------------------------------------------------------
+
+    def _prepare_dirs(self):
+        for sub in ("munge", "state", "log", "run", "tmp"):
+            os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
+        os.chmod(os.path.join(self.dir, "munge"), 0o700)
+        # Unix socket paths are limited to 108 bytes; pytest's tmp paths can be long, so
+        # munged's socket and slurmd's spool (which holds one socket per step) live in a
+        # short private directory of their own, removed at stop.
+        self.sockdir = tempfile.mkdtemp(prefix="slurm-t-")
+        os.mkdir(os.path.join(self.sockdir, "spool"))
+        self.munge_socket = os.path.join(self.sockdir, "munge.sock")
+
+    def _claim_cgroups(self):
+        if self.proctrack != "cgroup":
+            return
+        ctrls = _cgroup_v1_controllers()
+        if not ctrls:
+            raise SlurmError("proctrack/cgroup needs cgroup v1 controllers under %s "
+                             "(this harness configures CgroupPlugin=cgroup/v1)" % CGROUP_ROOT)
+        # Slurm's v1 root is <ctrl>/slurm_<NodeName> (Debian builds with multiple-slurmd
+        # support) or <ctrl>/slurm; the node name is unique per cluster, so the first is
+        # ours alone. A plain `slurm` already there belongs to someone else.
+        names = ("slurm_" + self.node, "slurm")
+        taken = [os.path.join(c, n) for c in ctrls for n in names
+                 if os.path.isdir(os.path.join(c, n))]
+        if taken:
+            raise SlurmError("%s already exist (another slurmd on this host?); refusing to "
+                             "share them: stop that slurmd or remove them" % ", ".join(taken))
+        self._cgroup_dirs = [os.path.join(c, n) for c in ctrls for n in names]
+
+    def _start_munged(self):
+        key = os.path.join(self.dir, "munge", "munge.key")
+        with open(key, "wb") as f:
+            f.write(os.urandom(1024))
+        os.chmod(key, 0o400)
+        mdir = os.path.join(self.dir, "munge")
+        # --force: munged insists every directory on the socket path is world-searchable,
+        # which a private 0700 pytest tmp dir is not; the key stays private either way.
+        self._spawn("munged", [
+            _which("munged"), "--foreground", "--force",
+            "--key-file=" + key, "--socket=" + self.munge_socket,
+            "--pid-file=" + os.path.join(mdir, "munged.pid"),
+            "--log-file=" + os.path.join(mdir, "munged.log"),
+            "--seed-file=" + os.path.join(mdir, "munged.seed"),
+        ])
+        self._wait_for(lambda: os.path.exists(self.munge_socket), "munged socket", "munged")
+
+    def _write_config(self):
+        ctld_port, slurmd_port = _free_ports(2)
+        d = self.dir
+        plugstack = os.path.join(d, "plugstack.conf")
+        with open(plugstack, "w") as f:
+            f.write("# empty: keep /etc/slurm/plugstack.conf.d out of the test cluster\n")
+        lines = [
+            "ClusterName=startertest",
+            "SlurmctldHost=localhost(127.0.0.1)",
+            "SlurmctldPort=%d" % ctld_port,
+            "SlurmdPort=%d" % slurmd_port,
+            "CommunicationParameters=NoInAddrAny,NoCtldInAddrAny",
+            "SlurmUser=root",
+            "SlurmdUser=root",
+            "AuthType=auth/munge",
+            "CredType=cred/munge",
+            "AuthInfo=socket=%s" % self.munge_socket,
+            "StateSaveLocation=%s/state" % d,
+            "SlurmdSpoolDir=%s/spool" % self.sockdir,
+            "SlurmctldPidFile=%s/run/slurmctld.pid" % d,
+            "SlurmdPidFile=%s/run/slurmd.pid" % d,
+            "SlurmctldLogFile=%s/log/slurmctld.log" % d,
+            "SlurmdLogFile=%s/log/slurmd.log" % d,
+            "SlurmctldDebug=%s" % self.debug,
+            "SlurmdDebug=%s" % self.debug,
+            "PlugStackConfig=%s" % plugstack,
+            "TmpFS=%s/tmp" % d,
+            "MailProg=/bin/true",
+            "ProctrackType=proctrack/%s" % self.proctrack,
+            "TaskPlugin=%s" % ("task/cgroup" if self.constrain_cores else "task/none"),
+            "JobAcctGatherType=jobacct_gather/none",
+            "AccountingStorageType=accounting_storage/none",
+            "JobCompType=jobcomp/none",
+            "MpiDefault=none",
+            "SwitchType=switch/none",
+            "SchedulerType=sched/builtin",
+            # Start batch jobs at once instead of on the next 3 s scheduling pass.
+            "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0",
+            "SelectType=select/cons_tres",
+            "SelectTypeParameters=CR_Core",
+            "ReturnToService=2",
+            # Hardware differences (a VM with other core counts) must not drain the node.
+            "SlurmdParameters=config_overrides",
+            "KillWait=%d" % self.kill_wait,
+            "MinJobAge=600",
+            "InactiveLimit=0",
+            "SlurmdTimeout=300",
+            "SlurmctldTimeout=300",
+            "NodeName=%s NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=%d RealMemory=%d "
+            "State=UNKNOWN" % (self.node, self.cpus, self.real_memory_mb),
+            "PartitionName=debug Nodes=%s Default=YES MaxTime=INFINITE State=UP" % self.node,
+        ]
+        with open(self.conf, "w") as f:
+            f.write("\n".join(lines) + "\n")
+        with open(os.path.join(d, "cgroup.conf"), "w") as f:
+            f.write("\n".join([
+                # This host is hybrid: v1 controllers at /sys/fs/cgroup/<ctrl>,
+                # a controller-less cgroup2 at /sys/fs/cgroup/unified.
+                "CgroupPlugin=cgroup/v1",
+                "CgroupMountpoint=%s" % CGROUP_ROOT,
+                "CgroupAutomount=no",
+                "ConstrainCores=%s" % ("yes" if self.constrain_cores else "no"),
+                "ConstrainDevices=no",
+                "ConstrainRAMSpace=no",
+                "ConstrainSwapSpace=no",
+            ]) + "\n")
+        self.env = dict(os.environ, SLURM_CONF=self.conf)
+        for k in list(self.env):
+            # A caller inside a Slurm job must not leak its job's context into ours.
+            if k.startswith(("SLURM_", "SBATCH_", "SRUN_", "SALLOC_", "SQUEUE_", "SCANCEL_")) \
+                    and k != "SLURM_CONF":
+                del self.env[k]
+
+    def _start_slurmctld(self):
+        self._spawn("slurmctld", [_which("slurmctld"), "-D", "-i", "-f", self.conf])
+        self._wait_for(self._ctld_answers, "slurmctld to answer `scontrol ping`", "slurmctld")
+
+    def _start_slurmd(self):
+        self._spawn("slurmd", [_which("slurmd"), "-D", "-N", self.node, "-f", self.conf])
+
+    def _ctld_answers(self):
+        r = self._run([_which("scontrol"), "ping"], check=False, timeout=10)
+        return r.returncode == 0 and "UP" in r.stdout
+
+    def _wait_node_idle(self):
+        def idle():
+            r = self._run([_which("sinfo"), "-h", "-N", "-o", "%T"], check=False, timeout=10)
+            return r.returncode == 0 and r.stdout.strip().rstrip("*") == "idle"
+        self._wait_for(idle, "node %s to become idle" % self.node, "slurmd")
+
+    def _spawn(self, name, argv):
+        log = open(os.path.join(self.dir, "log", name + ".out"), "wb")
+        try:
+            self._procs[name] = subprocess.Popen(
+                argv, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                env=dict(self.env or os.environ, SLURM_CONF=self.conf), cwd=self.dir,
+                start_new_session=True)
+        finally:
+            log.close()
+
+    def _wait_for(self, cond, what, daemon, timeout=None):
+        deadline = time.monotonic() + (timeout or self.start_timeout)
+        while True:
+            p = self._procs.get(daemon)
+            if p is not None and p.poll() is not None:
+                raise SlurmError("%s exited with %s while waiting for %s\n%s"
+                                 % (daemon, p.returncode, what, self.logs()))
+            if cond():
+                return
+            if time.monotonic() > deadline:
+                raise SlurmError("timed out waiting for %s\n%s" % (what, self.logs()))
+            time.sleep(0.05)
+
+    def _remove_cgroups(self):
+        """rmdir everything Slurm made below <ctrl>/slurm, deepest first."""
+        for top in self._cgroup_dirs:
+            if not os.path.isdir(top):
+                continue
+            for _ in range(50):  # a just-exited task can keep a cgroup busy briefly
+                busy = []
+                for root, dirs, _files in os.walk(top, topdown=False):
+                    for d in dirs:
+                        _rmdir(os.path.join(root, d), busy)
+                _rmdir(top, busy)
+                if not busy:
+                    break
+                time.sleep(0.1)
+            else:
+                raise SlurmError("could not remove Slurm cgroups (still in use): %s"
+                                 % ", ".join(busy))
+        self._cgroup_dirs = []
+
+    # ---- client commands -------------------------------------------------------
+
+    def _run(self, argv, check=True, timeout=60, **kw):
+        kw.setdefault("stdout", subprocess.PIPE)
+        kw.setdefault("stderr", subprocess.PIPE)
+        r = subprocess.run(argv, env=self.env, timeout=timeout, text=True, **kw)
+        if check and r.returncode != 0:
+            raise SlurmError("%s failed (exit %d): %s" % (" ".join(argv), r.returncode,
+                                                          (r.stderr or "").strip()))
+        return r
+
+    def srun(self, args, timeout=60, check=False, **kw):
+        """srun ARGS; returns CompletedProcess (stdout/stderr captured as text)."""
+        return self._run([_which("srun"), "--quiet"] + list(args), check=check,
+                         timeout=timeout, **kw)
+
+    def sbatch(self, script_text, args=(), timeout=30):
+        """Submit a batch script (text); returns the job id as a string."""
+        path = os.path.join(self.dir, "tmp", "job-%d.sh" % time.monotonic_ns())
+        with open(path, "w") as f:
+            f.write(script_text)
+        os.chmod(path, 0o755)
+        r = self._run([_which("sbatch"), "--parsable", "--chdir=" + self.dir,
+                       "--output=" + os.path.join(self.dir, "log", "job-%j.out")]
+                      + list(args) + [path], timeout=timeout)
+        return r.stdout.strip().split(";")[0]
+
+    def job_output(self, jobid):
+        """What the batch script printed (stdout+stderr)."""
+        try:
+            with open(os.path.join(self.dir, "log", "job-%s.out" % jobid)) as f:
+                return f.read()
+        except FileNotFoundError:
+            return ""
+
+    def scancel(self, jobid, signal=None, batch=False, full=False):
+        argv = [_which("scancel")]
+        if signal is not None:
+            argv.append("--signal=%s" % signal)
+        if batch:
+            argv.append("--batch")
+        if full:
+            argv.append("--full")
+        return self._run(argv + [str(jobid)], timeout=30)
+
+    def scontrol(self, *args, check=True, timeout=30):
+        return self._run([_which("scontrol")] + [str(a) for a in args], check=check,
+                         timeout=timeout)
+
+    def job_info(self, jobid):
+        """`scontrol show job -o JOBID` as a dict (empty once the record is purged)."""
+        r = self.scontrol("show", "job", "-o", jobid, check=False)
+        if r.returncode != 0 or not r.stdout.strip():
+            return {}
+        return parse_scontrol_record(r.stdout.splitlines()[0])
+
+    def job_state(self, jobid):
+        return self.job_info(jobid).get("JobState")
+
+    def wait_state(self, jobid, states, timeout=30.0):
+        """Wait until the job's state is one of `states`; returns it."""
+        states = {states} if isinstance(states, str) else set(states)
+        deadline = time.monotonic() + timeout
+        while True:
+            state = self.job_state(jobid)
+            if state in states:
+                return state
+            if state in FINAL_STATES or time.monotonic() > deadline:
+                raise SlurmError("job %s is %s, expected %s within %.0fs\n%s"
+                                 % (jobid, state, "/".join(sorted(states)), timeout,
+                                    self.logs(jobid)))
+            time.sleep(0.1)
+
+    def wait_job(self, jobid, timeout=60.0):
+        """Wait for the job to end; returns (state, exit_code).
+
+        exit_code is Slurm's ExitCode status part (ExitCode=7:0 -> 7); the signal part
+        is in job_info(jobid)["ExitCode"] / parse_exit_code().
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            info = self.job_info(jobid)
+            state = info.get("JobState")
+            if state in FINAL_STATES:
+                return state, parse_exit_code(info.get("ExitCode", "0:0"))[0]
+            if time.monotonic() > deadline:
+                raise SlurmError("job %s still %s after %.0fs\n%s"
+                                 % (jobid, state, timeout, self.logs(jobid)))
+            time.sleep(0.1)
+
+    def _wait_queue_empty(self, timeout):
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            r = self._run([_which("squeue"), "-h", "-o", "%i"], check=False, timeout=10)
+            if r.returncode != 0 or not r.stdout.strip():
+                return
+            time.sleep(0.2)
+
+    def logs(self, jobid=None, tail=40):
+        """Last lines of each daemon log (and the job output), for failure messages."""
+        parts = []
+        names = ["munged.out", "slurmctld.log", "slurmd.log", "slurmctld.out", "slurmd.out"]
+        for name in names:
+            path = os.path.join(self.dir, "log", name)
+            try:
+                with open(path, errors="replace") as f:
+                    lines = f.readlines()[-tail:]
+            except OSError:
+                continue
+            parts.append("---- %s ----\n%s" % (name, "".join(lines)))
+        if jobid is not None:
+            parts.append("---- job %s output ----\n%s" % (jobid, self.job_output(jobid)))
+        return "\n".join(parts)
+
+
+def _descendants(pids):
+    """All descendants of `pids`, from the parent links in /proc/<pid>/stat."""
+    children = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open("/proc/%s/stat" % entry, "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # comm may contain spaces and parentheses: the ppid follows the last ')'.
+        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
+        children.setdefault(ppid, []).append(int(entry))
+    out, todo = set(), list(pids)
+    while todo:
+        for child in children.get(todo.pop(), ()):
+            if child not in out:
+                out.add(child)
+                todo.append(child)
+    return out
+
+
+def _rmdir(path, busy):
+    try:
+        os.rmdir(path)
+    except FileNotFoundError:
+        pass
+    except OSError:
+        busy.append(path)
