@@ -1,0 +1,193 @@
+"""A job's NAT network with LAN/WAN accounting: the cheap facade.
+
+    setup(job_id, netns_fd, cfg)  -> NetLease     after clone, before release
+    counters(job_id, cfg)         -> dict | None  live read (status)
+    teardown(job_id, cfg)         -> dict | None  final counters; idempotent
+    gc(cfg, live_job_ids)         -> [removed]    reclaim what crashes left
+    resolv_conf_text(cfg)         -> str          the job's /etc/resolv.conf
+    serve(cfg, socket_path)                       the netd main loop
+
+Each call goes to netd (the per-node helper holding pyroute2 and the
+libnftables handle) when its socket answers, else runs in-process and pays
+for the imports there.  Importing this module imports neither.
+
+Counters: {"lan_in"|"lan_out"|"wan_in"|"wan_out"|"dropped": {"bytes", "packets"}}.
+"""
+
+import os
+
+DEFAULT_POOL = "10.213.0.0/16"
+SOCKET_NAME = "netd.sock"
+
+
+class NetConfig:
+    """The node's job-network settings.  Immutable; all jobs on a node share
+    one table, so they must agree on everything but state_dir.
+
+    state_dir         leases under <state_dir>/net/, netd socket <state_dir>/netd.sock
+    pool              IPv4 CIDR cut into one /30 per job
+    lan               CIDRs counted as LAN (everything else is WAN)
+    uplink            interface to masquerade out of (None: jobs reach only
+                      the allow-listed host ports)
+    allow_host_ports  (("tcp", 3128), ...) host ports jobs may reach
+    resolver          nameserver for the job's resolv.conf, or "gateway"
+                      (a resolver on the host, reachable via allow_host_ports)
+    table             the nft table (inet family); always starter*
+    """
+
+    __slots__ = ("state_dir", "pool", "lan", "uplink", "allow_host_ports", "resolver", "table")
+
+    def __init__(self, state_dir, pool=DEFAULT_POOL, lan=(), uplink=None,
+                 allow_host_ports=(), resolver=None, table="starter"):
+        s = object.__setattr__
+        s(self, "state_dir", state_dir)
+        s(self, "pool", pool)
+        s(self, "lan", tuple(lan))
+        s(self, "uplink", uplink)
+        s(self, "allow_host_ports", tuple((p, int(n)) for p, n in allow_host_ports))
+        s(self, "resolver", resolver)
+        s(self, "table", table)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("NetConfig is immutable")
+
+    def as_dict(self):
+        return {k: getattr(self, k) for k in self.__slots__}
+
+    @classmethod
+    def from_dict(cls, d):
+        return cls(**{k: d[k] for k in cls.__slots__ if k in d})
+
+    def __eq__(self, other):
+        return isinstance(other, NetConfig) and self.as_dict() == other.as_dict()
+
+    def __hash__(self):
+        return hash(tuple(getattr(self, k) for k in self.__slots__))
+
+    def __repr__(self):
+        return "NetConfig(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+
+
+class NetLease:
+    """What the job got: its address, the gateway (host end) and the veth."""
+
+    __slots__ = ("job_id", "address", "gateway", "prefixlen", "host_ifname")
+
+    def __init__(self, job_id, address, gateway, prefixlen, host_ifname):
+        self.job_id, self.address, self.gateway = job_id, address, gateway
+        self.prefixlen, self.host_ifname = prefixlen, host_ifname
+
+    @classmethod
+    def from_record(cls, rec):
+        return cls(rec["job_id"], rec["address"], rec["gateway"], rec["prefixlen"], rec["host_ifname"])
+
+    def __eq__(self, other):
+        return isinstance(other, NetLease) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
+
+    def __repr__(self):
+        return "NetLease(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+
+
+def config_for(spec):
+    """NetConfig from a JobSpec (its `network` section and state_dir)."""
+    n = spec.network
+    return NetConfig(state_dir=spec.state_dir, pool=getattr(n, "pool", None) or DEFAULT_POOL,
+                     lan=getattr(n, "lan", ()) or (), uplink=getattr(n, "uplink", None),
+                     allow_host_ports=getattr(n, "allow_host_ports", ()) or (),
+                     resolver=getattr(n, "resolver", None))
+
+
+def socket_path(cfg):
+    return os.path.join(cfg.state_dir, SOCKET_NAME)
+
+
+# -- the four operations: netd first, in-process otherwise -------------------
+def setup(job_id, netns_fd, cfg):
+    """Give the job behind netns_fd its veth, address, route and counters.
+
+    Raises errors.NetworkError (with a hint); on error nothing is left."""
+    from starter.net import netd
+
+    try:
+        rec = netd.call(socket_path(cfg), {"op": "setup", "job_id": job_id, "cfg": cfg.as_dict()},
+                        fds=[netns_fd])
+    except netd.Unavailable:
+        rec = _local().setup(job_id, netns_fd, cfg, os.getpid())
+    return NetLease.from_record(rec)
+
+
+def teardown(job_id, cfg):
+    """Final counters (read before the rules go), then remove everything of
+    the job.  Idempotent: None when nothing was left."""
+    return _call("teardown", job_id, cfg)
+
+
+def counters(job_id, cfg):
+    """The job's counters now, or None if it has no network."""
+    return _call("counters", job_id, cfg)
+
+
+def gc(cfg, live_job_ids):
+    """Reclaim leases, counters, set elements and veths of jobs not in
+    live_job_ids; remove the table when no job remains.  -> what was removed."""
+    from starter.net import netd
+
+    live = sorted(live_job_ids)
+    try:
+        return netd.call(socket_path(cfg), {"op": "gc", "live": live, "cfg": cfg.as_dict()})
+    except netd.Unavailable:
+        return _local().gc(cfg, set(live))
+
+
+def _call(op, job_id, cfg):
+    from starter.net import netd
+
+    try:
+        return netd.call(socket_path(cfg), {"op": op, "job_id": job_id, "cfg": cfg.as_dict()})
+    except netd.Unavailable:
+        return getattr(_local(), op)(job_id, cfg)
+
+
+_wiring = None
+
+
+def _local():
+    global _wiring
+    if _wiring is None:
+        from starter.net.wiring import Wiring
+
+        _wiring = Wiring()
+    return _wiring
+
+
+def resolv_conf_text(cfg, lease=None):
+    """The job's /etc/resolv.conf.  No resolver configured: a comment only
+    (the job has no DNS).  "gateway": the job's gateway, i.e. a resolver on
+    the host opened with allow_host_ports (needs the lease)."""
+    r = cfg.resolver
+    if not r:
+        return ("# starter: no resolver is configured for jobs on this node.\n"
+                "# The site sets one with the network `resolver` option (an address the\n"
+                "# job can reach through the NAT, or \"gateway\" plus allow-host-port udp:53).\n")
+    if r == "gateway":
+        if lease is None:
+            return "# starter: resolver is the job's gateway, address not yet known\n"
+        r = lease.gateway
+    import ipaddress
+
+    try:
+        addr = ipaddress.ip_address(r)
+    except ValueError:
+        from starter.errors import NetworkError
+
+        raise NetworkError(f"resolver: {r!r} is not an IP address", "give the resolver's address") from None
+    return f"# written by starter\nnameserver {addr}\noptions timeout:2 attempts:2\n"
+
+
+def serve(cfg, socket_path=None):
+    """Run netd: answer setup/teardown/counters/gc on a root-only socket."""
+    from starter.net import netd
+
+    if isinstance(cfg, str):
+        cfg = NetConfig(state_dir=cfg)
+    netd.serve(cfg, socket_path or globals()["socket_path"](cfg))

@@ -1,0 +1,294 @@
+"""Address leases: the pool cut into per-job /30s, one lease per live job.
+
+Layout under <state_dir>/net/ (root-only, 0700):
+
+    lock                 flock()ed around every change to the node's network
+                         state (leases, the nft table, uplink sysctls); never
+                         deleted (a lock file that is unlinked while someone
+                         waits on it stops excluding anyone)
+    slots/<n>            symlink -> job key: slot n of the pool is taken.
+                         symlink() is atomic and fails with EEXIST, so a slot
+                         can never be handed to two jobs even without the lock
+    leases/<key>.json    the lease: job id, slot, addresses, and the owner
+                         (starter pid + its start time from /proc/PID/stat, so
+                         a recycled pid is not mistaken for the owner)
+    next                 where the next search for a free slot starts; slots
+                         are handed out round-robin so an address is not reused
+                         at once (stale conntrack entries of the dead job would
+                         otherwise deliver late replies to the new one)
+    table.json           written when this state dir created the nft table:
+                         the config it was built with, and the uplinks whose
+                         forwarding sysctl we turned on (restored at the end)
+
+Names derive from the job id (and the table name, so two state dirs with
+separate tables do not collide): key = "stj" + 12 hex digits of sha256, which
+is also the host end of the veth (15 chars, IFNAMSIZ-1) and the prefix of the
+job's nft counters.  gc can find every piece from a job id alone.
+"""
+
+import errno
+import fcntl
+import hashlib
+import json
+import os
+
+from starter.errors import NetworkError
+
+KEY_PREFIX = "stj"
+SLOT_PREFIXLEN = 30  # network, gateway (.1), job (.2), broadcast
+
+
+def job_key(job_id, table="starter"):
+    """The job's short key: host veth name and counter-name prefix."""
+    h = hashlib.sha256(f"{table}\0{job_id}".encode()).hexdigest()
+    return KEY_PREFIX + h[:12]
+
+
+_IFNAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
+
+
+def check_ifname(field, name):
+    """Interface names reach /proc/sys paths and nft sets: validate once."""
+    if (not isinstance(name, str) or not 1 <= len(name) <= 15 or set(name) - _IFNAME_OK
+            or name in (".", "..") or name[0] == "-"):
+        raise NetworkError(f"{field}: {name!r} is not an interface name",
+                           "use at most 15 characters from [A-Za-z0-9_.-]")
+    return name
+
+
+def is_job_key(name):
+    return (len(name) == len(KEY_PREFIX) + 12 and name.startswith(KEY_PREFIX)
+            and all(c in "0123456789abcdef" for c in name[len(KEY_PREFIX):]))
+
+
+class Pool:
+    """An IPv4 CIDR cut into /30 slots.  Pure arithmetic, no state."""
+
+    __slots__ = ("cidr", "base", "prefixlen", "size")
+
+    def __init__(self, cidr):
+        import ipaddress
+
+        try:
+            net = ipaddress.IPv4Network(cidr, strict=True)
+        except ValueError as e:
+            raise NetworkError(f"pool: {e}", "give an IPv4 network such as 10.213.0.0/16") from None
+        if net.prefixlen > SLOT_PREFIXLEN:
+            raise NetworkError(f"pool: {cidr} is smaller than one /{SLOT_PREFIXLEN}",
+                               "give a network of /30 or larger, e.g. 10.213.0.0/16")
+        self.cidr = str(net)
+        self.base = int(net.network_address)
+        self.prefixlen = net.prefixlen
+        self.size = 1 << (SLOT_PREFIXLEN - net.prefixlen)
+
+    def slot(self, n):
+        """-> (gateway, address, network) of slot n, as dotted strings."""
+        if not 0 <= n < self.size:
+            raise ValueError(f"slot {n} outside pool {self.cidr}")
+        net = self.base + 4 * n
+        return _ntoa(net + 1), _ntoa(net + 2), f"{_ntoa(net)}/{SLOT_PREFIXLEN}"
+
+    def overlaps(self, cidr):
+        import ipaddress
+
+        return ipaddress.ip_network(self.cidr).overlaps(ipaddress.ip_network(cidr, strict=False))
+
+
+def _ntoa(n):
+    return f"{n >> 24 & 255}.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+
+
+def proc_starttime(pid):
+    """Field 22 of /proc/PID/stat (clock ticks since boot), or None if gone."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            data = f.read()
+    except (FileNotFoundError, ProcessLookupError):
+        return None
+    # comm (field 2) may hold spaces and parentheses: split after the last ')'
+    return int(data[data.rindex(b")") + 2:].split()[19])
+
+
+def owner_alive(lease):
+    st = proc_starttime(lease.get("owner_pid", 0))
+    return st is not None and st == lease.get("owner_start")
+
+
+class LeaseStore:
+    """The leases of one state directory."""
+
+    def __init__(self, state_dir):
+        self.dir = os.path.join(state_dir, "net")
+        self.leases = os.path.join(self.dir, "leases")
+        self.slots = os.path.join(self.dir, "slots")
+        self._lockfd = None
+        self._depth = 0
+
+    # -- locking -------------------------------------------------------
+    def _ensure_dirs(self):
+        for d in (self.dir, self.leases, self.slots):
+            try:
+                os.mkdir(d, 0o700)
+            except FileExistsError:
+                pass
+
+    def __enter__(self):
+        """Hold the node-wide network lock (reentrant within one object)."""
+        if self._depth == 0:
+            self._ensure_dirs()
+            fd = os.open(os.path.join(self.dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            except BaseException:
+                os.close(fd)
+                raise
+            self._lockfd = fd
+        self._depth += 1
+        return self
+
+    def __exit__(self, *exc):
+        self._depth -= 1
+        if self._depth == 0:
+            os.close(self._lockfd)  # closing releases the flock
+            self._lockfd = None
+
+    # -- queries -------------------------------------------------------
+    def _path(self, key):
+        return os.path.join(self.leases, key + ".json")
+
+    def get_by_key(self, key):
+        try:
+            with open(self._path(key)) as f:
+                return json.load(f)
+        except FileNotFoundError:
+            return None
+        except ValueError:
+            # A torn write cannot happen (atomic rename); a corrupt file is
+            # treated as a lease of unknown owner so gc can still remove it.
+            return {"key": key, "job_id": None, "corrupt": True}
+
+    def all(self):
+        """Every lease on record (for gc and the first/last-job decision)."""
+        out = []
+        try:
+            names = os.listdir(self.leases)
+        except FileNotFoundError:
+            return out
+        for n in names:
+            if n.endswith(".json") and is_job_key(n[:-5]):
+                lease = self.get_by_key(n[:-5])
+                if lease is not None:
+                    out.append(lease)
+        return out
+
+    def count(self):
+        try:
+            return sum(1 for n in os.listdir(self.leases) if n.endswith(".json"))
+        except FileNotFoundError:
+            return 0
+
+    # -- changes -------------------------------------------------------
+    def acquire(self, job_id, key, pool, owner_pid):
+        """Take a free slot for job_id.  Call with the lock held."""
+        if self.get_by_key(key) is not None:
+            raise NetworkError(f"job {job_id!r} already holds a network lease",
+                               "job ids must be unique among running jobs; if that job is gone, run `starter gc`")
+        start = self._next_hint(pool)
+        for i in range(pool.size):
+            n = (start + i) % pool.size
+            try:
+                os.symlink(key, os.path.join(self.slots, str(n)))
+            except FileExistsError:
+                continue
+            break
+        else:
+            raise NetworkError(f"address pool {pool.cidr} is exhausted ({pool.size} jobs)",
+                               "run `starter gc` to reclaim leases of crashed jobs, or configure a larger pool")
+        gateway, address, network = pool.slot(n)
+        lease = {
+            "job_id": job_id, "key": key, "slot": n, "pool": pool.cidr,
+            "address": address, "gateway": gateway, "prefixlen": SLOT_PREFIXLEN,
+            "network": network, "host_ifname": key,
+            "owner_pid": owner_pid, "owner_start": proc_starttime(owner_pid),
+        }
+        try:
+            _write_atomic(self._path(key), json.dumps(lease))
+            _write_atomic(os.path.join(self.dir, "next"), str((n + 1) % pool.size))
+        except BaseException:
+            _unlink(self._path(key))
+            _unlink(os.path.join(self.slots, str(n)))
+            raise
+        return lease
+
+    def _next_hint(self, pool):
+        try:
+            with open(os.path.join(self.dir, "next")) as f:
+                return int(f.read().strip() or 0) % pool.size
+        except (FileNotFoundError, ValueError):
+            return 0
+
+    def release(self, key, slot=None):
+        """Remove the lease and its slot.  Idempotent."""
+        lease = self.get_by_key(key)
+        if slot is None and lease is not None:
+            slot = lease.get("slot")
+        _unlink(self._path(key))
+        if slot is not None:
+            p = os.path.join(self.slots, str(slot))
+            try:
+                if os.readlink(p) == key:
+                    os.unlink(p)
+            except FileNotFoundError:
+                pass
+
+    def orphan_slots(self):
+        """Slots whose lease file is gone (a crash between the two writes)."""
+        out = []
+        try:
+            names = os.listdir(self.slots)
+        except FileNotFoundError:
+            return out
+        for n in names:
+            p = os.path.join(self.slots, n)
+            try:
+                key = os.readlink(p)
+            except OSError:
+                continue
+            if not os.path.exists(self._path(key)):
+                out.append((n, p))
+        return out
+
+    # -- the table record ----------------------------------------------
+    def table_record(self):
+        try:
+            with open(os.path.join(self.dir, "table.json")) as f:
+                return json.load(f)
+        except (FileNotFoundError, ValueError):
+            return None
+
+    def set_table_record(self, rec):
+        p = os.path.join(self.dir, "table.json")
+        if rec is None:
+            _unlink(p)
+        else:
+            _write_atomic(p, json.dumps(rec))
+
+
+def _write_atomic(path, text):
+    tmp = f"{path}.{os.getpid()}.tmp"
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+    try:
+        os.write(fd, text.encode())
+    finally:
+        os.close(fd)
+    os.replace(tmp, path)
+
+
+def _unlink(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as e:  # pragma: no cover
+        if e.errno != errno.ENOENT:
+            raise

@@ -1,0 +1,209 @@
+"""netd: the per-node network helper, and the client the starters use.
+
+Why a daemon: pyroute2 costs ~140 ms and ~23 MB per importing process, and a
+fresh libnftables context re-reads the table on first use.  netd pays both
+once; a starter then needs only a unix socket round trip per operation.
+
+    starter (root)                          netd (root, one per node)
+    --------------                          -------------------------
+    clone() -> child waits
+    open /proc/<child>/ns/net
+    connect(<state_dir>/netd.sock)   --->   accept; SO_PEERCRED: uid 0 only
+    send {"op":"setup",job_id,cfg}
+         + SCM_RIGHTS [netns fd]     --->   lease, veth (peer born in the
+                                            job's netns), addresses, route,
+                                            counters + set elements
+                                     <---   {"ok":true,"result":lease}
+    release child ... job runs ... job exits
+    {"op":"teardown",job_id,cfg}     --->   read counters, remove all
+                                     <---   {"ok":true,"result":counters}
+
+SOCK_SEQPACKET: one request and one reply per message, message boundaries
+kept; one connection per operation.  Requests are served one at a time, so
+netd needs no locking of its own beyond the state dir's network lock that it
+shares with in-process fallbacks.  The lease's owner is the peer's pid (the
+starter), so gc and crash reclaim work the same with or without netd.
+
+If the socket is missing or nobody listens, call() raises Unavailable and the
+facade does the work in-process.
+"""
+
+import errno
+import json
+import os
+import select
+import signal
+import socket
+import struct
+
+MAX_MSG = 1 << 20
+TIMEOUT = 60.0
+
+
+class Unavailable(Exception):
+    """netd is not running (no socket, or a stale one)."""
+
+
+# -- client -----------------------------------------------------------------
+def call(path, request, fds=()):
+    from starter.errors import NetworkError
+
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        try:
+            s.connect(path)
+        except (FileNotFoundError, ConnectionRefusedError):
+            raise Unavailable(path) from None
+        s.settimeout(TIMEOUT)
+        data = json.dumps(request).encode()
+        try:
+            if fds:
+                socket.send_fds(s, [data], list(fds))
+            else:
+                s.send(data)
+            reply = s.recv(MAX_MSG)
+        except socket.timeout:
+            raise NetworkError(f"netd at {path} did not answer within {TIMEOUT:.0f} s",
+                               "check the netd process (`starter netd`) or stop it to fall back to in-process") from None
+        except (ConnectionResetError, BrokenPipeError):
+            reply = b""
+        if not reply:
+            raise NetworkError(f"netd at {path} closed the connection without an answer",
+                               "see netd's log; restart `starter netd`")
+    finally:
+        s.close()
+    msg = json.loads(reply)
+    if not msg.get("ok"):
+        raise NetworkError(msg.get("error", "netd failed"), msg.get("hint"))
+    return msg.get("result")
+
+
+# -- server -----------------------------------------------------------------
+def _peer(conn):
+    pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
+    return pid, uid
+
+
+def _check_job_id(job_id):
+    if not isinstance(job_id, str) or not 1 <= len(job_id) <= 255 or "\0" in job_id:
+        raise ValueError(f"job_id: {job_id!r} is not a job id")
+    return job_id
+
+
+class Server:
+    def __init__(self, cfg, path):
+        from starter.net.wiring import Wiring
+
+        self.cfg = cfg
+        self.path = path
+        self.wiring = Wiring()
+        # Pay for pyroute2 and the nft context now, not on the first job.
+        _ = self.wiring.links, self.wiring.nft
+
+    def handle(self, conn):
+        from starter.net import NetConfig
+
+        fds = []
+        try:
+            conn.settimeout(5.0)
+            data, fds, _flags, _addr = socket.recv_fds(conn, MAX_MSG, 4)
+            pid, uid = _peer(conn)
+            if uid != 0:
+                return {"ok": False, "error": "netd serves root only", "hint": "run the starter as root"}
+            req = json.loads(data)
+            op = req.get("op")
+            cfg = NetConfig.from_dict(req.get("cfg") or {})
+            if cfg.state_dir != self.cfg.state_dir:
+                return {"ok": False, "error": f"netd serves state dir {self.cfg.state_dir}, not {cfg.state_dir}",
+                        "hint": "use the same --state-dir for starter and netd"}
+            w = self.wiring
+            if op == "setup":
+                if len(fds) != 1:
+                    return {"ok": False, "error": "setup needs exactly one netns fd"}
+                result = w.setup(_check_job_id(req.get("job_id")), fds[0], cfg, pid)
+            elif op == "teardown":
+                result = w.teardown(_check_job_id(req.get("job_id")), cfg)
+            elif op == "counters":
+                result = w.counters(_check_job_id(req.get("job_id")), cfg)
+            elif op == "gc":
+                result = w.gc(cfg, set(req.get("live") or ()))
+            elif op == "ping":
+                result = {"pid": os.getpid()}
+            else:
+                return {"ok": False, "error": f"unknown op {op!r}"}
+            return {"ok": True, "result": result}
+        except Exception as e:  # noqa: BLE001 - every failure goes back to the client
+            return {"ok": False, "error": str(getattr(e, "args", [e])[0]) if e.args else repr(e),
+                    "hint": getattr(e, "hint", None)}
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+    def serve_forever(self, listener, stop_fd):
+        while True:
+            ready, _, _ = select.select([listener, stop_fd], [], [])
+            if stop_fd in ready:
+                return
+            try:
+                conn, _ = listener.accept()
+            except (BlockingIOError, InterruptedError):
+                continue
+            with conn:
+                reply = self.handle(conn)
+                try:
+                    conn.send(json.dumps(reply).encode())
+                except OSError:
+                    pass  # the starter went away; its lease is reclaimed by gc
+
+
+def _bind(path):
+    """Bind the socket; refuse if another netd answers; drop a stale socket."""
+    probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    try:
+        probe.connect(path)
+    except (FileNotFoundError, ConnectionRefusedError):
+        pass
+    else:
+        from starter.errors import NetworkError
+
+        raise NetworkError(f"another netd is already listening on {path}", "stop it first")
+    finally:
+        probe.close()
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
+    old = os.umask(0o177)
+    try:
+        s.bind(path)
+    finally:
+        os.umask(old)
+    os.chmod(path, 0o600)
+    s.listen(128)
+    s.setblocking(False)
+    return s
+
+
+def serve(cfg, path):
+    os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+    server = Server(cfg, path)
+    listener = _bind(path)
+    r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)
+    old = {sig: signal.signal(sig, lambda *_: None) for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)}
+    old_wakeup = signal.set_wakeup_fd(w)
+    try:
+        server.serve_forever(listener, r)
+    finally:
+        signal.set_wakeup_fd(old_wakeup)
+        for sig, h in old.items():
+            signal.signal(sig, h)
+        listener.close()
+        try:
+            os.unlink(path)
+        except OSError as e:
+            if e.errno != errno.ENOENT:
+                raise
+        os.close(r)
+        os.close(w)
+        server.wiring.close()

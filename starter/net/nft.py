@@ -1,0 +1,311 @@
+"""nftables rules and counters for job networks, through libnftables' JSON API.
+
+One table (`inet starter` by default) holds everything; nothing else in the
+ruleset is read or changed.  The rules are fixed when the table is made;
+a job is added by adding five named counters and elements to a few sets and
+maps in ONE transaction, never by adding rules, so neither the packet path nor
+the cost of adding a job grows with the number of jobs.
+
+    table inet starter {
+      set job_nets   { ipv4_addr, interval }     the address pool
+      set lan        { ipv4_addr, interval }     site LAN CIDRs
+      set blocked    { ipv4_addr, interval }     0/8 127/8 169.254/16 224/4 240/4
+      set uplinks    { ifname }                  masquerade out of these
+      set guard_ifs  { ifname }                  uplinks whose forwarding WE turned on
+      set job_ifs    { ifname }                  host ends of job veths
+      set job_src    { ifname . ipv4_addr }      the one source address each may use
+      set host_allow { inet_proto . inet_service }   host ports open to jobs
+      map ctr_lan_in, ctr_lan_out, ctr_wan_in, ctr_wan_out, ctr_drop
+                     { ifname : counter }        per-job named counters <key>_<name>
+      counter dropped                            drops not attributable to a job
+
+      chain prerouting  (filter, prerouting, raw -300: before conntrack)
+        iifname @job_ifs jump job_ingress
+      chain job_ingress
+        meta nfproto != ipv4                  -> count to the job, drop
+        iifname . ip saddr != @job_src        -> count, drop   (spoofing)
+        ip daddr @blocked                     -> count, drop   (loopback, metadata)
+      chain input       (filter, input, 0)
+        iifname @job_ifs jump job_to_host
+      chain job_to_host
+        meta l4proto . th dport @host_allow   -> accept        (site proxy, resolver)
+                                              -> count, drop   (the host itself)
+      chain forward     (filter, forward, 0)
+        iifname @job_ifs jump job_out
+        oifname @job_ifs jump job_in
+        iifname @guard_ifs                    -> count, drop   (see below)
+      chain job_out
+        oifname != @uplinks                   -> count, drop   (other jobs, other host nets)
+        ip daddr @lan                         -> lan_out, accept
+                                              -> wan_out, accept
+      chain job_in
+        ct state established,related goto job_in_count
+                                              -> dropped, drop (no inbound connections)
+      chain job_in_count
+        ip saddr @lan                         -> lan_in, accept
+                                              -> wan_in, accept
+      chain postrouting (nat, postrouting, srcnat)
+        ip saddr @job_nets oifname @uplinks masquerade
+    }
+
+IPv4 forwarding is decided by the INPUT device's conf.<if>.forwarding; we set
+it on each job's host veth (it dies with the veth) and on the uplink, where
+replies come in.  If the uplink's flag was off, turning it on would also let
+the host route foreign traffic arriving there; the guard_ifs rule drops that
+(only for uplinks we opened, so a site that routes already is not disturbed).
+An accept here does not override other tables: a site firewall that drops
+forwarded traffic must allow the pool.
+"""
+
+import json
+import threading
+
+from starter.errors import NetworkError
+
+FAMILY = "inet"
+COUNTERS = ("lan_in", "lan_out", "wan_in", "wan_out", "drop")
+BLOCKED = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
+JOB_SETS = ("job_ifs", "job_src")
+
+
+# -- expression helpers (pure) ---------------------------------------------
+def _meta(key):
+    return {"meta": {"key": key}}
+
+
+def _payload(proto, field):
+    return {"payload": {"protocol": proto, "field": field}}
+
+
+def _match(left, right, op="=="):
+    return {"match": {"op": op, "left": left, "right": right}}
+
+
+def _ctr_map(key_expr, name):
+    return {"counter": {"map": {"key": key_expr, "data": "@" + name}}}
+
+
+def _prefix(cidr):
+    addr, _, plen = cidr.partition("/")
+    return {"prefix": {"addr": addr, "len": int(plen or 32)}}
+
+
+ACCEPT = {"accept": None}
+DROP = {"drop": None}
+
+
+class Table:
+    """Renders the JSON commands for one table.  Pure: no I/O."""
+
+    def __init__(self, name="starter"):
+        self.name = name
+        self._t = {"family": FAMILY, "table": name}
+
+    def _obj(self, **kw):
+        return dict(self._t, **kw)
+
+    def _rule(self, chain, *expr):
+        return {"add": {"rule": self._obj(chain=chain, expr=list(expr))}}
+
+    def _set(self, name, type_, flags=(), elem=(), map_=None):
+        s = self._obj(name=name, type=type_)
+        if flags:
+            s["flags"] = list(flags)
+        if elem:
+            s["elem"] = list(elem)
+        if map_:
+            s["map"] = map_
+            return {"add": {"map": s}}
+        return {"add": {"set": s}}
+
+    def _chain(self, name, hook=None, type_="filter", prio=0):
+        c = self._obj(name=name)
+        if hook:
+            c.update(type=type_, hook=hook, prio=prio, policy="accept")
+        return {"add": {"chain": c}}
+
+    def table_obj(self):
+        return {"family": FAMILY, "name": self.name}
+
+    def create(self, pool, lan=(), uplinks=(), guard_ifs=(), host_allow=()):
+        """The whole table, replacing any leftover of the same name atomically
+        (add + delete + add in one transaction; other tables untouched)."""
+        t = self.table_obj()
+        iif, oif = _meta("iifname"), _meta("oifname")
+        cmds = [{"add": {"table": t}}, {"delete": {"table": t}}, {"add": {"table": t}}]
+        cmds.append({"add": {"counter": self._obj(name="dropped")}})
+        cmds += [
+            self._set("job_nets", "ipv4_addr", ["interval"], [_prefix(pool)]),
+            self._set("lan", "ipv4_addr", ["interval"], [_prefix(c) for c in lan]),
+            self._set("blocked", "ipv4_addr", ["interval"], [_prefix(c) for c in BLOCKED]),
+            self._set("uplinks", "ifname", elem=list(uplinks)),
+            self._set("guard_ifs", "ifname", elem=list(guard_ifs)),
+            self._set("job_ifs", "ifname"),
+            self._set("job_src", ["ifname", "ipv4_addr"]),
+            self._set("host_allow", ["inet_proto", "inet_service"],
+                      elem=[{"concat": [p, int(n)]} for p, n in host_allow]),
+        ]
+        cmds += [self._set("ctr_" + c, "ifname", map_="counter") for c in COUNTERS]
+        cmds += [
+            self._chain("prerouting", "prerouting", prio=-300),
+            self._chain("job_ingress"),
+            self._chain("input", "input"),
+            self._chain("job_to_host"),
+            self._chain("forward", "forward"),
+            self._chain("job_out"),
+            self._chain("job_in"),
+            self._chain("job_in_count"),
+            self._chain("postrouting", "postrouting", type_="nat", prio=100),
+        ]
+        drop_job = [_ctr_map(iif, "ctr_drop"), DROP]
+        cmds += [
+            self._rule("prerouting", _match(iif, "@job_ifs"), {"jump": {"target": "job_ingress"}}),
+            self._rule("job_ingress", _match(_meta("nfproto"), "ipv4", "!="), *drop_job),
+            self._rule("job_ingress", _match({"concat": [iif, _payload("ip", "saddr")]}, "@job_src", "!="),
+                       *drop_job),
+            self._rule("job_ingress", _match(_payload("ip", "daddr"), "@blocked"), *drop_job),
+            self._rule("input", _match(iif, "@job_ifs"), {"jump": {"target": "job_to_host"}}),
+            self._rule("job_to_host", _match({"concat": [_meta("l4proto"), _payload("th", "dport")]},
+                                             "@host_allow"), ACCEPT),
+            self._rule("job_to_host", *drop_job),
+            self._rule("forward", _match(iif, "@job_ifs"), {"jump": {"target": "job_out"}}),
+            self._rule("forward", _match(oif, "@job_ifs"), {"jump": {"target": "job_in"}}),
+            self._rule("forward", _match(iif, "@guard_ifs"), {"counter": "dropped"}, DROP),
+            self._rule("job_out", _match(oif, "@uplinks", "!="), *drop_job),
+            self._rule("job_out", _match(_payload("ip", "daddr"), "@lan"), _ctr_map(iif, "ctr_lan_out"), ACCEPT),
+            self._rule("job_out", _ctr_map(iif, "ctr_wan_out"), ACCEPT),
+            self._rule("job_in", _match({"ct": {"key": "state"}}, ["established", "related"], "in"),
+                       {"goto": {"target": "job_in_count"}}),
+            self._rule("job_in", {"counter": "dropped"}, DROP),
+            self._rule("job_in_count", _match(_payload("ip", "saddr"), "@lan"), _ctr_map(oif, "ctr_lan_in"), ACCEPT),
+            self._rule("job_in_count", _ctr_map(oif, "ctr_wan_in"), ACCEPT),
+            self._rule("postrouting", _match(_payload("ip", "saddr"), "@job_nets"),
+                       _match(oif, "@uplinks"), {"masquerade": None}),
+        ]
+        return cmds
+
+    def delete(self):
+        """Remove the table whether or not it exists (add is a no-op if it does)."""
+        t = self.table_obj()
+        return [{"add": {"table": t}}, {"delete": {"table": t}}]
+
+    def _elem(self, verb, set_name, elems):
+        return {verb: {"element": self._obj(name=set_name, elem=elems)}}
+
+    def add_job(self, key, ifname, address):
+        """Counters first (map elements refer to them), then the elements."""
+        cmds = [{"add": {"counter": self._obj(name=f"{key}_{c}")}} for c in COUNTERS]
+        cmds += [self._elem("add", "ctr_" + c, [[ifname, f"{key}_{c}"]]) for c in COUNTERS]
+        cmds.append(self._elem("add", "job_src", [{"concat": [ifname, address]}]))
+        # job_ifs last: the job's packets hit the chains only once everything
+        # they refer to exists.
+        cmds.append(self._elem("add", "job_ifs", [ifname]))
+        return cmds
+
+    def del_job(self, key, ifname, address):
+        """The reverse of add_job: elements before the counters they name."""
+        cmds = [self._elem("delete", "job_ifs", [ifname])]
+        if address:
+            cmds.append(self._elem("delete", "job_src", [{"concat": [ifname, address]}]))
+        cmds += [self._elem("delete", "ctr_" + c, [ifname]) for c in COUNTERS]
+        cmds += [{"delete": {"counter": self._obj(name=f"{key}_{c}")}} for c in COUNTERS]
+        return cmds
+
+    def list_counters(self, key):
+        return [{"list": {"counter": self._obj(name=f"{key}_{c}")}} for c in COUNTERS]
+
+
+def parse_counters(docs, key):
+    """{"lan_in": {"bytes", "packets"}, ..., "dropped": {...}} from list output."""
+    out = {}
+    for doc in docs:
+        for item in doc.get("nftables", ()):
+            c = item.get("counter")
+            if c and c.get("name", "").startswith(key + "_"):
+                name = c["name"][len(key) + 1:]
+                out["dropped" if name == "drop" else name] = {"bytes": c["bytes"], "packets": c["packets"]}
+    return out
+
+
+# -- the library ------------------------------------------------------------
+_lib = None
+
+
+def _load():
+    global _lib
+    if _lib is None:
+        try:
+            from starter import _nft
+        except ImportError as e:
+            raise NetworkError(f"libnftables could not be loaded: {e}",
+                               "install the nftables library (Debian: apt install libnftables1) "
+                               "and rebuild the native modules with scripts/setup") from None
+        _lib = _nft
+    return _lib
+
+
+class NftError(NetworkError):
+    """The nftables library or the kernel refused a command."""
+
+    def __init__(self, what, detail):
+        self.detail = detail
+        hint = None
+        low = detail.lower()
+        if "operation not permitted" in low:
+            hint = "run as root (CAP_NET_ADMIN)"
+        elif "no such file or directory" in low and "table" in what:
+            hint = "the table is gone; run `starter gc` to resynchronise"
+        elif "not supported" in low or "protocol not supported" in low:
+            hint = "the kernel lacks nf_tables support (modprobe nf_tables nft_nat nft_ct nft_fib)"
+        super().__init__(f"nftables: {what} failed: {detail.strip() or 'unknown error'}", hint)
+
+    @property
+    def enoent(self):
+        return "no such file or directory" in self.detail.lower()
+
+
+class Nft:
+    """One libnftables context, JSON in and out.  Thread-safe by a lock."""
+
+    def __init__(self):
+        mod = _load()
+        self._ffi, self._lib = mod.ffi, mod.lib
+        ctx = self._lib.nft_ctx_new(self._lib.NFT_CTX_DEFAULT)
+        if ctx == self._ffi.NULL:
+            raise NetworkError("nftables: nft_ctx_new failed", "out of memory?")
+        self._ctx = self._ffi.gc(ctx, self._lib.nft_ctx_free)
+        self._lib.nft_ctx_output_set_flags(ctx, self._lib.NFT_CTX_OUTPUT_JSON)
+        if self._lib.nft_ctx_buffer_output(ctx) or self._lib.nft_ctx_buffer_error(ctx):
+            raise NetworkError("nftables: cannot buffer output")
+        self._lock = threading.Lock()
+
+    def run(self, cmds, what="transaction"):
+        """Run a list of JSON commands as one batch -> list of output documents."""
+        buf = json.dumps({"nftables": cmds}).encode()
+        with self._lock:
+            rc = self._lib.nft_run_cmd_from_buffer(self._ctx, buf)
+            out = self._ffi.string(self._lib.nft_ctx_get_output_buffer(self._ctx)).decode()
+            err = self._ffi.string(self._lib.nft_ctx_get_error_buffer(self._ctx)).decode()
+        if rc != 0:
+            raise NftError(what, err)
+        return [json.loads(line) for line in out.splitlines() if line.strip()]
+
+    def table_exists(self, table):
+        try:
+            self.run([{"list": {"table": table.table_obj()}}], "list table")
+            return True
+        except NftError as e:
+            if e.enoent:
+                return False
+            raise
+
+    def counter_names(self, table):
+        """Names of every named counter in the table (for gc)."""
+        try:
+            docs = self.run([{"list": {"counters": {"family": FAMILY, "table": table.name}}}],
+                            "list counters")
+        except NftError as e:
+            if e.enoent:
+                return []
+            raise
+        return [item["counter"]["name"] for d in docs for item in d.get("nftables", ()) if "counter" in item]

@@ -1,0 +1,253 @@
+"""One job's network, start to end: lease, table, veth, rules; in that order,
+released in reverse.  Used by netd and, when netd is not running, in-process.
+
+All changes happen under the state dir's network lock (ipam.LeaseStore), so
+the first job's table creation, the last job's table removal and everything
+in between are serialised between starters and netd.  Each step's undo is
+registered right after the step; every undo tolerates "already gone", which
+is what lets teardown and gc share them on half-built or crashed jobs.
+"""
+
+import contextlib
+import os
+
+from starter.errors import NetworkError
+from starter.net import ipam, nft
+
+
+def cfg_fingerprint(cfg):
+    """What the shared table is built from; jobs on one node must agree."""
+    return {
+        "pool": cfg.pool, "lan": sorted(cfg.lan), "uplink": cfg.uplink,
+        "allow_host_ports": sorted([p, int(n)] for p, n in cfg.allow_host_ports),
+        "table": cfg.table,
+    }
+
+
+def validate(cfg):
+    """-> Pool.  Everything that reaches nft or /proc/sys is checked here."""
+    import ipaddress
+
+    pool = ipam.Pool(cfg.pool)
+    for c in cfg.lan:
+        try:
+            net = ipaddress.IPv4Network(c, strict=True)
+        except ValueError as e:
+            raise NetworkError(f"lan: {e}", "give IPv4 networks such as 10.0.0.0/8") from None
+        if pool.overlaps(str(net)):
+            raise NetworkError(f"lan: {c} overlaps the job address pool {pool.cidr}",
+                               "choose a pool that is not used on the site network")
+    if cfg.uplink is not None:
+        ipam.check_ifname("uplink", cfg.uplink)
+    for i, item in enumerate(cfg.allow_host_ports):
+        try:
+            proto, port = item
+        except (TypeError, ValueError):
+            raise NetworkError(f"allow_host_ports[{i}]: {item!r} is not (proto, port)") from None
+        if proto not in ("tcp", "udp") or not isinstance(port, int) or not 1 <= port <= 65535:
+            raise NetworkError(f"allow_host_ports[{i}]: {item!r} must be ('tcp'|'udp', 1..65535)")
+    if not cfg.table.startswith("starter") or not 1 <= len(cfg.table) <= 64 or \
+            set(cfg.table) - set("abcdefghijklmnopqrstuvwxyz0123456789_"):
+        raise NetworkError(f"table: {cfg.table!r} must be starter[a-z0-9_]*",
+                           "the project only ever touches tables named starter*")
+    return pool
+
+
+def _fwd_path(ifname):
+    return f"/proc/sys/net/ipv4/conf/{ipam.check_ifname('ifname', ifname)}/forwarding"
+
+
+def _if_exists(ifname):
+    return os.path.exists(f"/sys/class/net/{ipam.check_ifname('ifname', ifname)}")
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read().strip()
+    except FileNotFoundError:
+        return None
+
+
+def _write(path, value):
+    try:
+        with open(path, "w") as f:
+            f.write(value)
+        return True
+    except FileNotFoundError:
+        return False
+
+
+class Wiring:
+    """Holds the expensive handles (pyroute2, libnftables) for its lifetime."""
+
+    def __init__(self):
+        self._links = None
+        self._nft = None
+
+    @property
+    def links(self):
+        if self._links is None:
+            from starter.net.veth import Links  # pyroute2: only when a veth is touched
+
+            self._links = Links()
+        return self._links
+
+    @property
+    def nft(self):
+        if self._nft is None:
+            self._nft = nft.Nft()
+        return self._nft
+
+    def close(self):
+        if self._links is not None:
+            self._links.close()
+            self._links = None
+
+    # -- the table -------------------------------------------------------
+    def _create_table(self, store, cfg, table):
+        guard = []
+        if cfg.uplink is not None:
+            if not _if_exists(cfg.uplink):
+                raise NetworkError(f"uplink: interface {cfg.uplink!r} does not exist",
+                                   "set the uplink to the interface that reaches the LAN/WAN "
+                                   "(`ip route get <address>` names it)")
+            if _read(_fwd_path(cfg.uplink)) == "0":
+                guard.append(cfg.uplink)
+        # Record first: a crash after the sysctl write must still restore it.
+        store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard})
+        try:
+            self.nft.run(table.create(cfg.pool, cfg.lan, [cfg.uplink] if cfg.uplink else [],
+                                      guard, cfg.allow_host_ports), "create table")
+            for ifname in guard:
+                _write(_fwd_path(ifname), "1")
+        except BaseException:
+            self._delete_table(store, table)
+            raise
+
+    def _delete_table(self, store, table):
+        """Remove the table and undo the uplink sysctls.  Idempotent."""
+        rec = store.table_record() or {}
+        self.nft.run(table.delete(), "delete table")
+        for ifname in rec.get("guard", ()):
+            if _if_exists(ifname):
+                _write(_fwd_path(ifname), "0")
+        store.set_table_record(None)
+
+    def _check_table_matches(self, store, cfg):
+        rec = store.table_record()
+        if rec is not None and rec.get("cfg") != cfg_fingerprint(cfg):
+            raise NetworkError(
+                "network configuration differs from the one the running jobs use "
+                f"(running: {rec.get('cfg')}, this job: {cfg_fingerprint(cfg)})",
+                "all jobs on a node share one table: give every job the same pool, lan, uplink "
+                "and allow-list (or wait until no NAT job runs)")
+
+    # -- one job ---------------------------------------------------------
+    def setup(self, job_id, netns_fd, cfg, owner_pid):
+        pool = validate(cfg)
+        key = ipam.job_key(job_id, cfg.table)
+        table = nft.Table(cfg.table)
+        store = ipam.LeaseStore(cfg.state_dir)
+        with store, contextlib.ExitStack() as undo:
+            try:
+                first = store.count() == 0
+                if not first:
+                    self._check_table_matches(store, cfg)
+                lease = store.acquire(job_id, key, pool, owner_pid)
+                undo.callback(store.release, key, lease["slot"])
+                if first:
+                    self._create_table(store, cfg, table)
+                self.links.create(key, netns_fd, lease["gateway"], lease["address"],
+                                  lease["prefixlen"], forward=cfg.uplink is not None)
+                undo.callback(self.links.delete, key)
+                self._add_job(store, cfg, table, key, lease["address"])
+                undo.pop_all()
+            except BaseException:
+                undo.close()
+                if store.count() == 0:
+                    with contextlib.suppress(Exception):
+                        self._delete_table(store, table)
+                raise
+        return lease
+
+    def _add_job(self, store, cfg, table, key, address):
+        try:
+            self.nft.run(table.add_job(key, key, address), "add job rules")
+        except nft.NftError as e:
+            if not e.enoent or self.nft.table_exists(table):
+                raise
+            # Someone removed our table under running jobs (nft flush ruleset):
+            # rebuild it with every live lease, then add this job.
+            self._create_table(store, cfg, table)
+            for other in store.all():
+                if other.get("key") != key and other.get("address") and _if_exists(other["key"]):
+                    self.nft.run(table.add_job(other["key"], other["key"], other["address"]), "re-add job")
+            self.nft.run(table.add_job(key, key, address), "add job rules")
+
+    def counters(self, job_id, cfg):
+        table = nft.Table(cfg.table)
+        key = ipam.job_key(job_id, cfg.table)
+        try:
+            return nft.parse_counters(self.nft.run(table.list_counters(key), "read counters"), key) or None
+        except nft.NftError as e:
+            if e.enoent:
+                return None
+            raise
+
+    def teardown(self, job_id, cfg):
+        key = ipam.job_key(job_id, cfg.table)
+        store = ipam.LeaseStore(cfg.state_dir)
+        with store:
+            return self._teardown_key(store, cfg, key, store.get_by_key(key))
+
+    def _teardown_key(self, store, cfg, key, lease):
+        """Read the counters, then remove rules, counters, veth, lease, and the
+        table if this was the last job.  Every step tolerates absence."""
+        table = nft.Table(cfg.table)
+        counters = None
+        address = lease.get("address") if lease else None
+        try:
+            counters = nft.parse_counters(self.nft.run(table.list_counters(key), "read counters"), key) or None
+        except nft.NftError as e:
+            if not e.enoent:
+                raise
+        if counters is not None or address:
+            try:
+                self.nft.run(table.del_job(key, key, address), "remove job rules")
+            except nft.NftError:
+                # Half-built job: remove what exists, one object at a time.
+                for cmd in table.del_job(key, key, address):
+                    with contextlib.suppress(nft.NftError):
+                        self.nft.run([cmd], "remove job rule")
+        if _if_exists(key):
+            self.links.delete(key)
+        store.release(key, lease.get("slot") if lease else None)
+        if store.count() == 0:
+            self._delete_table(store, table)
+        return counters
+
+    def gc(self, cfg, live_job_ids):
+        table = nft.Table(cfg.table)
+        store = ipam.LeaseStore(cfg.state_dir)
+        removed = []
+        with store:
+            live_keys = set()
+            for lease in store.all():
+                job_id = lease.get("job_id")
+                if job_id is not None and job_id in live_job_ids:
+                    live_keys.add(lease["key"])
+                    continue
+                self._teardown_key(store, cfg, lease["key"], lease)
+                removed.append(f"job {job_id}: lease {lease.get('address')}, veth {lease['key']}, counters")
+            for name, path in store.orphan_slots():
+                os.unlink(path)
+                removed.append(f"slot {name}")
+            stray = {n[:15] for n in self.nft.counter_names(table) if ipam.is_job_key(n[:15])}
+            for key in sorted(stray - live_keys):
+                self._teardown_key(store, cfg, key, None)
+                removed.append(f"counters and veth of {key}")
+            if store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
+                self._delete_table(store, table)
+                removed.append(f"table {nft.FAMILY} {cfg.table}")
+        return removed

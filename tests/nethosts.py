@@ -1,0 +1,276 @@
+"""Test hosts for job networks: a private "site" the NAT can reach.
+
+    host (this machine)                router ns              lan ns
+    uplink <name>  10.76.0.1/30 ---- 10.76.0.2/30
+                                      10.77.0.1/24 -------- 10.77.0.10/24  LAN server
+                                      198.18.0.1/24 ------- 198.18.0.10/24 WAN server (wan ns)
+
+The host gets routes to 10.77.0.0/16 and 198.18.0.0/15 via the uplink, and
+nothing else changes on the host: no sysctl, no other route.  Every
+namespace is held by a `sleep` process we start (no /run/netns mounts) and
+everything is removed on exit, also when the body raises.  Traffic goes only
+to addresses inside these namespaces.
+
+    with site() as s:
+        s.uplink, s.lan_addr, s.wan_addr, s.lan_cidr, s.wan_cidr
+        srv = s.serve(s.lan_addr_ns, "send", 1_000_000)   # in the LAN ns
+        ...
+        Job(...)  a bare job namespace for tests that do not go through starter
+"""
+
+import contextlib
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+PY = "/usr/bin/python3"
+LAN_CIDR = "10.77.0.0/16"
+WAN_CIDR = "198.18.0.0/15"
+UPLINK_HOST = "10.76.0.1"
+UPLINK_PEER = "10.76.0.2"
+
+SERVER = r"""
+import socket, sys
+mode, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("0.0.0.0", port)); s.listen(8)
+print("ready", flush=True)
+c, peer = s.accept()
+print("peer", peer[0], flush=True)
+if mode == "send":
+    buf = b"x" * 65536
+    left = n
+    while left:
+        left -= c.send(buf[:min(left, len(buf))])
+    c.shutdown(socket.SHUT_WR)
+    c.recv(1)
+    print("sent", n, flush=True)
+else:
+    got = 0
+    while True:
+        b = c.recv(1 << 16)
+        if not b:
+            break
+        got += len(b)
+    print("received", got, flush=True)
+"""
+
+CLIENT = r"""
+import socket, sys
+mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+src = sys.argv[5] if len(sys.argv) > 5 else None
+timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 10.0
+s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s.settimeout(timeout)
+if src:
+    s.bind((src, 0))
+try:
+    s.connect((host, port))
+except OSError as e:
+    print("connect-failed", type(e).__name__, flush=True); sys.exit(3)
+if mode == "recv":
+    got = 0
+    while True:
+        b = s.recv(1 << 16)
+        if not b:
+            break
+        got += len(b)
+    print("received", got, flush=True)
+else:
+    buf = b"y" * 65536
+    left = n
+    while left:
+        left -= s.send(buf[:min(left, len(buf))])
+    s.shutdown(socket.SHUT_WR)
+    s.recv(1)
+    print("sent", n, flush=True)
+"""
+
+
+def run(*argv, check=True, **kw):
+    return subprocess.run(list(argv), check=check, capture_output=True, text=True, **kw)
+
+
+class Netns:
+    """A network namespace held by a sleeping process we started."""
+
+    def __init__(self):
+        self.proc = subprocess.Popen(["unshare", "--net", "sleep", "3600"], stdin=subprocess.DEVNULL)
+        path = f"/proc/{self.proc.pid}/ns/net"
+        # unshare execs sleep after unshare(): wait until the ns differs from ours
+        mine = os.stat("/proc/self/ns/net").st_ino
+        for _ in range(500):
+            try:
+                if os.stat(path).st_ino != mine:
+                    break
+            except FileNotFoundError:
+                pass
+            time.sleep(0.002)
+        else:
+            self.close()
+            raise RuntimeError("unshare --net did not start")
+        self.pid = self.proc.pid
+
+    def open_fd(self):
+        return os.open(f"/proc/{self.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+
+    def argv(self, *cmd):
+        return ["nsenter", "-t", str(self.pid), "-n", *cmd]
+
+    def ip(self, *args, check=True):
+        return run(*self.argv("ip", *args), check=check)
+
+    def popen(self, *cmd, **kw):
+        return subprocess.Popen(self.argv(*cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                stdin=subprocess.DEVNULL, text=True, **kw)
+
+    def python(self, code, *args, timeout=60):
+        return run(*self.argv(PY, "-c", code, *map(str, args)), check=False, timeout=timeout)
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+        self.proc.wait()
+
+
+class Server:
+    def __init__(self, ns, mode, port, n):
+        self.proc = ns.popen(PY, "-c", SERVER, mode, str(port), str(n))
+        line = self.proc.stdout.readline()
+        if line.strip() != "ready":
+            self.close()
+            raise RuntimeError(f"test server did not start: {line!r} {self.proc.stderr.read()}")
+        self.port = port
+
+    def result(self, timeout=60):
+        out, err = self.proc.communicate(timeout=timeout)
+        return out, err
+
+    def close(self):
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.wait()
+
+
+class Site:
+    def __init__(self, stack):
+        self._stack = stack
+        tag = secrets.token_hex(3)
+        self.uplink = f"stupl{tag}"
+        self.router_if = f"sturt{tag}"
+        self.lan_cidr, self.wan_cidr = LAN_CIDR, WAN_CIDR
+        self.lan_addr, self.wan_addr = "10.77.0.10", "198.18.0.10"
+        self.uplink_addr = UPLINK_HOST
+        self._port = 20000 + secrets.randbelow(20000)
+
+        self.router = self._ns()
+        self.lan = self._ns()
+        self.wan = self._ns()
+        # host <-> router: the uplink.  The peer is born in the router's ns.
+        run("ip", "link", "add", self.uplink, "type", "veth", "peer", "name", "up0",
+            "netns", str(self.router.pid))
+        stack.callback(run, "ip", "link", "del", self.uplink, check=False)
+        run("ip", "addr", "add", f"{UPLINK_HOST}/30", "dev", self.uplink)
+        run("ip", "link", "set", self.uplink, "up")
+        for cidr in (LAN_CIDR, WAN_CIDR):
+            run("ip", "route", "add", cidr, "via", UPLINK_PEER, "dev", self.uplink)
+            stack.callback(run, "ip", "route", "del", cidr, "via", UPLINK_PEER, check=False)
+        r = self.router
+        r.ip("addr", "add", f"{UPLINK_PEER}/30", "dev", "up0")
+        r.ip("link", "set", "up0", "up")
+        r.ip("link", "set", "lo", "up")
+        # Forwarding inside the router's own namespace only.
+        run(*r.argv("sysctl", "-qw", "net.ipv4.ip_forward=1"))
+        for ns, name, gw, addr in ((self.lan, "lan", "10.77.0.1", self.lan_addr),
+                                   (self.wan, "wan", "198.18.0.1", self.wan_addr)):
+            r.ip("link", "add", name, "type", "veth", "peer", "name", "eth0",
+                 "netns", str(ns.pid))
+            r.ip("addr", "add", f"{gw}/24", "dev", name)
+            r.ip("link", "set", name, "up")
+            ns.ip("addr", "add", f"{addr}/24", "dev", "eth0")
+            ns.ip("link", "set", "eth0", "up")
+            ns.ip("link", "set", "lo", "up")
+            ns.ip("route", "add", "default", "via", gw)
+
+    def _ns(self):
+        ns = Netns()
+        self._stack.callback(ns.close)
+        return ns
+
+    def port(self):
+        self._port += 1
+        return self._port
+
+    def serve(self, where, mode, n):
+        """A one-connection TCP server in the LAN or WAN namespace."""
+        ns = {"lan": self.lan, "wan": self.wan}[where]
+        srv = Server(ns, mode, self.port(), n)
+        self._stack.callback(srv.close)
+        return srv
+
+    def job(self):
+        """A bare job namespace (held by sleep), for tests below the starter."""
+        ns = Netns()
+        self._stack.callback(ns.close)
+        return ns
+
+
+def client(ns, mode, host, port, n=0, src=None, timeout=10.0):
+    """Run the TCP client inside ns -> (returncode, stdout)."""
+    args = [mode, host, port, n]
+    if src or timeout != 10.0:
+        args += [src or "", timeout]
+    r = ns.python(CLIENT, *args, timeout=timeout + 30)
+    return r.returncode, r.stdout.strip()
+
+
+@contextlib.contextmanager
+def site():
+    """-> Site.  Removes every route, veth, namespace and process on exit."""
+    if os.geteuid() != 0:
+        raise RuntimeError("nethosts needs root")
+    with contextlib.ExitStack() as stack:
+        yield Site(stack)
+
+
+def send_raw_udp(ns, ifname, dst_mac, src_ip, dst_ip, dport, payload=b"probe"):
+    """Send one hand-built Ethernet/IPv4/UDP frame from inside ns (AF_PACKET):
+    for what the job's own routing would never emit (127.0.0.1 via the
+    gateway)."""
+    code = r"""
+import socket, struct, sys
+ifname, dst_mac, src, dst, dport, payload = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6].encode()
+src_mac = open(f"/sys/class/net/{ifname}/address").read().strip()
+mac = lambda m: bytes(int(x, 16) for x in m.split(":"))
+udp = struct.pack("!HHHH", 40000, dport, 8 + len(payload), 0) + payload
+tot = 20 + len(udp)
+hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, tot, 1, 0, 64, 17, 0, socket.inet_aton(src), socket.inet_aton(dst))
+s = 0
+for i in range(0, 20, 2):
+    s += (hdr[i] << 8) + hdr[i + 1]
+while s >> 16:
+    s = (s & 0xffff) + (s >> 16)
+hdr = hdr[:10] + struct.pack("!H", ~s & 0xffff) + hdr[12:]
+frame = mac(dst_mac) + mac(src_mac) + b"\x08\x00" + hdr + udp
+p = socket.socket(socket.AF_PACKET, socket.SOCK_RAW)
+p.bind((ifname, 0))
+p.send(frame)
+print("sent")
+"""
+    r = ns.python(code, ifname, dst_mac, src_ip, dst_ip, dport, payload.decode())
+    if r.returncode:
+        raise RuntimeError(r.stderr)
+
+
+if __name__ == "__main__":  # manual check: build the site, print it, tear down
+    with site() as s:
+        print(s.uplink, s.lan_addr, s.wan_addr)
+        srv = s.serve("lan", "send", 1000)
+        j = s.job()
+        print(run("ip", "route").stdout, file=sys.stderr)
+    print(socket.gethostname(), "clean")
