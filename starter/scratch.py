@@ -1,0 +1,357 @@
+"""The job's private working directory: made fresh, owned by the job, removed safely.
+
+Creation: mkdir(0700) under a parent the job cannot write, open it by fd with
+O_NOFOLLOW, fchown that fd to the job's uid/gid.  Nothing else is ever chowned.
+
+Removal happens after the job ran, so everything inside is hostile: symlinks to
+/etc, hard links to host files, symlink loops, deep trees, bind mounts.  The
+walk therefore
+  * holds directories only as fds opened with O_DIRECTORY|O_NOFOLLOW relative to
+    their parent's fd, and checks (st_dev, st_ino) of what it opened against the
+    lstat it decided on: a symlink is unlinked, never followed;
+  * unlinks names (a hard link to a host file loses one name, the file stays);
+  * never descends into another mount: st_dev and the fd's mnt_id (from
+    /proc/self/fdinfo, which also catches a bind mount of the same filesystem)
+    must match the scratch root; mounts are skipped and reported;
+  * keeps one fd open at a time and climbs back with "..", verified against the
+    identity recorded on the way down, so depth costs neither fds nor stack.
+
+The parent must not be writable by the job: otherwise the job could rename its
+scratch away and put a symlink in its place before cleanup.  remove() also
+re-opens the scratch by name with O_NOFOLLOW and refuses if its (st_dev,
+st_ino) is not the directory that was created.
+"""
+
+import errno
+import logging
+import os
+import stat
+
+from starter.errors import SpecError, StagingError
+
+log = logging.getLogger("starter.scratch")
+
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class Scratch:
+    """A created scratch directory.  `fd` stays open until remove()/close()."""
+
+    def __init__(self, path, parent_fd, fd, st, uid, gid, keep=False):
+        self.path = path
+        self.name = os.path.basename(path)
+        self.parent_fd = parent_fd
+        self.fd = fd
+        self.dev, self.ino = st.st_dev, st.st_ino
+        self.uid, self.gid = uid, gid
+        self.keep = keep
+
+    def __repr__(self):
+        return f"Scratch({self.path!r}, uid={self.uid}, gid={self.gid})"
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.release()
+
+    def release(self):
+        """End of job: remove the scratch unless it is to be kept."""
+        if self.keep:
+            log.info("scratch: keeping %s", self.path)
+            self.close()
+            return None
+        return self.remove()
+
+    def remove(self):
+        """Remove the scratch and everything in it; returns a RemoveReport.
+
+        Raises StagingError (after removing all it safely could) if something
+        was left: a mount point inside, a name that would not go, or a scratch
+        that is no longer the directory we created.
+        """
+        if self.parent_fd is None:
+            return None
+        try:
+            report = remove_tree(self.parent_fd, self.name, expect=(self.dev, self.ino), path=self.path)
+        finally:
+            self.close()
+        return report
+
+    def close(self):
+        for attr in ("fd", "parent_fd"):
+            fd = getattr(self, attr)
+            if fd is not None:
+                os.close(fd)
+                setattr(self, attr, None)
+
+
+def create(path, uid, gid, *, keep=False):
+    """Make `path` (must not exist) as the job's scratch: mode 0700, owned uid:gid."""
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    if not name or name in (".", ".."):
+        raise SpecError("scratch", f"{path!r} is not a usable directory name")
+    try:
+        pfd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    except OSError as e:
+        raise StagingError(f"scratch: cannot open parent directory {parent}: {e.strerror}") from None
+    try:
+        _check_parent(pfd, parent, uid, gid)
+        try:
+            os.mkdir(name, 0o700, dir_fd=pfd)
+        except FileExistsError:
+            raise StagingError(
+                f"scratch: {path} already exists",
+                hint="a scratch is always made fresh: remove the old one or use --execute-dir",
+            ) from None
+        except OSError as e:
+            raise StagingError(f"scratch: cannot create {path}: {e.strerror}") from None
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+            try:
+                st = os.fstat(fd)
+                os.fchmod(fd, 0o700)  # umask may have taken bits; be exact
+                os.fchown(fd, uid, gid)
+            except BaseException:
+                os.close(fd)
+                raise
+        except BaseException:
+            try:
+                os.rmdir(name, dir_fd=pfd)
+            except OSError:
+                pass
+            raise
+    except BaseException:
+        os.close(pfd)
+        raise
+    return Scratch(path, pfd, fd, st, uid, gid, keep=keep)
+
+
+def create_in(execute_dir, job_id, uid, gid, *, keep=False):
+    """Make `<execute_dir>/job-<job_id>`; `execute_dir` is created (0755) if missing."""
+    job_id = str(job_id)
+    if (
+        not job_id
+        or job_id in (".", "..")
+        or any(not (c.isascii() and (c.isalnum() or c in "._-")) for c in job_id)
+        or len(job_id) > 200
+    ):
+        raise SpecError("job_id", f"{job_id!r} cannot name a scratch directory", hint="use letters, digits, '.', '_', '-'")
+    execute_dir = os.path.abspath(execute_dir)
+    try:
+        os.mkdir(execute_dir, 0o755)
+    except FileExistsError:
+        pass
+    except OSError as e:
+        raise StagingError(f"scratch: cannot create execute dir {execute_dir}: {e.strerror}") from None
+    return create(os.path.join(execute_dir, f"job-{job_id}"), uid, gid, keep=keep)
+
+
+def _check_parent(pfd, parent, uid, gid):
+    st = os.fstat(pfd)
+    mode = stat.S_IMODE(st.st_mode)
+    job_writable = (
+        (st.st_uid == uid and uid != 0)
+        or (mode & 0o002)
+        or (mode & 0o020 and st.st_gid == gid and gid != 0)
+    )
+    if job_writable:
+        raise StagingError(
+            f"scratch: parent directory {parent} (uid {st.st_uid}, gid {st.st_gid}, mode {mode:04o}) "
+            "is writable by the job; it could swap its scratch for a symlink before cleanup",
+            hint="put scratches under a root-owned directory with mode 0755, e.g. --execute-dir /var/lib/starter/execute",
+        )
+
+
+class RemoveReport:
+    """What remove_tree did: counts, and what it left and why."""
+
+    def __init__(self, path):
+        self.path = path
+        self.files = 0
+        self.dirs = 0
+        self.mounts = []  # paths of mount points found inside (not entered)
+        self.errors = []  # (path, message) for names that would not go
+
+    @property
+    def complete(self):
+        return not self.mounts and not self.errors
+
+    def as_dict(self):
+        return {
+            "path": self.path,
+            "files": self.files,
+            "dirs": self.dirs,
+            "mounts": list(self.mounts),
+            "errors": [f"{p}: {m}" for p, m in self.errors],
+        }
+
+
+def _mnt_id(fd):
+    try:
+        with open(f"/proc/self/fdinfo/{fd}", "rb") as f:
+            for line in f:
+                if line.startswith(b"mnt_id:"):
+                    return int(line.split()[1])
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def remove_tree(parent_fd, name, *, expect=None, path=None, check=True):
+    """Remove directory `name` under `parent_fd` and its contents, never leaving its mount.
+
+    `expect` is the (st_dev, st_ino) the directory must have (else nothing is
+    touched).  Returns a RemoveReport; with `check`, raises StagingError if
+    anything was left behind, after removing everything that safely could be.
+    """
+    path = path or name
+    report = RemoveReport(path)
+    try:
+        fd = os.open(name, _DIR_FLAGS, dir_fd=parent_fd)
+    except FileNotFoundError:
+        return report
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise StagingError(
+                f"scratch: {path} is no longer a directory (it was replaced, maybe by a symlink); not removing it",
+                hint="its parent directory must not be writable by the job",
+            ) from None
+        raise StagingError(f"scratch: cannot open {path}: {e.strerror}") from None
+    root = os.fstat(fd)
+    if expect is not None and (root.st_dev, root.st_ino) != tuple(expect):
+        os.close(fd)
+        raise StagingError(
+            f"scratch: {path} is not the directory that was created (it was replaced); not removing it",
+            hint="its parent directory must not be writable by the job",
+        )
+    root_dev, root_mnt = root.st_dev, _mnt_id(fd)
+    pst = os.fstat(parent_fd)
+    if root_dev != pst.st_dev or (root_mnt is not None and root_mnt != _mnt_id(parent_fd)):
+        os.close(fd)
+        report.mounts.append(path)
+        _finish(report, check)
+        return report
+
+    # One frame per directory on the way down: (identity, name, path, pending names).
+    with os.scandir(fd) as it:
+        pending = [e.name for e in it]
+    stack = [((root.st_dev, root.st_ino), None, path, pending)]
+    skip = set()  # identities that must not be entered again (mounts, non-empty dirs)
+    try:
+        while stack:
+            ident, dname, dpath, pending = stack[-1]
+            if pending:
+                child = pending.pop()
+                cpath = f"{dpath}/{child}"
+                cfd = _step(fd, child, cpath, root_dev, root_mnt, skip, report)
+                if cfd is not None:
+                    cst = os.fstat(cfd)
+                    try:
+                        with os.scandir(cfd) as it:
+                            cpending = [e.name for e in it]
+                    except OSError as e:
+                        os.close(cfd)
+                        report.errors.append((cpath, e.strerror))
+                        continue
+                    os.close(fd)
+                    fd = cfd
+                    stack.append(((cst.st_dev, cst.st_ino), child, cpath, cpending))
+                continue
+            # Directory done: climb to the parent by "..", verified, then rmdir the child.
+            stack.pop()
+            if not stack:
+                break
+            pfd = os.open("..", _DIR_FLAGS, dir_fd=fd)
+            pst = os.fstat(pfd)
+            if (pst.st_dev, pst.st_ino) != stack[-1][0]:
+                os.close(pfd)
+                raise StagingError(f"scratch: {dpath} moved during removal; stopping", hint="is the job still running?")
+            os.close(fd)
+            fd = pfd
+            try:
+                os.rmdir(dname, dir_fd=fd)
+                report.dirs += 1
+            except OSError as e:
+                skip.add(ident)
+                if e.errno not in (errno.ENOTEMPTY, errno.EEXIST):  # non-empty: its content was reported
+                    report.errors.append((dpath, e.strerror))
+    finally:
+        os.close(fd)
+    if report.complete:
+        try:
+            os.rmdir(name, dir_fd=parent_fd)
+            report.dirs += 1
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            report.errors.append((path, e.strerror))
+    _finish(report, check)
+    return report
+
+
+def _step(dfd, child, cpath, root_dev, root_mnt, skip, report):
+    """Handle one name in the open directory `dfd`: unlink it, or return an fd to descend into."""
+    try:
+        st = os.stat(child, dir_fd=dfd, follow_symlinks=False)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        report.errors.append((cpath, e.strerror))
+        return None
+    ident = (st.st_dev, st.st_ino)
+    if ident in skip:
+        return None
+    if not stat.S_ISDIR(st.st_mode):
+        if st.st_dev != root_dev:  # a file bind-mounted over a name
+            report.mounts.append(cpath)
+            return None
+        try:
+            os.unlink(child, dir_fd=dfd)
+            report.files += 1
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            if e.errno == errno.EBUSY:  # a file mount point
+                report.mounts.append(cpath)
+            else:
+                report.errors.append((cpath, e.strerror))
+        return None
+    if st.st_dev != root_dev:
+        report.mounts.append(cpath)
+        skip.add(ident)
+        return None
+    try:
+        cfd = os.open(child, _DIR_FLAGS, dir_fd=dfd)
+    except OSError as e:
+        report.errors.append((cpath, e.strerror))
+        return None
+    cst = os.fstat(cfd)
+    cmnt = _mnt_id(cfd)
+    if cst.st_dev != root_dev or (root_mnt is not None and cmnt != root_mnt):
+        report.mounts.append(cpath)  # e.g. a bind mount from the same filesystem
+    elif (cst.st_dev, cst.st_ino) != ident:
+        report.errors.append((cpath, "changed while being removed"))
+    else:
+        return cfd
+    os.close(cfd)
+    skip.add(ident)
+    return None
+
+
+def _finish(report, check):
+    if report.mounts:
+        log.warning("scratch: %s: not entering mount point(s) %s", report.path, ", ".join(report.mounts))
+    for p, m in report.errors:
+        log.warning("scratch: %s: %s", p, m)
+    if check and not report.complete:
+        what = []
+        if report.mounts:
+            what.append("mount point(s) inside: " + ", ".join(report.mounts))
+        if report.errors:
+            what.append("; ".join(f"{p}: {m}" for p, m in report.errors))
+        raise StagingError(
+            f"scratch: {report.path} not fully removed ({'; '.join(what)})",
+            hint="unmount what is mounted there, then remove the directory (`starter gc` retries)",
+        )
