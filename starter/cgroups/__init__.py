@@ -29,8 +29,9 @@ def open_backend(parent=None, mountinfo=None, proc_cgroup=None):
     """Probe the host's cgroup mounts and return its backend.
 
     parent: None puts jobs under <starter's own cgroup>/starter in each
-    hierarchy (which nests them inside a batch system's step cgroup);
-    otherwise a cgroup path like "/starter" used in every hierarchy.
+    hierarchy (which nests them inside a batch system's step cgroup); a
+    relative path ("starter-test") goes under the own cgroup instead; an
+    absolute one ("/htcondor/starter") is used as is in every hierarchy.
     mountinfo/proc_cgroup: text to use instead of /proc/self/* (tests).
     """
     if mountinfo is None:

@@ -113,11 +113,12 @@ def weight_to_shares(weight):
     e = math.log10(weight) + 7.0 / 34.0
     l = (-125.0 + math.sqrt(125.0 * 125.0 + 4.0 * 612.0 * e)) / 2.0
     shares = int(round(2.0**l))
-    # ceil() in the forward map: pick the smallest shares value mapping to weight.
-    while shares > CPU_SHARES_MIN and shares_to_weight(shares - 1) >= weight:
-        shares -= 1
+    # The forward map rounds up (ceil), so several shares values give one
+    # weight; keep the exact inverse when it maps back, else step onto it.
     while shares < CPU_SHARES_MAX and shares_to_weight(shares) < weight:
         shares += 1
+    while shares > CPU_SHARES_MIN and shares_to_weight(shares) > weight:
+        shares -= 1
     return shares
 
 
@@ -303,6 +304,9 @@ class JobCgroup:
     def events_fd(self):
         return None
 
+    def drain_events(self):
+        pass
+
     def add_pid(self, pid):
         """Attach `pid` to the job in every hierarchy (idempotent).
 
@@ -417,16 +421,19 @@ class Backend:
         return self.layout.unified if role == "unified" else self.layout.v1[role]
 
     def _parent_dir(self, role, parent):
+        """parent None -> <own>/starter; "name" (relative) -> <own>/name;
+        "/a/b" (absolute) -> that cgroup, in every hierarchy."""
         m = self.mount_for(role)
-        if parent is None:
-            own = self.layout.own.get(role)
-            if own is None:
-                raise CgroupError(
-                    f"cannot find the starter's own {role} cgroup under {m.mount_point}",
-                    "set the cgroup parent explicitly (a cgroup path like /starter)",
-                )
-            return files.join(m.mount_point, own, "starter")
-        return files.join(m.mount_point, check_parent(parent))
+        parent = check_parent("starter" if parent is None else parent)
+        if parent.startswith("/"):
+            return files.join(m.mount_point, parent)
+        own = self.layout.own.get(role)
+        if own is None:
+            raise CgroupError(
+                f"cannot find the starter's own {role} cgroup under {m.mount_point}",
+                "set the cgroup parent to an absolute cgroup path like /starter",
+            )
+        return files.join(m.mount_point, own, parent)
 
     def distinct_parents(self):
         seen = []
@@ -599,9 +606,14 @@ def _rmdir_quiet(d):
 
 
 def check_parent(parent):
-    if not isinstance(parent, str) or not parent.startswith("/"):
-        raise SpecError("cgroup parent", f"{parent!r} must be an absolute cgroup path like /starter")
+    """A cgroup parent: absolute ("/htcondor/starter", from the hierarchy's
+    root) or relative ("starter", below the starter's own cgroup)."""
+    if not isinstance(parent, str):
+        raise SpecError("cgroup parent", f"{parent!r} must be a cgroup path like /starter or starter")
     parts = [p for p in parent.split("/") if p]
-    if not parts or any(p in (".", "..") for p in parts):
-        raise SpecError("cgroup parent", f"{parent!r} must name a cgroup below the root, without '.' or '..'")
-    return "/" + "/".join(parts)
+    if not parts or any(p in (".", "..") or p.startswith(JOB_PREFIX) for p in parts) or "\0" in parent:
+        raise SpecError(
+            "cgroup parent",
+            f"{parent!r} must name a cgroup below the root, without '.', '..' or a job-* component",
+        )
+    return ("/" if parent.startswith("/") else "") + "/".join(parts)

@@ -72,6 +72,11 @@ class UnifiedTracking:
             self._events = Inotify(self._ufile("cgroup.events"))
         return self._events.fd
 
+    def drain_events(self):
+        """Empty the events_fd() after it polled readable (POLLIN)."""
+        if self._events is not None:
+            self._events.drain()
+
     def _read_events(self):
         return files.parse_flat_keyed(files.read_text_or_none(self._ufile("cgroup.events")))
 

@@ -1,0 +1,616 @@
+"""starter.cgroups against the real kernel, plus its parsers on fixture text.
+
+The behavioural tests run once per backend this host can drive:
+  - a hybrid host (this one): "hybrid", and "v1" too (its v1 hierarchies,
+    freezer included, are all there, so the v1-only code path gets real use);
+  - a pure v2 host (the VM): "v2";
+  - a v1-only host: "v1".
+Processes under test are started as `sh -c 'read x; exec ...'`, attached
+with add_pid() while they wait, then released: nothing runs before it is in
+its cgroup, and the pytest process itself is never attached to a job.
+"""
+
+import dataclasses
+import errno
+import itertools
+import os
+import select
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from starter import cgroups
+from starter.cgroups import Limits, base, files
+from starter.errors import CgroupError, SpecError
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "cgroup")
+PY = sys.executable
+
+
+def fixture(name):
+    with open(os.path.join(FIX, name)) as f:
+        return f.read()
+
+
+# ==========================================================================
+# pure logic on fixture text
+
+
+def test_detect_hybrid():
+    lay = files.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
+    assert lay.kind == "hybrid"
+    assert lay.unified.mount_point == "/sys/fs/cgroup/unified"
+    assert lay.v1["memory"].mount_point == "/sys/fs/cgroup/memory"
+    assert lay.own["memory"] == "/process_api/c54698aa1352a7bb3192728c84dc9cb2"
+    assert lay.own["unified"] == "/"
+    be = cgroups.backend_for(lay)
+    assert be.kind == "hybrid"
+    assert be.parents["unified"] == "/sys/fs/cgroup/unified/starter"
+    assert be.parents["memory"] == "/sys/fs/cgroup/memory/process_api/c54698aa1352a7bb3192728c84dc9cb2/starter"
+    assert be.parents["pids"] == "/sys/fs/cgroup/pids/starter"
+    assert "freezer" not in be.parents  # hybrid freezes through cgroup2
+    assert "cpuset" not in be.parents and "devices" not in be.parents
+    assert be.job_paths("x1")["cpu"] == "/sys/fs/cgroup/cpu/starter/job-x1"
+
+
+def test_detect_v2_nests_under_slurm_task():
+    lay = files.detect_layout(fixture("mountinfo.v2"), fixture("proc_cgroup.v2"))
+    assert lay.kind == "v2"
+    be = cgroups.backend_for(lay)
+    assert be.parents == {
+        "unified": "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/step_0/user/task_0/starter"
+    }
+    assert be.job_paths("7")["unified"].endswith("/task_0/starter/job-7")
+
+
+def test_detect_v1_combined_hierarchies():
+    lay = files.detect_layout(fixture("mountinfo.v1"), fixture("proc_cgroup.v1"))
+    assert lay.kind == "v1"
+    assert lay.v1["cpu"] is lay.v1["cpuacct"]
+    assert lay.v1["cpu"].mount_point == "/sys/fs/cgroup/cpu,cpuacct"
+    be = cgroups.backend_for(lay)
+    assert be.parents["cpu"] == be.parents["cpuacct"] == "/sys/fs/cgroup/cpu,cpuacct/slurm/uid_1000/job_42/step_0/starter"
+    assert be.parents["memory"] == "/sys/fs/cgroup/memory/slurm/uid_1000/job_42/step_0/task_0/starter"
+    assert be.parents["freezer"].startswith("/sys/fs/cgroup/freezer/slurm/")
+    # cpu and cpuacct share one directory: made and removed once.
+    job = be.job_class(be, "j", be.job_paths("j"))
+    assert len(job.dirs()) == len(set(job.paths.values())) == 5
+
+
+def test_detect_container_mount_root_and_escapes():
+    lay = files.detect_layout(fixture("mountinfo.container"), fixture("proc_cgroup.container"))
+    assert lay.kind == "v2"
+    # /sys/fs/cgroup shows /docker/abc123; the starter is in .../init below it.
+    assert lay.unified.mount_point == "/sys/fs/cgroup"
+    assert lay.own["unified"] == "/init"
+    mounts = files.parse_mountinfo(fixture("mountinfo.container"))
+    assert mounts[1].mount_point == "/mnt/my cgroup"
+
+
+def test_detect_nothing_mounted():
+    with pytest.raises(CgroupError, match="no cgroup hierarchy"):
+        files.detect_layout(fixture("mountinfo.none"), "1:name=systemd:/\n")
+
+
+def test_explicit_parent():
+    lay = files.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
+    be = cgroups.backend_for(lay, parent="/htcondor//starter/")
+    assert be.parents["memory"] == "/sys/fs/cgroup/memory/htcondor/starter"
+    assert be.parents["unified"] == "/sys/fs/cgroup/unified/htcondor/starter"
+    be = cgroups.backend_for(lay, parent="starter-x/y")
+    assert be.parents["memory"] == "/sys/fs/cgroup/memory/process_api/c54698aa1352a7bb3192728c84dc9cb2/starter-x/y"
+    assert be.parents["pids"] == "/sys/fs/cgroup/pids/starter-x/y"
+    for bad in ("/a/../b", "/", "", "..", "/x/job-1", 5):
+        with pytest.raises(SpecError):
+            cgroups.backend_for(lay, parent=bad)
+
+
+def test_proc_cgroup():
+    lines = files.parse_proc_cgroup(fixture("proc_cgroup.v1"))
+    assert lines[0].controllers == ("net_cls", "net_prio")
+    assert lines[-1].controllers == ("name=systemd",)
+    assert files.parse_proc_cgroup("0::/a:b\n")[0].path == "/a:b"
+
+
+def test_flat_keyed_files():
+    cpu = files.parse_flat_keyed(fixture("cpu.stat"))
+    assert cpu["user_usec"] == 1990000 and cpu["system_usec"] == 13456
+    assert files.parse_flat_keyed(fixture("memory.events"))["oom_kill"] == 2
+    assert files.parse_flat_keyed(fixture("memory.stat"))["anon"] == 536870912
+    assert files.parse_flat_keyed(fixture("memory.oom_control"))["oom_kill"] == 4
+    assert "oom_kill" not in files.parse_flat_keyed(fixture("memory.oom_control.old"))
+    assert files.parse_flat_keyed(fixture("cgroup.events")) == {"populated": 1, "frozen": 0}
+    assert files.parse_flat_keyed(None) == {}
+
+
+def test_io_totals():
+    assert files.io_stat_totals(fixture("io.stat")) == (1459200 + 90430464, 314773504 + 299008000)
+    assert files.io_stat_totals("") == (0, 0)
+    assert files.blkio_totals(fixture("blkio.throttle.io_service_bytes")) == (
+        1459200 + 90430464,
+        314773504 + 299008000,
+    )
+    assert files.blkio_totals("Total 0\n") == (0, 0)
+
+
+def test_pressure():
+    assert files.pressure_totals(fixture("cpu.pressure")) == {"some": 76445, "full": 75144}
+    assert files.pressure_totals(fixture("cpu.pressure.old")) == {"some": 12}
+    assert files.pressure_totals(fixture("memory.pressure")) == {"some": 0, "full": 0}
+    assert files.pressure_totals(None) is None
+    nested = files.parse_nested_keyed(fixture("cpu.pressure"))
+    assert nested["some"]["avg10"] == 1.53
+
+
+def test_cpu_weight_to_shares_is_runc_inverse():
+    assert base.weight_to_shares(100) == 1024
+    assert base.weight_to_shares(1) == 2
+    assert base.weight_to_shares(10000) == 262144
+    for w in (1, 2, 5, 39, 50, 100, 101, 500, 1000, 5000, 9999, 10000):
+        assert base.shares_to_weight(base.weight_to_shares(w)) == w
+    prev = 0
+    for w in range(1, 10001, 37):
+        s = base.weight_to_shares(w)
+        assert s >= prev
+        prev = s
+
+
+def test_limits_validation_names_the_field():
+    Limits(memory_bytes=1 << 30, cpus=1.5, cpu_weight=100, pids=10).validate()
+    for kw, field in [
+        (dict(memory_bytes=-1), "limits.memory_bytes"),
+        (dict(memory_bytes="1G"), "limits.memory_bytes"),
+        (dict(cpus=0.001), "limits.cpus"),
+        (dict(cpus=float("nan")), "limits.cpus"),
+        (dict(cpu_weight=0), "limits.cpu_weight"),
+        (dict(cpu_weight=10001), "limits.cpu_weight"),
+        (dict(pids=0), "limits.pids"),
+        (dict(pids=True), "limits.pids"),
+    ]:
+        with pytest.raises(SpecError) as ei:
+            Limits(**kw).validate()
+        assert ei.value.field == field
+    assert base.cpu_quota_us(1.5) == 150000
+
+
+@pytest.mark.parametrize("bad", ["", "..", ".", "a/b", "-x", "a..b", "x" * 65, "a b", None])
+def test_job_id_refused(bad):
+    with pytest.raises(SpecError):
+        base.check_job_id(bad)
+
+
+# ==========================================================================
+# the real kernel
+
+_host_layout = None
+
+
+def host_layout():
+    global _host_layout
+    if _host_layout is None:
+        _host_layout = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup"))
+    return _host_layout
+
+
+def _need_root():
+    if os.geteuid() != 0:
+        pytest.skip("needs root to create cgroups")
+
+
+@pytest.fixture(
+    params=[
+        pytest.param("v2", marks=pytest.mark.cgroup_v2),
+        pytest.param("hybrid", marks=pytest.mark.cgroup_hybrid),
+        pytest.param("v1", marks=pytest.mark.cgroup_v1),
+    ]
+)
+def backend(request):
+    _need_root()
+    lay = host_layout()
+    kind = request.param
+    # A private parent below our own cgroup: `starter gc` run by someone else
+    # on this node destroys every job under the default parent it has no
+    # state for, ours included.
+    parent = f"starter-test-{os.getpid()}"
+    if kind == lay.kind:
+        be = cgroups.backend_for(lay, parent)
+    elif kind == "v1" and lay.kind == "hybrid" and "freezer" in lay.v1:
+        # The v1-only code path on the v1 hierarchies of a hybrid host.
+        be = cgroups.backend_for(dataclasses.replace(lay, kind="v1"), parent)
+    else:
+        pytest.skip(f"host cgroups are {lay.kind}, not {kind}")
+    yield be
+    be.close()
+
+
+_ids = itertools.count()
+
+
+class Jobs:
+    """Makes job cgroups and processes; the finalizer kills and removes
+    everything, even when the test failed."""
+
+    def __init__(self, be):
+        self.be = be
+        self.cgs = []
+        self.procs = []
+
+    def create(self, limits=None):
+        job_id = f"t{os.getpid()}-{next(_ids)}"
+        cg = self.be.create(job_id, limits)
+        self.cgs.append(cg)
+        return cg
+
+    def spawn(self, cg, argv, **kw):
+        """Start argv inside cg: the wrapper waits on stdin until attached."""
+        p = subprocess.Popen(
+            ["sh", "-c", 'read x; exec "$@"', "sh"] + list(argv),
+            stdin=subprocess.PIPE,
+            **kw,
+        )
+        self.procs.append(p)
+        cg.add_pid(p.pid)
+        assert p.pid in cg.pids()
+        p.stdin.write(b"go\n")
+        p.stdin.close()
+        return p
+
+    def cleanup(self):
+        errors = []
+        for cg in self.cgs:
+            try:
+                cg.destroy(timeout=10.0)
+            except Exception as e:  # keep cleaning up the rest
+                errors.append(e)
+        for p in self.procs:
+            if p.poll() is None:
+                p.kill()
+            p.wait()
+        self.be.prune()
+        if errors:
+            raise errors[0]
+
+
+@pytest.fixture
+def jobs(backend):
+    j = Jobs(backend)
+    yield j
+    j.cleanup()
+    for cg in j.cgs:
+        for d in cg.dirs():
+            assert not os.path.exists(d), f"{d} left behind"
+
+
+def py(code):
+    return [PY, "-c", textwrap.dedent(code)]
+
+
+def wait_for(pred, timeout=10.0, step=0.01):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if pred():
+            return True
+        time.sleep(step)
+    return pred()
+
+
+def test_create_destroy_idempotent(backend, jobs):
+    cg = jobs.create()
+    for d in cg.dirs():
+        assert os.path.isdir(d)
+    assert cg.id in backend.list_jobs()
+    assert backend.open_job(cg.id).paths == cg.paths
+    assert cg.is_empty() and cg.pids() == []
+    cg.destroy()
+    cg.destroy()
+    for d in cg.dirs():
+        assert not os.path.exists(d)
+    assert cg.id not in backend.list_jobs()
+    with pytest.raises(CgroupError):
+        backend.open_job(cg.id)
+
+
+def test_create_twice_refused(backend, jobs):
+    cg = jobs.create()
+    with pytest.raises(CgroupError, match="already exists"):
+        backend.create(cg.id)
+    assert all(os.path.isdir(d) for d in cg.dirs())
+
+
+def test_create_fails_closed_on_rejected_limit(backend, jobs):
+    # Passes our validation but the kernel refuses pids.max above PID_MAX_LIMIT.
+    job_id = f"t{os.getpid()}-bad"
+    paths = backend.job_paths(job_id)
+    with pytest.raises(CgroupError) as ei:
+        backend.create(job_id, Limits(memory_bytes=64 << 20, pids=10**9))
+    msg = str(ei.value)
+    assert "pids.max" in msg and "1000000000" in msg and "EINVAL" in msg
+    assert ei.value.hint
+    for d in paths.values():
+        assert not os.path.exists(d)
+    with pytest.raises(SpecError):
+        backend.create(job_id, Limits(memory_bytes=-5))
+    for d in paths.values():
+        assert not os.path.exists(d)
+
+
+def test_capabilities_are_probed(backend):
+    assert isinstance(backend.supports_kill, bool)
+    assert isinstance(backend.supports_memory_peak, bool)
+    assert isinstance(backend.supports_pids_peak, bool)
+    assert isinstance(backend.supports_psi, bool)
+    if backend.kind == "v1":
+        assert not backend.supports_kill and not backend.supports_psi
+
+
+def test_limits_are_written(backend, jobs):
+    cg = jobs.create(Limits(memory_bytes=256 << 20, cpus=1.5, cpu_weight=100, pids=123))
+    p = cg.paths
+    rd = lambda *a: files.read_text(os.path.join(*a)).strip()  # noqa: E731
+    if "memory" in p:
+        assert int(rd(p["memory"], "memory.limit_in_bytes")) == 256 << 20
+        if os.path.exists(os.path.join(p["memory"], "memory.memsw.limit_in_bytes")):
+            assert int(rd(p["memory"], "memory.memsw.limit_in_bytes")) == 256 << 20
+        assert rd(p["cpu"], "cpu.cfs_quota_us") == "150000"
+        assert rd(p["cpu"], "cpu.cfs_period_us") == "100000"
+        assert rd(p["cpu"], "cpu.shares") == "1024"
+        assert rd(p["pids"], "pids.max") == "123"
+    else:
+        u = p["unified"]
+        assert int(rd(u, "memory.max")) == 256 << 20
+        if os.path.exists(os.path.join(u, "memory.swap.max")):
+            assert rd(u, "memory.swap.max") == "0"
+        assert rd(u, "cpu.max") == "150000 100000"
+        assert rd(u, "cpu.weight") == "100"
+        assert rd(u, "pids.max") == "123"
+
+
+def test_fork_bomb_capped_then_killed(backend, jobs):
+    cg = jobs.create(Limits(pids=50, memory_bytes=512 << 20))
+    bomb = py(
+        """
+        import os, time
+        while True:
+            try:
+                os.fork()
+            except OSError:
+                pass
+            time.sleep(0.005)
+        """
+    )
+    jobs.spawn(cg, bomb, stderr=subprocess.DEVNULL)
+    assert wait_for(lambda: len(cg.pids()) >= 40, timeout=20)
+    peak = 0
+    for _ in range(20):
+        peak = max(peak, len(cg.pids()))
+        time.sleep(0.02)
+    assert peak <= 50
+    if cg.stats()["pids_peak"] is not None:
+        assert 40 <= cg.stats()["pids_peak"] <= 50
+    assert cg.kill(timeout=10) == []
+    assert cg.is_empty() and cg.pids() == []
+    # The host can still fork.
+    assert subprocess.run(["true"]).returncode == 0
+
+
+def test_setsid_daemon_is_killed(backend, jobs):
+    cg = jobs.create()
+    daemon = py(
+        """
+        import os, time
+        if os.fork() == 0:
+            os.setsid()
+            if os.fork() == 0:
+                os.closerange(0, 3)
+                time.sleep(1000)
+            os._exit(0)
+        os.wait()
+        """
+    )
+    p = jobs.spawn(cg, daemon)
+    assert p.wait(timeout=10) == 0
+    # The main process is gone; the grandchild lives on, reparented away from us.
+    assert wait_for(lambda: len(cg.pids()) == 1)
+    orphan = cg.pids()[0]
+    assert not cg.is_empty()
+    assert os.getsid(orphan) not in (os.getsid(0), p.pid)  # its own session
+    cg.destroy()
+    assert not os.path.exists(f"/proc/{orphan}") or _is_zombie(orphan)
+    for d in cg.dirs():
+        assert not os.path.exists(d)
+
+
+def _is_zombie(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] == "Z"
+    except FileNotFoundError:
+        return True
+
+
+def test_oom_kill_is_counted(backend, jobs):
+    cg = jobs.create(Limits(memory_bytes=64 << 20))
+    p = jobs.spawn(cg, py("x = b'a' * (128 << 20)"), stderr=subprocess.DEVNULL)
+    assert p.wait(timeout=30) == -signal.SIGKILL
+    st = cg.stats()
+    assert st["oom_kills"] >= 1
+    assert cg.oom_kills() >= 1
+    assert st["memory_peak_bytes"] is None or st["memory_peak_bytes"] <= (64 << 20) + (1 << 20)
+
+
+def test_cpu_accounting(backend, jobs):
+    cg = jobs.create()
+    loop = """
+        import time
+        while time.process_time() < 2.0:
+            for i in range(100000):
+                pass
+        """
+    p = jobs.spawn(cg, py(loop))
+    assert p.wait(timeout=60) == 0
+    assert cg.is_empty()
+    st = cg.stats()
+    cpu = st["cpu_user_s"] + st["cpu_system_s"]
+    # 2 s of the loop plus interpreter start-up and exit.
+    assert 1.9 <= cpu <= 2.2, st
+    assert st["cpu_user_s"] > st["cpu_system_s"]
+    assert st["oom_kills"] in (0, None)
+    if backend.supports_psi:
+        assert set(st["psi"]) == {"cpu", "memory", "io"}
+        assert isinstance(st["psi"]["cpu"]["some"], int)
+    else:
+        assert st["psi"] is None
+
+
+def test_memory_peak(backend, jobs):
+    cg = jobs.create()
+    p = jobs.spawn(cg, py("x = b'a' * (512 << 20)"))
+    assert p.wait(timeout=60) == 0
+    st = cg.stats()
+    if not backend.supports_memory_peak:
+        assert st["memory_peak_bytes"] is None
+        return
+    # 512 MiB touched, plus the interpreter (~10 MiB): within 5%.
+    assert abs(st["memory_peak_bytes"] - (512 << 20)) <= 0.05 * (512 << 20), st
+    assert st["memory_current_bytes"] < st["memory_peak_bytes"]
+
+
+def test_cpu_quota(backend, jobs):
+    cg = jobs.create(Limits(cpus=0.5))
+    p = jobs.spawn(cg, py("while True: pass"))
+    time.sleep(0.3)
+    s0, t0 = cg.stats(), time.monotonic()
+    time.sleep(2.0)
+    s1, t1 = cg.stats(), time.monotonic()
+    used = (s1["cpu_user_s"] + s1["cpu_system_s"]) - (s0["cpu_user_s"] + s0["cpu_system_s"])
+    rate = used / (t1 - t0)
+    assert 0.05 < rate <= 0.65, rate
+    assert cg.kill() == []
+    p.wait()
+
+
+def test_freeze_and_thaw(backend, jobs, tmp_path):
+    cg = jobs.create()
+    counter = tmp_path / "n"
+    code = f"""
+        import time
+        i = 0
+        while True:
+            i += 1
+            with open({str(counter)!r} + ".tmp", "w") as f:
+                f.write(str(i))
+            __import__("os").replace({str(counter)!r} + ".tmp", {str(counter)!r})
+            time.sleep(0.01)
+        """
+    jobs.spawn(cg, py(code))
+    assert wait_for(lambda: counter.exists() and int(counter.read_text()) > 3)
+    assert not cg.frozen()
+    cg.freeze()
+    assert cg.frozen()
+    n = int(counter.read_text())
+    time.sleep(0.5)
+    assert int(counter.read_text()) == n
+    cg.thaw()
+    assert not cg.frozen()
+    assert wait_for(lambda: int(counter.read_text()) > n + 3)
+    # Killing a frozen job works too.
+    cg.freeze()
+    assert cg.kill(timeout=10) == []
+
+
+def test_kill_reaches_frozen_chmodded_subcgroups(backend, jobs):
+    cg = jobs.create()
+    p1 = jobs.spawn(cg, ["sleep", "1000"])
+    p2 = jobs.spawn(cg, ["sleep", "1000"])
+    # What a job with a delegated cgroup could do: make sub-cgroups (in every
+    # hierarchy it sees), move a process down, freeze it, chmod everything.
+    subs = []
+    for d in cg.dirs():
+        sub = os.path.join(d, "inner")
+        deeper = os.path.join(sub, "deeper")
+        os.mkdir(sub)
+        os.mkdir(deeper)
+        files.write(os.path.join(deeper, "cgroup.procs"), p2.pid)
+        subs.append((sub, deeper))
+    if "unified" in cg.paths:
+        files.write(os.path.join(cg.paths["unified"], "inner", "cgroup.freeze"), 1)
+        assert wait_for(lambda: "frozen 1" in files.read_text(os.path.join(cg.paths["unified"], "inner", "cgroup.events")))
+    else:
+        files.write(os.path.join(cg.paths["freezer"], "inner", "freezer.state"), "FROZEN")
+        assert wait_for(lambda: files.read_text(os.path.join(cg.paths["freezer"], "inner", "deeper", "freezer.state")).strip() == "FROZEN")
+    for sub, deeper in subs:
+        for d in (deeper, sub):
+            for name in os.listdir(d):
+                path = os.path.join(d, name)
+                if os.path.isfile(path):
+                    os.chmod(path, 0)
+            os.chmod(d, 0)
+    assert sorted(cg.pids()) == sorted([p1.pid, p2.pid])
+    assert cg.kill(timeout=10) == []
+    assert p1.wait(timeout=5) == -signal.SIGKILL
+    assert p2.wait(timeout=5) == -signal.SIGKILL
+    cg.destroy()
+    for d in cg.dirs():
+        assert not os.path.exists(d)
+
+
+def test_events_fd_reports_empty(backend, jobs):
+    cg = jobs.create()
+    fd = cg.events_fd()
+    if backend.kind == "v1":
+        assert fd is None and cg.clone_fd() is None
+        return
+    assert os.path.isdir(f"/proc/self/fd/{cg.clone_fd()}")
+    p = jobs.spawn(cg, ["sleep", "0.3"])
+    assert not cg.is_empty()
+    deadline = time.monotonic() + 10
+    while not cg.is_empty() and time.monotonic() < deadline:
+        r, _, _ = select.select([fd], [], [], deadline - time.monotonic())
+        if r:
+            cg.drain_events()
+    assert cg.is_empty()
+    p.wait()
+    assert fd == cg.events_fd()  # one fd per job, owned by it
+
+
+def test_add_pid_errors_name_the_path(backend, jobs):
+    cg = jobs.create()
+    p = subprocess.Popen(["true"])
+    p.wait()
+    with pytest.raises(CgroupError) as ei:
+        cg.add_pid(p.pid)  # exited and reaped: ESRCH
+    assert "cgroup.procs" in str(ei.value) and str(p.pid) in str(ei.value)
+
+
+def test_default_parent(backend):
+    """The default parent is starter/ under our own cgroup in each hierarchy;
+    it is gone again once its last job is."""
+    be = cgroups.open_backend()
+    lay = host_layout()
+    for role, p in be.parents.items():
+        assert p == files.join(be.mount_for(role).mount_point, lay.own[role], "starter")
+    cg = be.create(f"t{os.getpid()}-default")
+    try:
+        assert all(os.path.isdir(d) for d in cg.dirs())
+    finally:
+        cg.destroy()
+    for d in cg.dirs():
+        assert not os.path.exists(d)
+
+
+def test_no_leftovers(backend):
+    """Runs last in each backend: nothing of ours under /sys/fs/cgroup."""
+    backend.prune()
+    mine = f"job-t{os.getpid()}-"
+    left = []
+    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
+        for d in dirs:
+            if d.startswith(mine) or d in (f"probe-{os.getpid()}", f"starter-test-{os.getpid()}"):
+                left.append(os.path.join(root, d))
+        if root.count("/") > 8:
+            dirs[:] = []
+    assert left == []
