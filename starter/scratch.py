@@ -148,6 +148,25 @@ def create_in(execute_dir, job_id, uid, gid, *, keep=False):
     return create(os.path.join(execute_dir, f"job-{job_id}"), uid, gid, keep=keep)
 
 
+def remove_path(path, expect=None):
+    """Remove a scratch by path (gc after a crashed starter); a missing one is fine.
+
+    `expect` is the (st_dev, st_ino) recorded at creation, if known.
+    """
+    path = os.path.abspath(path)
+    parent, name = os.path.split(path)
+    try:
+        pfd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
+    except FileNotFoundError:
+        return RemoveReport(path)
+    except OSError as e:
+        raise StagingError(f"scratch: cannot open {parent}: {e.strerror}") from None
+    try:
+        return remove_tree(pfd, name, expect=expect, path=path)
+    finally:
+        os.close(pfd)
+
+
 def _check_parent(pfd, parent, uid, gid):
     st = os.fstat(pfd)
     mode = stat.S_IMODE(st.st_mode)

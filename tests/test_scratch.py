@@ -240,3 +240,14 @@ def test_remove_tree_missing_is_fine(parent):
         assert scratch.remove_tree(pfd, "nothing-here").complete
     finally:
         os.close(pfd)
+
+
+def test_remove_path_for_gc(parent):
+    s = scratch.create(parent / "job-gc", NOBODY, NOBODY)
+    ident = (s.dev, s.ino)
+    s.close()  # the starter crashed; gc finds the path in the job's state entry
+    open(os.path.join(s.path, "left"), "w").close()
+    assert scratch.remove_path(s.path, expect=ident).complete
+    assert not os.path.exists(s.path)
+    assert scratch.remove_path(s.path).complete  # already gone: fine
+    assert scratch.remove_path(parent / "no" / "such").complete

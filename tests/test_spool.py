@@ -414,3 +414,36 @@ def test_link_failure_after_success_keeps_trying(tmp_path, other_fs):
     assert s.link_state() == (True, 12)
     s.link_into("alice", ch, str(tmp_path / "again"))
     assert os.stat(tmp_path / "again").st_nlink == 3
+
+
+# ---------------------------------------------------------------- command line
+
+
+def test_cli_round_trip(tmp_path, starter):
+    d = str(tmp_path / "spool")
+    exe = _exe(tmp_path)
+    p = starter("spool", "--spool", d, "add", "--owner", "de-smet", exe, check=0)
+    answer, ch, path = p.stdout.split()
+    assert answer == "send" and ch == sp.compute_cmdhash(exe)
+    assert os.path.basename(path) == f"exe-de%2Dsmet-{ch}"
+    assert starter("spool", "--spool", d, "add", "--owner", "de-smet", exe, check=0).stdout.split()[0] == "have"
+    assert starter("spool", "--spool", d, "lookup", "--owner", "de-smet", "--cmdhash", ch, check=0).stdout.strip() == path
+    starter("spool", "--spool", d, "lookup", "--owner", "bob", "--cmdhash", ch, check=1)
+    job = str(tmp_path / "job.exe")
+    assert starter("spool", "--spool", d, "link", "--owner", "de-smet", "--cmdhash", ch, job, check=0).stdout.startswith("linked")
+    out = starter("spool", "--spool", d, "ls", "--json", check=0).stdout
+    import json
+
+    (entry,) = json.loads(out)
+    assert (entry["owner"], entry["users"]) == ("de-smet", 1)
+    assert "de-smet" in starter("spool", "--spool", d, "ls", check=0).stdout
+    p = starter("spool", "--spool", d, "release", "--owner", "de-smet", "--cmdhash", ch, job, check=0)
+    assert "entry removed" in p.stdout
+    assert json.loads(starter("spool", "--spool", d, "gc", "--min-age", "0", "--json", check=0).stdout) == []
+    # bad input: a clear error naming the field, exit 125
+    p = starter("spool", "--spool", d, "add", "--owner", "a/b", exe)
+    assert p.returncode == 125 and "owner" in p.stderr
+    p = starter("spool", "--spool", d, "add", exe)
+    assert p.returncode == 2 and "--owner" in p.stderr
+    p = starter("spool", "--spool", d, "add", "--owner", "x", "--hash", "none", exe, check=0)
+    assert p.stdout.split()[:3] == ["send", "invalid", "invalid"]
