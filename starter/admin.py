@@ -34,6 +34,10 @@ def gc(state_dir, cgroup_parent=None):
             live.add(job_id)
         else:
             done += _reclaim(state_dir, job_id)
+    # A job's cgroup exists only while its state entry does (the entry is
+    # made first and removed last), so reclaiming dead entries reclaims every
+    # cgroup a crashed starter left.  A job cgroup with no entry here belongs
+    # to another state directory (or to something else): not ours to touch.
     from starter import cgroups
 
     try:
@@ -41,12 +45,6 @@ def gc(state_dir, cgroup_parent=None):
     except StarterError as e:
         done.append(f"cgroups: skipped ({e})")
         backend = None
-    if backend is not None:
-        for job_id in backend.list_jobs():
-            # Re-check: a job may have started since we listed the state dir.
-            if job_id not in live and not S.is_live(state_dir, job_id):
-                backend.open_job(job_id).destroy()
-                done.append(f"cgroup job-{job_id}: removed")
     if _net_state_exists(state_dir):
         from starter import net
 
@@ -69,10 +67,8 @@ def _reclaim(state_dir, job_id):
             st = S.load(state_dir, job_id)
         except (OSError, ValueError):
             st = {}
-        from starter import cgroups
-
         try:
-            cg = cgroups.open_backend(None).open_job(job_id)
+            cg = job_cgroup(st, job_id)
             cg.destroy()
             done.append(f"job {job_id}: cgroup removed")
         except StarterError as e:
@@ -96,6 +92,22 @@ def _reclaim(state_dir, job_id):
     finally:
         os.close(fd)
     return done
+
+
+def job_cgroup(st, job_id):
+    """The job's cgroup where its starter made it (recorded in the state
+    entry): the default parent depends on the cgroup of whoever runs gc."""
+    from starter import cgroups
+
+    backend = cgroups.open_backend(st.get("cgroup_parent"))
+    paths = st.get("cgroup")
+    if not paths:
+        return backend.open_job(job_id)
+    suffix = "/job-" + job_id
+    for p in paths.values():
+        if not (p.startswith("/sys/fs/cgroup/") and p.endswith(suffix) and "/../" not in p):
+            raise StarterError(f"state entry of job {job_id!r} names an unexpected cgroup {p!r}")
+    return backend.job_class(backend, job_id, dict(paths))
 
 
 def _net_state_exists(state_dir):
@@ -125,9 +137,7 @@ def _usage(st):
     """Live cpu/memory from the job's cgroup, network bytes from its counters."""
     out = {}
     try:
-        from starter import cgroups
-
-        cg = cgroups.open_backend(None).open_job(st["id"])
+        cg = job_cgroup(st, st["id"])
         stats = cg.stats()
         out["cpu_s"] = round((stats.get("cpu_user_s") or 0) + (stats.get("cpu_system_s") or 0), 3)
         out["memory_bytes"] = stats.get("memory_current_bytes")
@@ -244,7 +254,7 @@ def enter(state_dir, job_id, argv, user=None):
     pid = st["pid"]
     pidfd = os.pidfd_open(pid)
     try:
-        cg = cgroups.open_backend(None).open_job(job_id)
+        cg = job_cgroup(st, job_id)
         env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", "HOME": home or "/",
                "TERM": os.environ.get("TERM", "dumb")}
         if name:

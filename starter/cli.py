@@ -35,7 +35,7 @@ exit codes of run: the job's code, 128+N for signal N, 125 starter failed,
 126 not executable, 127 not found.
 """
 
-# name -> (key, kind, help).  kind: flag | value | multi
+# name -> (key, kind, help).  kind: flag | value | multi | mount
 RUN_OPTIONS = {
     "--job": ("job", "value", "FILE  JSON job description; options given here override it"),
     "--id": ("id", "value", "ID  job id (default: random); [A-Za-z0-9_.-], at most 64"),
@@ -45,9 +45,9 @@ RUN_OPTIONS = {
     "--env": ("env", "multi", "K=V  set a variable (repeatable); the job gets only these plus HOME/USER/PATH"),
     "--net": ("net", "value", "MODE  none (default: own namespace, loopback only), host, nat"),
     "--hostname": ("hostname", "value", "NAME  host name inside the job (own UTS namespace)"),
-    "--bind": ("bind", "multi", "SRC[:DST]  bind mount (repeatable)"),
-    "--ro-bind": ("ro-bind", "multi", "SRC[:DST]  read-only bind mount (repeatable)"),
-    "--tmpfs": ("tmpfs", "multi", "DST[:OPTS]  a tmpfs (size=,mode=,nr_inodes=)"),
+    "--bind": ("bind", "mount", "SRC[:DST]  bind mount (repeatable)"),
+    "--ro-bind": ("ro-bind", "mount", "SRC[:DST]  read-only bind mount (repeatable)"),
+    "--tmpfs": ("tmpfs", "mount", "DST[:OPTS]  a tmpfs (size=,mode=,nr_inodes=)"),
     "--init": ("init", "flag", "keep a tiny init as PID 1 (reaps orphans, forwards signals)"),
     "--memory": ("memory", "value", "SIZE  memory limit, no swap beyond it (e.g. 512M)"),
     "--cpus": ("cpus", "value", "N  cpu quota in cores (e.g. 1.5)"),
@@ -102,6 +102,8 @@ def parse(argv, table, positional=0, command_after=True):
                     inline = argv[i]
                 if kind == "multi":
                     values.setdefault(key, []).append(inline)
+                elif kind == "mount":  # one list, in command-line order: later mounts stack on earlier ones
+                    values.setdefault("mounts", []).append((key, inline))
                 else:
                     values[key] = inline
         elif len(pos) < positional:

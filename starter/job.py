@@ -136,7 +136,7 @@ def _run(spec, job_state, signals, events, undo, report):
     undo.push(cg.destroy)
     cg.set_limits(cgroups.Limits(memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
                                  cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
-    job_state.update(cgroup=cg.paths, cgroup_kind=backend.kind)
+    job_state.update(cgroup=cg.paths, cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent)
 
     netcfg = None
     if spec.network.mode == "nat":

@@ -302,7 +302,7 @@ def build(cli, job_file=None):
     of option name -> value, only those given) into a checked JobSpec."""
     raw = dict(_flatten_file(job_file)) if job_file else {}
     for k, v in cli.items():
-        if k in ("env", "bind", "ro-bind", "tmpfs", "lan", "allow-host-port", "on-signal") and k in raw:
+        if k in ("env", "mounts", "lan", "allow-host-port", "on-signal") and k in raw:
             raw[k] = list(raw[k]) + list(v)       # repeatable: file first, then flags
         else:
             raw[k] = v
@@ -345,21 +345,19 @@ def _flatten_file(doc):
         elif key == "mounts":
             if not isinstance(val, list):
                 raise SpecError("mounts", "must be a list")
-            binds = {"bind": [], "ro-bind": [], "tmpfs": []}
+            mounts = []
             for i, m in enumerate(val):
                 f = f"mounts[{i}]"
                 if not isinstance(m, dict) or set(m) - {"type", "src", "dst", "options"} or "type" not in m:
                     raise SpecError(f, "must be {type, src, dst[, options]}")
                 kind = m["type"]
-                if kind not in binds:
-                    raise SpecError(f + ".type", f"{kind!r} is not one of {', '.join(binds)}")
+                if kind not in MOUNT_KINDS:
+                    raise SpecError(f + ".type", f"{kind!r} is not one of {', '.join(MOUNT_KINDS)}")
                 if kind == "tmpfs":
-                    binds[kind].append(_str(f, m.get("dst", "")) + (":" + _str(f, m["options"]) if m.get("options") else ""))
+                    mounts.append((kind, _str(f, m.get("dst", "")) + (":" + _str(f, m["options"]) if m.get("options") else "")))
                 else:
-                    binds[kind].append(_str(f, m.get("src", "")) + ":" + _str(f, m.get("dst", m.get("src", ""))))
-            for kind, items in binds.items():
-                if items:
-                    yield kind, items
+                    mounts.append((kind, _str(f, m.get("src", "")) + ":" + _str(f, m.get("dst", m.get("src", "")))))
+            yield "mounts", mounts
         elif key == "command":
             if not isinstance(val, list) or not all(isinstance(a, str) for a in val):
                 raise SpecError("command", "must be a list of strings")
@@ -420,10 +418,7 @@ def _make(raw):
         env["USER"] = env["LOGNAME"] = uname
     env.update(given_env)
 
-    mounts = []
-    for kind in MOUNT_KINDS:
-        for item in _list(kind, raw.get(kind, [])):
-            mounts.append(parse_mount(kind, kind, item))
+    mounts = [parse_mount(kind, kind, item) for kind, item in raw.get("mounts", [])]
 
     hostname = raw.get("hostname")
     if hostname is not None:
