@@ -73,7 +73,9 @@ try:
     s.connect((host, port))
 except OSError as e:
     print("connect-failed", type(e).__name__, flush=True); sys.exit(3)
-if mode == "recv":
+if mode == "connect":
+    print("connected", flush=True)
+elif mode == "recv":
     got = 0
     while True:
         b = s.recv(1 << 16)

@@ -126,6 +126,7 @@ class LeaseStore:
 
     # -- locking -------------------------------------------------------
     def _ensure_dirs(self):
+        os.makedirs(os.path.dirname(self.dir), mode=0o700, exist_ok=True)
         for d in (self.dir, self.leases, self.slots):
             try:
                 os.mkdir(d, 0o700)

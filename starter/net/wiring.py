@@ -201,7 +201,7 @@ class Wiring:
         with store:
             return self._teardown_key(store, cfg, key, store.get_by_key(key))
 
-    def _teardown_key(self, store, cfg, key, lease):
+    def _teardown_key(self, store, cfg, key, lease, removed=None):
         """Read the counters, then remove rules, counters, veth, lease, and the
         table if this was the last job.  Every step tolerates absence."""
         table = nft.Table(cfg.table)
@@ -223,8 +223,10 @@ class Wiring:
         if _if_exists(key):
             self.links.delete(key)
         store.release(key, lease.get("slot") if lease else None)
-        if store.count() == 0:
+        if store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
             self._delete_table(store, table)
+            if removed is not None:
+                removed.append(f"table {nft.FAMILY} {cfg.table}")
         return counters
 
     def gc(self, cfg, live_job_ids):
@@ -238,15 +240,15 @@ class Wiring:
                 if job_id is not None and job_id in live_job_ids:
                     live_keys.add(lease["key"])
                     continue
-                self._teardown_key(store, cfg, lease["key"], lease)
                 removed.append(f"job {job_id}: lease {lease.get('address')}, veth {lease['key']}, counters")
+                self._teardown_key(store, cfg, lease["key"], lease, removed)
             for name, path in store.orphan_slots():
                 os.unlink(path)
                 removed.append(f"slot {name}")
             stray = {n[:15] for n in self.nft.counter_names(table) if ipam.is_job_key(n[:15])}
             for key in sorted(stray - live_keys):
-                self._teardown_key(store, cfg, key, None)
                 removed.append(f"counters and veth of {key}")
+                self._teardown_key(store, cfg, key, None, removed)
             if store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
                 self._delete_table(store, table)
                 removed.append(f"table {nft.FAMILY} {cfg.table}")

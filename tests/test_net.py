@@ -1,0 +1,515 @@
+"""Job networks: pure logic on fixture data, then the real kernel (veths,
+nftables, namespaces) against a private test site (tests/nethosts.py)."""
+
+import json
+import os
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import nethosts  # noqa: E402
+from starter import net  # noqa: E402
+from starter.errors import NetworkError  # noqa: E402
+from starter.net import ipam, nft  # noqa: E402
+
+PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
+POOL = "10.215.0.0/16"
+
+
+# ============================================================ pure logic
+
+def test_pool_cutting():
+    p = ipam.Pool("10.213.0.0/16")
+    assert p.size == 16384
+    assert p.slot(0) == ("10.213.0.1", "10.213.0.2", "10.213.0.0/30")
+    assert p.slot(1) == ("10.213.0.5", "10.213.0.6", "10.213.0.4/30")
+    assert p.slot(16383) == ("10.213.255.253", "10.213.255.254", "10.213.255.252/30")
+    with pytest.raises(ValueError):
+        p.slot(16384)
+    assert ipam.Pool("192.168.7.0/30").size == 1
+    for bad in ("10.213.0.1/16", "10.0.0.0/31", "fd00::/64", "nonsense"):
+        with pytest.raises(NetworkError, match="pool"):
+            ipam.Pool(bad)
+    assert not p.overlaps("192.0.2.0/24")
+    assert p.overlaps("10.213.7.0/24")
+
+
+def test_job_key_derivation():
+    k = ipam.job_key("job-1")
+    assert k == ipam.job_key("job-1") and len(k) == 15 and k.startswith("stj")
+    assert ipam.is_job_key(k)
+    assert k != ipam.job_key("job-2")
+    assert k != ipam.job_key("job-1", table="starter_other")
+    assert not ipam.is_job_key("stjXYZ") and not ipam.is_job_key("eth0")
+    # any id maps to a safe name: nothing of the id reaches nft or /proc/sys
+    assert ipam.is_job_key(ipam.job_key('x"; flush ruleset; ../../etc'))
+
+
+def test_ifname_validation():
+    assert ipam.check_ifname("uplink", "eth0.100") == "eth0.100"
+    for bad in ("", "a" * 16, "..", "../x", "a b", "-x", None, "eth0\n"):
+        with pytest.raises(NetworkError, match="uplink"):
+            ipam.check_ifname("uplink", bad)
+
+
+def test_config_validation(tmp_path):
+    from starter.net.wiring import validate
+
+    ok = net.NetConfig(state_dir=str(tmp_path), lan=("10.77.0.0/16",), uplink="up0",
+                       allow_host_ports=(("tcp", 3128),))
+    assert validate(ok).cidr == "10.213.0.0/16"
+    cases = [
+        (dict(lan=("10.213.5.0/24",)), "lan: .*overlaps"),
+        (dict(lan=("10.77.0.1/16",)), "lan:"),
+        (dict(uplink="bad/name"), "uplink"),
+        (dict(allow_host_ports=(("sctp", 1),)), r"allow_host_ports\[0\]"),
+        (dict(allow_host_ports=(("tcp", 0),)), r"allow_host_ports\[0\]"),
+        (dict(table="filter"), "table"),
+        (dict(table="starter;x"), "table"),
+    ]
+    for kw, msg in cases:
+        with pytest.raises(NetworkError, match=msg):
+            validate(net.NetConfig(state_dir=str(tmp_path), **kw))
+
+
+def test_netconfig_is_immutable_and_roundtrips(tmp_path):
+    c = net.NetConfig(state_dir=str(tmp_path), lan=["10.0.0.0/8"], allow_host_ports=[["tcp", "3128"]])
+    assert c.lan == ("10.0.0.0/8",) and c.allow_host_ports == (("tcp", 3128),)
+    with pytest.raises(AttributeError):
+        c.pool = "x"
+    d = json.loads(json.dumps(c.as_dict()))
+    assert net.NetConfig.from_dict(d) == c and hash(net.NetConfig.from_dict(d)) == hash(c)
+
+
+def _cmds(cmds):
+    """Commands as (verb, object kind) pairs."""
+    return [(verb, next(iter(obj))) for c in cmds for verb, obj in c.items()]
+
+
+def test_rule_rendering_table():
+    t = nft.Table("starter")
+    cmds = t.create("10.213.0.0/16", lan=("10.77.0.0/16",), uplinks=("up0",), guard_ifs=("up0",),
+                    host_allow=(("tcp", 3128), ("udp", 53)))
+    kinds = _cmds(cmds)
+    # replaces a leftover table atomically: add, delete, add; never the ruleset
+    assert kinds[:3] == [("add", "table"), ("delete", "table"), ("add", "table")]
+    assert all(k != "flush" for k, _ in kinds)
+    text = json.dumps(cmds)
+    assert '"ruleset"' not in text
+    assert all(o.get("table", o.get("name")) == "starter"
+               for c in cmds for v in c.values() for o in v.values())
+    # the chains hook where the design says
+    hooks = {o["name"]: (o.get("hook"), o.get("prio")) for c in cmds for v in c.values()
+             for k, o in v.items() if k == "chain" and "hook" in o}
+    assert hooks == {"prerouting": ("prerouting", -300), "input": ("input", 0),
+                     "forward": ("forward", 0), "postrouting": ("postrouting", 100)}
+    rules = [o for c in cmds for v in c.values() for k, o in v.items() if k == "rule"]
+    # per-job dispatch is by map: every counter in a rule is a map lookup or the global one
+    for r in rules:
+        for e in r["expr"]:
+            if "counter" in e:
+                assert e["counter"] == "dropped" or e["counter"]["map"]["data"].startswith("@ctr_")
+    sets = {o["name"]: o for c in cmds for v in c.values() for k, o in v.items() if k in ("set", "map")}
+    assert sets["host_allow"]["elem"] == [{"concat": ["tcp", 3128]}, {"concat": ["udp", 53]}]
+    assert sets["lan"]["elem"] == [{"prefix": {"addr": "10.77.0.0", "len": 16}}]
+    assert {"prefix": {"addr": "169.254.0.0", "len": 16}} in sets["blocked"]["elem"]
+    assert {"prefix": {"addr": "127.0.0.0", "len": 8}} in sets["blocked"]["elem"]
+
+
+def test_rule_rendering_job_adds_no_rules():
+    t = nft.Table("starter")
+    add = t.add_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2")
+    kinds = _cmds(add)
+    assert ("add", "rule") not in kinds
+    assert kinds.count(("add", "counter")) == 5 and kinds[-1] == ("add", "element")
+    # job_ifs is filled last, so packets see the job only when it is complete
+    assert add[-1]["add"]["element"]["name"] == "job_ifs"
+    names = [c["add"]["counter"]["name"] for c in add if "counter" in c["add"]]
+    assert names == [f"stj0123456789ab_{c}" for c in ("lan_in", "lan_out", "wan_in", "wan_out", "drop")]
+    dele = t.del_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2")
+    dk = _cmds(dele)
+    # elements go before the counters they reference
+    assert dk.index(("delete", "counter")) > max(i for i, k in enumerate(dk) if k == ("delete", "element"))
+    assert len(dele) == len(add)
+
+
+def test_parse_counters_fixture():
+    docs = [json.loads(line) for line in (
+        '{"nftables": [{"metainfo": {"version": "1.0.6"}}, {"counter": {"family": "inet", "name": '
+        '"stjaaaaaaaaaaaa_lan_in", "table": "starter", "handle": 42, "packets": 3, "bytes": 180}}]}',
+        '{"nftables": [{"counter": {"family": "inet", "name": "stjaaaaaaaaaaaa_drop", "table": '
+        '"starter", "handle": 46, "packets": 1, "bytes": 60}}]}',
+        '{"nftables": [{"counter": {"family": "inet", "name": "stjbbbbbbbbbbbb_lan_in", "table": '
+        '"starter", "handle": 47, "packets": 9, "bytes": 9}}]}',
+    )]
+    assert nft.parse_counters(docs, "stjaaaaaaaaaaaa") == {
+        "lan_in": {"bytes": 180, "packets": 3}, "dropped": {"bytes": 60, "packets": 1}}
+
+
+def test_resolv_conf_text(tmp_path):
+    c = net.NetConfig(state_dir=str(tmp_path))
+    text = net.resolv_conf_text(c)
+    assert "nameserver" not in text and text.startswith("#")
+    assert "nameserver 10.77.0.53\n" in net.resolv_conf_text(net.NetConfig(state_dir="x", resolver="10.77.0.53"))
+    lease = net.NetLease("j", "10.213.0.2", "10.213.0.1", 30, "stjx")
+    assert "nameserver 10.213.0.1\n" in net.resolv_conf_text(net.NetConfig(state_dir="x", resolver="gateway"), lease)
+    with pytest.raises(NetworkError, match="resolver"):
+        net.resolv_conf_text(net.NetConfig(state_dir="x", resolver="nameserver 1.1.1.1\nevil"))
+
+
+def test_lease_store(tmp_path):
+    store = ipam.LeaseStore(str(tmp_path))
+    pool = ipam.Pool("10.215.0.0/29")  # two slots
+    with store:
+        a = store.acquire("a", "stjaaaaaaaaaaaa", pool, os.getpid())
+        assert (a["address"], a["gateway"], a["slot"]) == ("10.215.0.2", "10.215.0.1", 0)
+        assert a["owner_start"] == ipam.proc_starttime(os.getpid()) and ipam.owner_alive(a)
+        with pytest.raises(NetworkError, match="already holds"):
+            store.acquire("a", "stjaaaaaaaaaaaa", pool, os.getpid())
+        b = store.acquire("b", "stjbbbbbbbbbbbb", pool, os.getpid())
+        assert b["address"] == "10.215.0.6"
+        with pytest.raises(NetworkError, match="exhausted"):
+            store.acquire("c", "stjcccccccccccc", pool, os.getpid())
+        store.release("stjaaaaaaaaaaaa")
+        store.release("stjaaaaaaaaaaaa")  # idempotent
+        c = store.acquire("c", "stjcccccccccccc", pool, os.getpid())
+        assert c["slot"] == 0 and store.count() == 2
+        # a crash between slot and lease file leaves an orphan slot gc can see
+        os.unlink(os.path.join(store.leases, "stjcccccccccccc.json"))
+        assert [n for n, _ in store.orphan_slots()] == ["0"]
+    # an owner whose pid was recycled is not alive
+    assert not ipam.owner_alive(dict(c, owner_start=c["owner_start"] + 1))
+    assert not ipam.owner_alive(dict(c, owner_pid=2 ** 22 + 1))
+
+
+def test_round_robin_slots(tmp_path):
+    store = ipam.LeaseStore(str(tmp_path))
+    pool = ipam.Pool("10.215.0.0/28")
+    with store:
+        a = store.acquire("a", ipam.job_key("a"), pool, os.getpid())
+        store.release(a["key"])
+        b = store.acquire("b", ipam.job_key("b"), pool, os.getpid())
+    assert b["slot"] == 1  # not the address the dead job just had
+
+
+def test_facade_import_is_cheap():
+    code = ("import sys, starter.net; "
+            "assert 'pyroute2' not in sys.modules and 'starter._nft' not in sys.modules, "
+            "[m for m in sys.modules if 'pyroute2' in m or '_nft' in m]")
+    subprocess.run([PY, "-c", code], check=True)
+
+
+# ============================================================ real kernel
+
+@pytest.fixture
+def site():
+    with nethosts.site() as s:
+        yield s
+
+
+@pytest.fixture
+def cfg(tmp_path, site):
+    c = net.NetConfig(state_dir=str(tmp_path / "state"), pool=POOL, lan=(site.lan_cidr,),
+                      uplink=site.uplink, table="starter_t" + secrets.token_hex(3))
+    yield c
+    # whatever the test did: nothing of ours may survive it
+    net.gc(c, set())
+
+
+def _tables():
+    return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True, check=True).stdout
+
+
+def _our_veths():
+    out = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True).stdout
+    return [l.split(": ")[1].split("@")[0] for l in out.splitlines() if ": stj" in l]
+
+
+def _setup(job_ns, job_id, cfg):
+    fd = job_ns.open_fd()
+    try:
+        return net.setup(job_id, fd, cfg)
+    finally:
+        os.close(fd)
+
+
+def _payload(c):
+    """Bytes counted minus IP+TCP headers (20 + 32 with timestamps) per packet."""
+    return c["bytes"] - 52 * c["packets"]
+
+
+@pytest.mark.net
+def test_lan_wan_accounting(site, cfg):
+    job = site.job()
+    lease = _setup(job, "acct", cfg)
+    assert lease.host_ifname == ipam.job_key("acct", cfg.table) and lease.prefixlen == 30
+    N, M, K_LAN, K_WAN = 3_000_000, 2_000_000, 1_500_000, 700_000
+    srv = site.serve("lan", "send", N)
+    assert nethosts.client(job, "recv", site.lan_addr, srv.port) == (0, f"received {N}")
+    out, _ = srv.result()
+    assert f"peer {site.uplink_addr}" in out  # masqueraded to the uplink's address
+    srv = site.serve("wan", "send", M)
+    assert nethosts.client(job, "recv", site.wan_addr, srv.port) == (0, f"received {M}")
+    srv = site.serve("lan", "recv", 0)
+    assert nethosts.client(job, "send", site.lan_addr, srv.port, K_LAN) == (0, f"sent {K_LAN}")
+    assert f"received {K_LAN}" in srv.result()[0]
+    srv = site.serve("wan", "recv", 0)
+    assert nethosts.client(job, "send", site.wan_addr, srv.port, K_WAN) == (0, f"sent {K_WAN}")
+
+    live = net.counters("acct", cfg)
+    final = net.teardown("acct", cfg)
+    assert final == live  # the job is idle: the final read equals the live one
+    for bucket, expect in (("lan_in", N), ("wan_in", M), ("lan_out", K_LAN), ("wan_out", K_WAN)):
+        got = _payload(final[bucket])
+        assert abs(got - expect) <= 0.02 * expect, (bucket, final)
+        assert final[bucket]["bytes"] >= expect
+    assert final["dropped"]["packets"] == 0
+    # gone: rules, counters, lease, veth, and (last job) the table
+    assert net.teardown("acct", cfg) is None
+    assert net.counters("acct", cfg) is None
+    assert lease.host_ifname not in _our_veths()
+    assert cfg.table not in _tables()
+    assert ipam.LeaseStore(cfg.state_dir).count() == 0
+    # the uplink's forwarding flag is back to what it was
+    with open(f"/proc/sys/net/ipv4/conf/{site.uplink}/forwarding") as f:
+        assert f.read().strip() == "0"
+
+
+def _dropped(job_id, cfg):
+    return net.counters(job_id, cfg)["dropped"]["packets"]
+
+
+@pytest.mark.net
+def test_isolation(site, tmp_path):
+    port = site.port()
+    cfg = net.NetConfig(state_dir=str(tmp_path / "state"), pool=POOL, lan=(site.lan_cidr,),
+                        uplink=site.uplink, table="starter_t" + secrets.token_hex(3),
+                        allow_host_ports=(("tcp", port),))
+    a, b = site.job(), site.job()
+    try:
+        la = _setup(a, "iso-a", cfg)
+        lb = _setup(b, "iso-b", cfg)
+        listeners = []
+
+        def listen(addr, p, kind=socket.SOCK_STREAM):
+            s = socket.socket(socket.AF_INET, kind)
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind((addr, p))
+            if kind == socket.SOCK_STREAM:
+                s.listen(4)
+            s.setblocking(False)
+            listeners.append(s)
+            return s
+
+        def nothing_arrived(s):
+            try:
+                s.accept() if s.type == socket.SOCK_STREAM else s.recv(100)
+            except BlockingIOError:
+                return True
+            return False
+
+        # The allow-listed host port on the gateway is open (the site proxy case)...
+        proxy = listen(la.gateway, port)
+        rc, out = nethosts.client(a, "connect", la.gateway, port, timeout=3)
+        assert rc == 0, out
+        proxy.setblocking(True)
+        proxy.settimeout(5)
+        proxy.accept()[0].close()
+        # ...every other host port is not, on any host address.
+        d0 = _dropped("iso-a", cfg)
+        for addr in (la.gateway, site.uplink_addr):
+            s = listen(addr, port + 1)
+            rc, out = nethosts.client(a, "connect", addr, port + 1, timeout=1)
+            assert rc == 3 and "connect-failed" in out
+            assert nothing_arrived(s)
+        d1 = _dropped("iso-a", cfg)
+        assert d1 > d0
+
+        # Another job: B listens, A cannot connect.
+        srv = nethosts.Server(b, "recv", port + 2, 0)
+        try:
+            rc, out = nethosts.client(a, "connect", lb.address, port + 2, timeout=1)
+            assert rc == 3
+            assert srv.proc.poll() is None  # still waiting: never got a connection
+        finally:
+            srv.close()
+        d2 = _dropped("iso-a", cfg)
+        assert d2 > d1
+
+        # Link-local / cloud metadata.
+        rc, out = nethosts.client(a, "connect", "169.254.169.254", 80, timeout=1)
+        assert rc == 3
+        d3 = _dropped("iso-a", cfg)
+        assert d3 > d2
+
+        # 127.0.0.1 via the gateway, even where the host would route it
+        # (route_localnet on the job's veth; a per-interface flag that dies
+        # with the veth).
+        with open(f"/proc/sys/net/ipv4/conf/{la.host_ifname}/route_localnet", "w") as f:
+            f.write("1")
+        lo = listen("127.0.0.1", port + 3, socket.SOCK_DGRAM)
+        with open(f"/sys/class/net/{la.host_ifname}/address") as f:
+            gw_mac = f.read().strip()
+        nethosts.send_raw_udp(a, "eth0", gw_mac, la.address, "127.0.0.1", port + 3)
+        time.sleep(0.2)
+        assert nothing_arrived(lo)
+        d4 = _dropped("iso-a", cfg)
+        assert d4 == d3 + 1
+
+        # A spoofed source address (the job is root in its namespace).
+        a.ip("addr", "add", "10.215.99.99/32", "dev", "eth0")
+        srv = site.serve("lan", "recv", 0)
+        rc, out = nethosts.client(a, "connect", site.lan_addr, srv.port, src="10.215.99.99", timeout=1)
+        assert rc == 3
+        assert srv.proc.poll() is None
+        d5 = _dropped("iso-a", cfg)
+        assert d5 > d4
+        # ...while its real address still works, and none of this was counted as traffic
+        rc, out = nethosts.client(a, "send", site.lan_addr, srv.port, 10)
+        assert rc == 0, out
+        c = net.counters("iso-a", cfg)
+        assert c["wan_out"]["packets"] == 0
+        # B saw none of A's drops
+        assert _dropped("iso-b", cfg) == 0
+        for s in listeners:
+            s.close()
+    finally:
+        net.teardown("iso-a", cfg)
+        net.teardown("iso-b", cfg)
+    assert cfg.table not in _tables()
+
+
+@pytest.mark.net
+@pytest.mark.slow
+def test_fifty_jobs(site, cfg):
+    jobs = [site.job() for _ in range(50)]
+    leases = [_setup(j, f"many-{i}", cfg) for i, j in enumerate(jobs)]
+    assert len({l.address for l in leases}) == 50
+    assert len({l.host_ifname for l in leases}) == 50
+    assert len({l.gateway for l in leases}) == 50
+    assert set(_our_veths()) >= {l.host_ifname for l in leases}
+    out = subprocess.run(["nft", "-j", "list", "set", "inet", cfg.table, "job_ifs"],
+                         capture_output=True, text=True, check=True).stdout
+    assert len(json.loads(out)["nftables"][1]["set"]["elem"]) == 50
+    # one of them really works
+    srv = site.serve("wan", "send", 1000)
+    assert nethosts.client(jobs[37], "recv", site.wan_addr, srv.port) == (0, "received 1000")
+    for i in range(50):
+        assert net.teardown(f"many-{i}", cfg) is not None
+    assert not set(_our_veths()) & {l.host_ifname for l in leases}
+    assert cfg.table not in _tables()
+    store = ipam.LeaseStore(cfg.state_dir)
+    assert store.count() == 0 and os.listdir(store.slots) == []
+
+
+@pytest.mark.net
+def test_setup_failure_leaves_nothing(site, cfg, tmp_path):
+    # Not a network namespace: the veth cannot be created there.
+    bogus = os.open(str(tmp_path), os.O_RDONLY)
+    try:
+        with pytest.raises(NetworkError) as ei:
+            net.setup("bad", bogus, cfg)
+    finally:
+        os.close(bogus)
+    assert "veth" in str(ei.value)
+    assert not _our_veths()
+    assert cfg.table not in _tables()
+    assert ipam.LeaseStore(cfg.state_dir).count() == 0
+
+
+@pytest.mark.net
+def test_without_libnftables_setup_fails_cleanly(site, cfg):
+    """libnftables cannot be loaded (its module import fails, as it does when
+    the shared library is missing): NetworkError, and no veth/lease/table."""
+    job = site.job()
+    code = f"""
+import os, sys
+sys.modules["starter._nft"] = None          # import of the binding now fails
+from starter import net
+from starter.errors import NetworkError
+cfg = net.NetConfig.from_dict({cfg.as_dict()!r})
+fd = os.open("/proc/{job.pid}/ns/net", os.O_RDONLY)
+try:
+    net.setup("nonft", fd, cfg)
+except NetworkError as e:
+    print("NetworkError:", e)
+    sys.exit(0)
+sys.exit(1)
+"""
+    r = subprocess.run([PY, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "libnftables could not be loaded" in r.stdout and "apt install" in r.stdout
+    assert not _our_veths()
+    assert cfg.table not in _tables()
+    assert ipam.LeaseStore(cfg.state_dir).count() == 0
+    # the job namespace got no interface either
+    assert "eth0" not in job.ip("-o", "link").stdout
+
+
+@pytest.mark.net
+def test_config_mismatch_is_refused(site, cfg):
+    a, b = site.job(), site.job()
+    _setup(a, "cfg-a", cfg)
+    other = net.NetConfig(**dict(cfg.as_dict(), lan=("10.78.0.0/16",)))
+    with pytest.raises(NetworkError, match="differs"):
+        _setup(b, "cfg-b", other)
+    assert ipam.LeaseStore(cfg.state_dir).count() == 1
+    net.teardown("cfg-a", cfg)
+
+
+@pytest.mark.net
+def test_gc_reclaims_dead_jobs(site, cfg):
+    jobs = [site.job() for _ in range(3)]
+    leases = [_setup(j, f"gc-{i}", cfg) for i, j in enumerate(jobs)]
+    jobs[0].close()  # its namespace dies, and the veth with it
+    time.sleep(0.1)
+    removed = net.gc(cfg, {"gc-1"})
+    assert len([r for r in removed if r.startswith("job ")]) == 2
+    assert net.counters("gc-1", cfg) is not None
+    assert net.counters("gc-0", cfg) is None and net.counters("gc-2", cfg) is None
+    assert set(_our_veths()) & {l.host_ifname for l in leases} == {leases[1].host_ifname}
+    removed = net.gc(cfg, set())
+    assert f"table inet {cfg.table}" in removed
+    assert not _our_veths() and cfg.table not in _tables()
+    assert net.gc(cfg, set()) == []
+
+
+@pytest.mark.net
+def test_netd_roundtrip(site, cfg, monkeypatch):
+    sock = net.socket_path(cfg)
+    code = f"from starter import net; net.serve(net.NetConfig(state_dir={cfg.state_dir!r}))"
+    netd = subprocess.Popen([PY, "-c", code], stderr=subprocess.PIPE, text=True)
+    try:
+        for _ in range(300):
+            if os.path.exists(sock):
+                break
+            time.sleep(0.02)
+        assert os.stat(sock).st_mode & 0o777 == 0o600
+        # Everything must go through netd now, never the in-process path.
+        monkeypatch.setattr(net, "_local", lambda: pytest.fail("in-process path used"))
+        job = site.job()
+        lease = _setup(job, "via-netd", cfg)
+        rec = ipam.LeaseStore(cfg.state_dir).get_by_key(lease.host_ifname)
+        assert rec["owner_pid"] == os.getpid()  # the starter owns the lease, not netd
+        srv = site.serve("lan", "send", 100_000)
+        assert nethosts.client(job, "recv", site.lan_addr, srv.port) == (0, "received 100000")
+        assert net.counters("via-netd", cfg)["lan_in"]["bytes"] >= 100_000
+        with pytest.raises(NetworkError, match="already holds"):
+            _setup(job, "via-netd", cfg)  # errors travel back with their hint
+        final = net.teardown("via-netd", cfg)
+        assert final["lan_in"]["bytes"] >= 100_000
+        assert net.teardown("via-netd", cfg) is None
+        assert net.gc(cfg, set()) == []
+    finally:
+        netd.send_signal(signal.SIGTERM)
+        netd.wait(timeout=10)
+    assert netd.returncode == 0, netd.stderr.read()
+    assert not os.path.exists(sock)
+    assert cfg.table not in _tables()
