@@ -1,0 +1,273 @@
+"""Job file, events, control (signals and commands), ps/status/enter, crash + gc."""
+
+import json
+import os
+import signal
+import subprocess
+import time
+
+import pytest
+
+from conftest import STARTER
+
+
+def _wait_for(pred, timeout=10.0, step=0.05):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        v = pred()
+        if v:
+            return v
+        time.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+def _state(state_dir, job_id):
+    try:
+        with open(os.path.join(state_dir, job_id + ".json")) as f:
+            return json.load(f)
+    except (OSError, ValueError):
+        return None
+
+
+def _cgroup_dirs(job_id):
+    out = []
+    for root, dirs, _ in os.walk("/sys/fs/cgroup"):
+        if "job-" + job_id in dirs:
+            out.append(os.path.join(root, "job-" + job_id))
+        if root.count("/") > 8:
+            dirs[:] = []
+    return out
+
+
+# ---------------------------------------------------------------- job file
+
+def _job_file(tmp_path, doc, raw=None):
+    p = tmp_path / "job.json"
+    p.write_text(raw if raw is not None else json.dumps(doc))
+    return str(p)
+
+
+def test_job_file_full_example(starter, tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    report = tmp_path / "report.json"
+    events = tmp_path / "events.jsonl"
+    doc = {
+        "id": "example-1",
+        "command": ["/bin/sh", "-c", "echo hello from $USER in $PWD > /srv/out/hello; exit 3"],
+        "user": "nobody",
+        "cwd": "/",
+        "env": {"LANG": "C.UTF-8"},
+        "hostname": "job1",
+        "init": False,
+        "limits": {"memory": "256M", "cpus": 1.0, "cpu_weight": 100, "pids": 64, "wall_time": 60},
+        "network": {"mode": "none"},
+        "mounts": [{"type": "tmpfs", "dst": "/srv", "options": "size=4m"},
+                   {"type": "bind", "src": str(out), "dst": "/srv/out"}],
+        "report": str(report),
+        "events": str(events),
+        "grace": 5,
+    }
+    os.chmod(out, 0o777)
+    p = starter("run", "--job", _job_file(tmp_path, doc))
+    assert p.returncode == 3, p.stderr
+    assert (out / "hello").read_text().strip() == "hello from nobody in /"
+    r = json.loads(report.read_text())
+    assert r["job_id"] == "example-1" and r["exit_code"] == 3 and r["reason"] == "exited"
+    evs = [json.loads(l) for l in events.read_text().splitlines()]
+    assert [e["event"] for e in evs] == ["starting", "running", "exited"]
+    assert evs[1]["pid"] > 0 and evs[1]["cgroup"]
+    assert evs[2]["report"]["exit_code"] == 3
+
+
+def test_cli_overrides_job_file(starter, tmp_path):
+    doc = {"command": ["sh", "-c", "exit 1"]}
+    p = starter("run", "--job", _job_file(tmp_path, doc), "--", "sh", "-c", "exit 4")
+    assert p.returncode == 4
+
+
+@pytest.mark.parametrize("raw,field", [
+    ('{"command": ["true"], "limits": {"memory": "1G"', "job"),              # truncated
+    ('{"command": ["true"], "command": ["false"]}', "command"),              # duplicate key
+    ('{"command": ["true"], "user": "../root"}', "user"),
+    ('{"command": ["true"], "id": "a;reboot"}', "id"),
+    ('{"command": ["true"], "limits": {"pids": -1}}', "pids"),
+    ('{"command": ["true"], "limits": {"memory": -1}}', "memory"),
+    ('{"command": ["true"], "limits": {"cpus": 1e9}}', "cpus"),
+    ('{"command": ["true"], "id": "../x"}', "id"),
+    ('{"command": ["true"], "id": "a/b"}', "id"),
+    ('{"command": ["true"], "id": "$(id)"}', "id"),
+    ('{"command": ["true"], "id": "-rf"}', "id"),
+    ('{"command": ["true"], "id": "' + "x" * 65 + '"}', "id"),
+    ('{"command": ["true"], "bogus": 1}', "bogus"),
+    ('{"command": "true"}', "command"),
+    ('{"command": ["tr\\u0000ue"]}', "command"),
+    ('{"command": ["true"], "env": {"A": 1}}', "env"),
+    ('{"command": ["true"], "limits": {"pids": true}}', "pids"),
+    ('{"command": ["true"], "network": {"mode": "bridge"}}', "net"),
+    ('[1, 2]', "job"),
+])
+def test_hostile_job_file_refused(starter, tmp_path, state_dir, raw, field):
+    before = set(os.listdir(state_dir)) if os.path.isdir(state_dir) else set()
+    p = starter("run", "--job", _job_file(tmp_path, None, raw=raw))
+    assert p.returncode == 125, (p.stdout, p.stderr)
+    assert p.stderr.startswith(f"starter: {field}"), p.stderr
+    assert len(p.stderr.strip().splitlines()) == 1
+    after = set(os.listdir(state_dir)) if os.path.isdir(state_dir) else set()
+    assert after == before
+
+
+@pytest.mark.parametrize("args,field", [
+    (["--id", "../x"], "id"), (["--id", "a/b"], "id"), (["--id", "$(id)"], "id"),
+    (["--user", "../root"], "user"), (["--memory", "-1"], "memory"), (["--pids", "0"], "pids"),
+    (["--cpus", "abc"], "cpus"), (["--env", "1A=b"], "env"), (["--net", "bridge"], "net"),
+    (["--on-signal", "KILL=vacate"], "on-signal"), (["--bind", "relative:/x"], "bind"),
+])
+def test_hostile_cli_refused(starter, args, field):
+    p = starter("run", *args, "--", "true")
+    assert p.returncode == 125
+    assert p.stderr.startswith(f"starter: {field}"), p.stderr
+
+
+# ---------------------------------------------------------------- control
+
+def _start(tmp_path, *args, job_id, cmd):
+    report = tmp_path / f"{job_id}.report.json"
+    events = tmp_path / f"{job_id}.events"
+    proc = subprocess.Popen([STARTER, "run", "--id", job_id, "--report", str(report), "--events", str(events),
+                             *args, "--", *cmd], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    return proc, report, events
+
+
+def test_vacate_of_job_ignoring_sigterm(tmp_path, state_dir):
+    # PID 1 without a handler ignores SIGTERM: the grace period's end kills it.
+    proc, report, events = _start(tmp_path, "--grace", "1", job_id="vac1", cmd=["sleep", "300"])
+    _wait_for(lambda: (_state(state_dir, "vac1") or {}).get("state") == "running")
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    assert time.monotonic() - t0 < 1 + 1.0
+    r = json.loads(report.read_text())
+    assert r["reason"] == "vacated" and r["signal"] == 9
+    names = [json.loads(l)["event"] for l in events.read_text().splitlines()]
+    assert names == ["starting", "running", "vacating", "exited"]
+
+
+def test_vacate_command(tmp_path, state_dir, starter):
+    proc, report, _ = _start(tmp_path, "--grace", "0.5", job_id="vac2", cmd=["sleep", "300"])
+    _wait_for(lambda: (_state(state_dir, "vac2") or {}).get("state") == "running")
+    starter("vacate", "vac2", check=0)
+    proc.wait(30)
+    assert json.loads(report.read_text())["reason"] == "vacated"
+
+
+def _counter_job():
+    return ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/c; done"]
+
+
+def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
+    out = tmp_path / "out"
+    out.mkdir()
+    cmd = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /srv/c; sleep 0.01; done"]
+    proc, report, events = _start(tmp_path, "--bind", f"{out}:/srv", job_id="susp", cmd=cmd)
+    counter = out / "c"
+
+    def value():
+        try:
+            return int(counter.read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    try:
+        _wait_for(lambda: value() > 5)
+        # by signal
+        proc.send_signal(signal.SIGUSR1)
+        _wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
+        time.sleep(0.2)
+        v1 = value()
+        time.sleep(0.5)
+        assert value() == v1, "the job made progress while frozen"
+        ps = json.loads(starter("ps", "--json", check=0).stdout)
+        assert [j["state"] for j in ps if j["id"] == "susp"] == ["suspended"]
+        proc.send_signal(signal.SIGUSR2)
+        _wait_for(lambda: value() > v1 + 3)
+        # by command
+        starter("suspend", "susp", check=0)
+        time.sleep(0.2)
+        v2 = value()
+        time.sleep(0.5)
+        assert value() == v2
+        starter("resume", "susp", check=0)
+        _wait_for(lambda: value() > v2 + 3)
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(30)
+    r = json.loads(report.read_text())
+    assert r["reason"] == "killed"
+    names = [json.loads(l)["event"] for l in events.read_text().splitlines()]
+    assert names.count("suspended") == 2 and names.count("resumed") == 2
+
+
+def test_wall_time_limit(starter, tmp_path):
+    report = tmp_path / "r.json"
+    t0 = time.monotonic()
+    p = starter("run", "--wall-time", "0.5", "--report", str(report), "--", "sleep", "30")
+    assert time.monotonic() - t0 < 10
+    assert p.returncode == 137
+    assert json.loads(report.read_text())["reason"] == "timeout"
+
+
+# ---------------------------------------------------------------- ps / status / enter
+
+def test_ps_status_and_enter(tmp_path, state_dir, starter):
+    proc, report, _ = _start(tmp_path, "--user", "nobody", job_id="ent1",
+                             cmd=["sh", "-c", "sleep 300 & wait"])
+    try:
+        _wait_for(lambda: (_state(state_dir, "ent1") or {}).get("state") == "running")
+        table = starter("ps", check=0).stdout
+        assert table.splitlines()[0].split()[:3] == ["ID", "USER", "STATE"]
+        assert any(l.split()[:3] == ["ent1", "nobody", "running"] for l in table.splitlines()[1:]), table
+        st = json.loads(starter("status", "ent1", "--json", check=0).stdout)
+        assert st["id"] == "ent1" and st["live"] and st["pid"] == _state(state_dir, "ent1")["pid"]
+        assert "stats" in st
+        # enter: sees the job's processes, runs as the job's user, in the job's cgroup
+        p = starter("enter", "ent1", "--", "sh", "-c",
+                    "ps -eo pid,comm --no-headers; id -u; cat /proc/self/cgroup", check=0)
+        lines = p.stdout.splitlines()
+        pids = {l.split()[0]: l.split()[1] for l in lines if l.strip() and l.split()[0].isdigit() and len(l.split()) == 2}
+        assert pids.get("1") == "sh" and "sleep" in pids.values(), p.stdout
+        assert "65534" in lines
+        assert any("job-ent1" in l for l in lines if l.startswith("0::") or ":" in l), p.stdout
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+
+
+# ---------------------------------------------------------------- crash safety
+
+def test_kill9_starter_then_gc_leaves_node_clean(tmp_path, state_dir, starter):
+    proc, report, _ = _start(tmp_path, job_id="crash1", cmd=["sh", "-c", "sleep 300 & sleep 300 & wait"])
+    st = _wait_for(lambda: (s := _state(state_dir, "crash1")) and s.get("state") == "running" and s)
+    job_pid = st["pid"]
+    assert _cgroup_dirs("crash1")
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+    # the job dies with its starter (parent-death signal on PID 1 of its namespace)
+    _wait_for(lambda: not os.path.exists(f"/proc/{job_pid}") or
+              open(f"/proc/{job_pid}/stat").read().split(") ")[1][0] == "Z", timeout=1.5)
+    out = starter("gc", check=0).stdout
+    assert "crash1" in out
+    assert _cgroup_dirs("crash1") == []
+    assert _state(state_dir, "crash1") is None
+    assert not any(n.startswith("crash1") for n in os.listdir(state_dir)) if os.path.isdir(state_dir) else True
+
+
+def test_duplicate_live_id_refused(tmp_path, state_dir, starter):
+    proc, _, _ = _start(tmp_path, job_id="dup1", cmd=["sleep", "300"])
+    try:
+        _wait_for(lambda: (_state(state_dir, "dup1") or {}).get("state") == "running")
+        p = starter("run", "--id", "dup1", "--", "true")
+        assert p.returncode == 125 and "already running" in p.stderr
+    finally:
+        proc.send_signal(signal.SIGQUIT)
+        proc.wait(30)
