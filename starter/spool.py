@@ -220,6 +220,7 @@ class Spool:
 
     def _open_dir(self):
         try:
+            os.makedirs(os.path.dirname(self.dir), 0o755, exist_ok=True)
             os.mkdir(self.dir, 0o700)
         except FileExistsError:
             pass
