@@ -35,6 +35,7 @@ import select
 import signal
 import socket
 import struct
+import sys
 
 MAX_MSG = 1 << 20
 TIMEOUT = 60.0
@@ -96,7 +97,7 @@ class Server:
 
         self.cfg = cfg
         self.path = path
-        self.wiring = Wiring()
+        self.wiring = Wiring(defer=True)
         # Pay for pyroute2 and the nft context now, not on the first job.
         _ = self.wiring.links, self.wiring.nft
 
@@ -154,6 +155,11 @@ class Server:
                     conn.send(json.dumps(reply).encode())
                 except OSError:
                     pass  # the starter went away; its lease is reclaimed by gc
+            try:
+                self.wiring.run_deferred()
+            except Exception as e:  # noqa: BLE001 - gc reclaims what is left
+                self.wiring.deferred.clear()
+                sys.stderr.write(f"netd: deferred teardown failed: {e}\n")
 
 
 def _bind(path):

@@ -32,6 +32,7 @@ from starter.net.ipam import check_ifname
 CLONE_NEWNET = 0x40000000
 SIOCGSKNS = 0x894C
 JOB_IFNAME = "eth0"
+LOOPBACK_IFINDEX = 1  # the kernel gives lo index 1 in every netns
 
 _libc = ctypes.CDLL(None, use_errno=True)
 
@@ -92,20 +93,8 @@ def write_sysctl(path, value):
     return True
 
 
-def read_sysctl(path):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
-
-
 def forwarding_path(ifname):
     return f"/proc/sys/net/ipv4/conf/{check_ifname('ifname', ifname)}/forwarding"
-
-
-def exists(ifname):
-    return os.path.exists(f"/sys/class/net/{check_ifname('ifname', ifname)}")
 
 
 class Links:
@@ -129,14 +118,15 @@ class Links:
         except NetlinkError as e:
             raise _error(f"create veth {host_ifname}", e) from None
         try:
-            idx = ipr.link_lookup(ifname=host_ifname)[0]
+            # One get: our index and, in IFLA_LINK, the peer's index in the job's ns.
+            link = ipr.link("get", ifname=host_ifname)[0]
+            idx, peer_idx = link["index"], link.get_attr("IFLA_LINK")
             # Before it goes up: no IPv6 link-local for the job to talk to.
             write_sysctl(f"/proc/sys/net/ipv6/conf/{host_ifname}/disable_ipv6", "1")
             if forward:
                 write_sysctl(forwarding_path(host_ifname), "1")
             ipr.addr("add", index=idx, address=gateway, prefixlen=prefixlen)
             ipr.link("set", index=idx, state="up")
-            peer_idx = ipr.get_links(idx)[0].get_attr("IFLA_LINK")
             self._configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen)
         except NetlinkError as e:
             self.delete(host_ifname)
@@ -147,16 +137,14 @@ class Links:
 
     @staticmethod
     def _configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen):
+        if not peer_idx:
+            raise NetworkError("the veth peer's index is unknown")
         sock = netlink_socket_in(netns_fd)
         job = IPRoute(fileno=sock.detach())
         try:
-            if peer_idx is None or not job.get_links(peer_idx):
-                raise NetworkError("the veth peer is not in the job's namespace")
             job.addr("add", index=peer_idx, address=address, prefixlen=prefixlen)
             job.link("set", index=peer_idx, state="up")
-            lo = job.link_lookup(ifname="lo")
-            if lo:
-                job.link("set", index=lo[0], state="up")
+            job.link("set", index=LOOPBACK_IFINDEX, state="up")
             job.route("add", dst="0.0.0.0/0", gateway=gateway, oif=peer_idx)
         finally:
             job.close()

@@ -81,9 +81,13 @@ def _write(path, value):
 class Wiring:
     """Holds the expensive handles (pyroute2, libnftables) for its lifetime."""
 
-    def __init__(self):
+    def __init__(self, defer=False):
         self._links = None
         self._nft = None
+        # netd sets defer: teardown answers once rules and counters are gone,
+        # and the veth deletion (10-20 ms of unregister_netdevice, most of a
+        # teardown) runs after the reply, before netd serves the next request.
+        self.deferred = [] if defer else None
 
     @property
     def links(self):
@@ -199,9 +203,14 @@ class Wiring:
         key = ipam.job_key(job_id, cfg.table)
         store = ipam.LeaseStore(cfg.state_dir)
         with store:
-            return self._teardown_key(store, cfg, key, store.get_by_key(key))
+            return self._teardown_key(store, cfg, key, store.get_by_key(key), defer=True)
 
-    def _teardown_key(self, store, cfg, key, lease, removed=None):
+    def run_deferred(self):
+        """Finish deferred teardowns (netd calls this after each reply)."""
+        while self.deferred:
+            self.deferred.pop(0)()
+
+    def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False):
         """Read the counters, then remove rules, counters, veth, lease, and the
         table if this was the last job.  Every step tolerates absence."""
         table = nft.Table(cfg.table)
@@ -220,6 +229,20 @@ class Wiring:
                 for cmd in table.del_job(key, key, address):
                     with contextlib.suppress(nft.NftError):
                         self.nft.run([cmd], "remove job rule")
+        if defer and self.deferred is not None:
+            self.deferred.append(lambda: self._finish(cfg, key, lease))
+        else:
+            self._finish_locked(store, cfg, key, lease, removed)
+        return counters
+
+    def _finish(self, cfg, key, lease):
+        store = ipam.LeaseStore(cfg.state_dir)
+        with store:
+            self._finish_locked(store, cfg, key, lease, None)
+
+    def _finish_locked(self, store, cfg, key, lease, removed):
+        """The veth, the lease, and the table if no job is left."""
+        table = nft.Table(cfg.table)
         if _if_exists(key):
             self.links.delete(key)
         store.release(key, lease.get("slot") if lease else None)
@@ -227,7 +250,6 @@ class Wiring:
             self._delete_table(store, table)
             if removed is not None:
                 removed.append(f"table {nft.FAMILY} {cfg.table}")
-        return counters
 
     def gc(self, cfg, live_job_ids):
         table = nft.Table(cfg.table)
