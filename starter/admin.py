@@ -81,8 +81,11 @@ def _reclaim(state_dir, job_id):
         if st.get("scratch") and not st.get("keep_scratch"):
             from starter import scratch
 
-            scratch.remove_path(st["scratch"])
-            done.append(f"job {job_id}: scratch {st['scratch']} removed")
+            try:
+                scratch.remove_path(st["scratch"], expect=tuple(st["scratch_id"]) if st.get("scratch_id") else None)
+                done.append(f"job {job_id}: scratch {st['scratch']} removed")
+            except StarterError as e:
+                done.append(f"job {job_id}: scratch: {e}")
         for suffix in (".json", ".resolv.conf", ".lock"):
             try:
                 os.unlink(os.path.join(state_dir, job_id + suffix))

@@ -113,16 +113,19 @@ def _run(spec, job_state, signals, events, undo, report):
             sc = scratch.create(spec.scratch, spec.uid, spec.gid)
         else:
             sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid)
-        if not spec.keep_scratch:
-            undo.push(sc.remove)
-        job_state.update(scratch=sc.path, keep_scratch=spec.keep_scratch)
+        sc.keep = spec.keep_scratch
+        undo.push(sc.release)            # removes it, or with --keep-scratch only closes its fd
+        job_state.update(scratch=sc.path, scratch_id=[sc.dev, sc.ino], keep_scratch=spec.keep_scratch)
         cwd = cwd or sc.path
+        if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
+            # The job's /tmp is private: show the scratch at the same path inside it.
+            mounts.append(Mount(kind="bind", src=sc.path, dst=sc.path))
         if spec.manifest:
             from starter import manifest
 
             staged = manifest.verify_and_stage(
                 spec.manifest, spec.manifest_digest, spec.inputs or os.path.dirname(spec.manifest),
-                sc.path, spec.uid, spec.gid)
+                sc.fd, spec.uid, spec.gid)
             # Run the verified copy, never the path that was checked.
             if argv[0] in staged:
                 argv[0] = staged[argv[0]]
