@@ -1,24 +1,26 @@
 """Address leases: the pool cut into per-job /30s, one lease per live job.
 
-Layout under <state_dir>/net/ (root-only, 0700):
+Layout under <state_dir>/net/ (root-only, 0700), present only while a NAT
+job runs (an empty state directory means nothing runs):
 
-    lock                 flock()ed around every change to the node's network
-                         state (leases, the nft table, uplink sysctls); never
-                         deleted (a lock file that is unlinked while someone
-                         waits on it stops excluding anyone)
     slots/<n>            symlink -> job key: slot n of the pool is taken.
                          symlink() is atomic and fails with EEXIST, so a slot
                          can never be handed to two jobs even without the lock
     leases/<key>.json    the lease: job id, slot, addresses, and the owner
                          (starter pid + its start time from /proc/PID/stat, so
                          a recycled pid is not mistaken for the owner)
-    next                 where the next search for a free slot starts; slots
-                         are handed out round-robin so an address is not reused
-                         at once (stale conntrack entries of the dead job would
-                         otherwise deliver late replies to the new one)
     table.json           written when this state dir created the nft table:
                          the config it was built with, and the uplinks whose
                          forwarding sysctl we turned on (restored at the end)
+
+Every change to the node's network state (leases, the nft table, uplink
+sysctls) happens under flock() on the state directory itself: it outlives
+net/, so the lock never sits on a file that someone might unlink while
+another process waits on it.
+
+The search for a free slot starts at a slot derived from the job key, not
+at the lowest free one, so a dead job's address is not handed out again at
+once (its stale conntrack entries would deliver late replies to the new job).
 
 Names derive from the job id (and the table name, so two state dirs with
 separate tables do not collide): key = "stj" + 12 hex digits of sha256, which
@@ -118,6 +120,7 @@ class LeaseStore:
     """The leases of one state directory."""
 
     def __init__(self, state_dir):
+        self.state_dir = state_dir
         self.dir = os.path.join(state_dir, "net")
         self.leases = os.path.join(self.dir, "leases")
         self.slots = os.path.join(self.dir, "slots")
@@ -126,20 +129,34 @@ class LeaseStore:
 
     # -- locking -------------------------------------------------------
     def _ensure_dirs(self):
-        os.makedirs(os.path.dirname(self.dir), mode=0o700, exist_ok=True)
         for d in (self.dir, self.leases, self.slots):
             try:
                 os.mkdir(d, 0o700)
             except FileExistsError:
                 pass
 
+    def _remove_dirs_if_idle(self):
+        """No lease and no table: leave the state dir as we found it."""
+        if os.path.exists(os.path.join(self.dir, "table.json")):
+            return
+        for d in (self.leases, self.slots, self.dir):
+            try:
+                os.rmdir(d)
+            except FileNotFoundError:
+                pass
+            except OSError as e:
+                if e.errno in (errno.ENOTEMPTY, errno.EEXIST):
+                    return
+                raise
+
     def __enter__(self):
         """Hold the node-wide network lock (reentrant within one object)."""
         if self._depth == 0:
-            self._ensure_dirs()
-            fd = os.open(os.path.join(self.dir, "lock"), os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o600)
+            os.makedirs(self.state_dir, mode=0o700, exist_ok=True)
+            fd = os.open(self.state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX)
+                self._ensure_dirs()
             except BaseException:
                 os.close(fd)
                 raise
@@ -150,8 +167,11 @@ class LeaseStore:
     def __exit__(self, *exc):
         self._depth -= 1
         if self._depth == 0:
-            os.close(self._lockfd)  # closing releases the flock
-            self._lockfd = None
+            try:
+                self._remove_dirs_if_idle()
+            finally:
+                os.close(self._lockfd)  # closing releases the flock
+                self._lockfd = None
 
     # -- queries -------------------------------------------------------
     def _path(self, key):
@@ -194,7 +214,7 @@ class LeaseStore:
         if self.get_by_key(key) is not None:
             raise NetworkError(f"job {job_id!r} already holds a network lease",
                                "job ids must be unique among running jobs; if that job is gone, run `starter gc`")
-        start = self._next_hint(pool)
+        start = int(key[len(KEY_PREFIX):], 16) % pool.size
         for i in range(pool.size):
             n = (start + i) % pool.size
             try:
@@ -214,19 +234,11 @@ class LeaseStore:
         }
         try:
             _write_atomic(self._path(key), json.dumps(lease))
-            _write_atomic(os.path.join(self.dir, "next"), str((n + 1) % pool.size))
         except BaseException:
             _unlink(self._path(key))
             _unlink(os.path.join(self.slots, str(n)))
             raise
         return lease
-
-    def _next_hint(self, pool):
-        try:
-            with open(os.path.join(self.dir, "next")) as f:
-                return int(f.read().strip() or 0) % pool.size
-        except (FileNotFoundError, ValueError):
-            return 0
 
     def release(self, key, slot=None):
         """Remove the lease and its slot.  Idempotent."""
