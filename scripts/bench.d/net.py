@@ -1,0 +1,355 @@
+#!/usr/bin/env python3
+"""Job networks: per-job setup+teardown cost and NAT throughput.
+
+Everything runs against a private test site (tests/nethosts.py: an uplink
+veth to a router namespace with a LAN and a WAN host behind it) and is
+removed at the end.  Traffic goes only to those namespaces.
+
+  setup+teardown   one job's network (lease, veth born in the job's netns,
+                   addresses, route, counters + set elements; then counters
+                   read and everything removed), median over --rounds, at
+                   1 job and with --jobs other jobs' networks in place:
+                     netd          through the per-node helper (the starter
+                                   pays a unix-socket round trip)
+                     in-process    handles already open in this process
+                     cold process  what a starter without netd pays: a fresh
+                                   interpreter importing pyroute2 + libnftables
+  starter run      `starter run -- /bin/true` end to end, --net none vs nat
+                   (skipped when a `starter` table already exists on the node)
+  iperf3           job namespace -> WAN host: through our NAT (1 job, and with
+                   --jobs jobs' elements loaded) vs the same routed path over
+                   a plain veth with no nft table at all
+
+Usage: .venv/bin/python scripts/bench.d/net.py [--jobs 500] [--rounds 15] [--iperf-seconds 3]
+"""
+
+import argparse
+import contextlib
+import json
+import os
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, REPO)
+sys.path.insert(0, os.path.join(REPO, "tests"))
+
+import nethosts  # noqa: E402
+from starter import net  # noqa: E402
+
+PY = os.path.join(REPO, ".venv", "bin", "python")
+STARTER = os.path.join(REPO, ".venv", "bin", "starter")
+POOL = "10.215.0.0/16"
+
+COLD = r"""
+import os, sys, time
+t0 = time.perf_counter()
+from starter import net
+cfg = net.NetConfig.from_dict(eval(sys.argv[1]))
+fd = os.open(sys.argv[2], os.O_RDONLY)
+net.setup(sys.argv[3], fd, cfg)
+os.close(fd)
+t1 = time.perf_counter()
+print(f"{t1 - t0}", flush=True)
+sys.stdin.readline()                      # the job runs and exits
+t2 = time.perf_counter()
+net.teardown(sys.argv[3], cfg)
+t3 = time.perf_counter()
+rss = [l for l in open("/proc/self/status") if l.startswith("VmHWM")][0].split()[1]
+print(f"{t3 - t2} {rss}", flush=True)
+"""
+
+
+def ms(x):
+    return f"{1000 * x:7.1f}"
+
+
+class Bench:
+    def __init__(self, site, stack, args):
+        self.site, self.stack, self.args = site, stack, args
+        self.state = tempfile.mkdtemp(prefix="starter-bench-net-", dir="/run")
+        stack.callback(shutil.rmtree, self.state, True)
+        self.cfg = net.NetConfig(state_dir=self.state, pool=POOL, lan=(site.lan_cidr,),
+                                 uplink=site.uplink, table="starter_bench")
+        stack.callback(self.gc)
+        self.netd = None
+        self.load = []
+
+    def gc(self):
+        self.stop_netd()
+        net._local().gc(self.cfg, set())
+
+    # -- netd ------------------------------------------------------------
+    def start_netd(self):
+        code = f"from starter import net; net.serve(net.NetConfig(state_dir={self.state!r}))"
+        self.netd = subprocess.Popen([PY, "-c", code])
+        sock = net.socket_path(self.cfg)
+        for _ in range(500):
+            if os.path.exists(sock):
+                return
+            time.sleep(0.01)
+        raise RuntimeError("netd did not start")
+
+    def stop_netd(self):
+        if self.netd is not None:
+            self.netd.send_signal(signal.SIGTERM)
+            self.netd.wait(timeout=30)
+            self.netd = None
+
+    # -- one job's network -------------------------------------------------
+    def cycle(self, mode, job_id):
+        ns = nethosts.Netns()
+        try:
+            fd = ns.open_fd()
+            try:
+                if mode == "cold":
+                    return self._cold(ns, job_id)
+                t0 = time.perf_counter()
+                if mode == "netd":
+                    net.setup(job_id, fd, self.cfg)
+                else:
+                    net._local().setup(job_id, fd, self.cfg, os.getpid())
+                t1 = time.perf_counter()
+            finally:
+                os.close(fd)
+        finally:
+            ns.close()  # the job exits; its netns (and the veth) start to go
+        t2 = time.perf_counter()
+        if mode == "netd":
+            net.teardown(job_id, self.cfg)
+        else:
+            net._local().teardown(job_id, self.cfg)
+        t3 = time.perf_counter()
+        return t1 - t0, t3 - t2, None
+
+    def _cold(self, ns, job_id):
+        p = subprocess.Popen([PY, "-c", COLD, repr(self.cfg.as_dict()), f"/proc/{ns.pid}/ns/net", job_id],
+                             stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        try:
+            setup = float(p.stdout.readline())
+            ns.close()
+            p.stdin.write("\n")
+            p.stdin.flush()
+            td, rss = p.stdout.readline().split()
+            p.wait(timeout=30)
+            return setup, float(td), int(rss) / 1024
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+    def measure(self, mode, rounds):
+        setups, tds, rss = [], [], []
+        for i in range(rounds):
+            s, t, r = self.cycle(mode, f"bench-{mode}-{i}")
+            setups.append(s)
+            tds.append(t)
+            if r:
+                rss.append(r)
+        return statistics.median(setups), statistics.median(tds), (max(rss) if rss else None)
+
+    # -- background load ---------------------------------------------------
+    def add_load(self, n):
+        t0 = time.perf_counter()
+        for i in range(n):
+            ns = nethosts.Netns()
+            self.load.append(ns)
+            self.stack.callback(ns.close)
+            fd = ns.open_fd()
+            try:
+                net.setup(f"load-{i}", fd, self.cfg)
+            finally:
+                os.close(fd)
+        return (time.perf_counter() - t0) / max(n, 1)
+
+    def drop_load(self):
+        t0 = time.perf_counter()
+        for i, ns in enumerate(self.load):
+            ns.close()
+            net.teardown(f"load-{i}", self.cfg)
+        n = len(self.load)
+        self.load = []
+        return (time.perf_counter() - t0) / max(n, 1)
+
+
+# -- iperf3 ------------------------------------------------------------------
+def iperf(site, client_ns, seconds, runs=3):
+    out = []
+    for _ in range(runs):
+        port = site.port()
+        srv = subprocess.Popen(site.wan.argv("iperf3", "-s", "-1", "-p", str(port)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.3)
+            r = subprocess.run(client_ns.argv("iperf3", "-c", site.wan_addr, "-p", str(port),
+                                              "-t", str(seconds), "-J"),
+                               capture_output=True, text=True, timeout=seconds + 30)
+            doc = json.loads(r.stdout)
+            out.append(doc["end"]["sum_received"]["bits_per_second"] / 1e9)
+        finally:
+            if srv.poll() is None:
+                srv.kill()
+            srv.wait()
+    return statistics.median(out)
+
+
+@contextlib.contextmanager
+def plain_routed_ns(site, stack):
+    """A namespace on a plain veth, routed (not NATed) to the WAN host over
+    the same uplink, with no nft table involved: the reference path."""
+    ns = nethosts.Netns()
+    stack.callback(ns.close)
+    host_if = "stdir" + site.uplink[5:]
+    nethosts.run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(ns.pid))
+    try:
+        nethosts.run("ip", "addr", "add", "10.76.1.1/30", "dev", host_if)
+        nethosts.run("ip", "link", "set", host_if, "up")
+        ns.ip("addr", "add", "10.76.1.2/30", "dev", "eth0")
+        ns.ip("link", "set", "eth0", "up")
+        ns.ip("route", "add", "default", "via", "10.76.1.1")
+        site.router.ip("route", "add", "10.76.1.0/30", "via", "10.76.0.1")
+        # per-interface forwarding on our two test interfaces only; restored below
+        flags = [f"/proc/sys/net/ipv4/conf/{i}/forwarding" for i in (host_if, site.uplink)]
+        old = []
+        for f in flags:
+            with open(f) as fh:
+                old.append(fh.read().strip())
+            with open(f, "w") as fh:
+                fh.write("1")
+        try:
+            yield ns
+        finally:
+            for f, v in zip(flags, old):
+                with contextlib.suppress(FileNotFoundError), open(f, "w") as fh:
+                    fh.write(v)
+    finally:
+        nethosts.run("ip", "link", "del", host_if, check=False)
+
+
+# -- starter run -------------------------------------------------------------
+def starter_runs(site, state, runs, extra):
+    times = []
+    for _ in range(runs):
+        t0 = time.perf_counter()
+        r = subprocess.run([STARTER, "run", "--state-dir", state, *extra, "--", "/bin/true"],
+                           capture_output=True, text=True, timeout=60)
+        times.append(time.perf_counter() - t0)
+        if r.returncode != 0:
+            raise RuntimeError(f"starter run {' '.join(extra)} failed: {r.stderr.strip()}")
+    return statistics.median(times)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--jobs", type=int, default=500)
+    ap.add_argument("--rounds", type=int, default=15)
+    ap.add_argument("--iperf-seconds", type=int, default=3)
+    ap.add_argument("--skip-iperf", action="store_true")
+    args = ap.parse_args()
+    if os.geteuid() != 0:
+        sys.exit("net bench: run as root")
+
+    rows = []
+    with nethosts.site() as site, contextlib.ExitStack() as stack:
+        b = Bench(site, stack, args)
+
+        # ---- per-job cost at 1 job
+        b.start_netd()
+        r1 = {m: b.measure(m, args.rounds) for m in ("netd",)}
+        b.stop_netd()
+        r1["in-process"] = b.measure("in-process", args.rounds)
+        r1["cold process"] = b.measure("cold", max(3, args.rounds // 3))
+
+        # ---- starter run, --net none vs nat (default table name: skip if in use)
+        e2e = None
+        if "table inet starter\n" not in subprocess.run(["nft", "list", "tables"], capture_output=True,
+                                                          text=True).stdout:
+            state = tempfile.mkdtemp(prefix="starter-bench-e2e-", dir="/run")
+            stack.callback(shutil.rmtree, state, True)
+            nat = ["--net", "nat", "--uplink", site.uplink, "--lan", site.lan_cidr, "--pool", POOL]
+            try:
+                none = starter_runs(site, state, args.rounds, ["--net", "none"])
+                inproc = starter_runs(site, state, args.rounds, nat)
+                code = f"from starter import net; net.serve(net.NetConfig(state_dir={state!r}))"
+                d = subprocess.Popen([PY, "-c", code])
+                try:
+                    for _ in range(500):
+                        if os.path.exists(os.path.join(state, "netd.sock")):
+                            break
+                        time.sleep(0.01)
+                    vianetd = starter_runs(site, state, args.rounds, nat)
+                finally:
+                    d.send_signal(signal.SIGTERM)
+                    d.wait(timeout=30)
+                e2e = (none, inproc, vianetd)
+            except RuntimeError as e:
+                e2e = str(e)
+            finally:
+                net._local().gc(net.NetConfig(state_dir=state, pool=POOL, lan=(site.lan_cidr,),
+                                              uplink=site.uplink), set())
+
+        # ---- throughput, reference and 1 job
+        tp = {}
+        if not args.skip_iperf:
+            with plain_routed_ns(site, stack) as plain:
+                tp["plain veth, routed"] = iperf(site, plain, args.iperf_seconds)
+            job = nethosts.Netns()
+            stack.callback(job.close)
+            fd = job.open_fd()
+            net._local().setup("iperf", fd, b.cfg, os.getpid())
+            os.close(fd)
+            tp["NAT, 1 job"] = iperf(site, job, args.iperf_seconds)
+
+        # ---- N jobs loaded
+        b.start_netd()
+        per_load_setup = b.add_load(args.jobs)
+        rN = {"netd": b.measure("netd", args.rounds)}
+        b.stop_netd()
+        rN["in-process"] = b.measure("in-process", args.rounds)
+        if not args.skip_iperf:
+            tp[f"NAT, {args.jobs} jobs"] = iperf(site, job, args.iperf_seconds)
+            net._local().teardown("iperf", b.cfg)
+        b.start_netd()
+        per_load_td = b.drop_load()
+        b.stop_netd()
+
+    # ---- report
+    print(f"\nnet: per-job network setup + teardown (median of {args.rounds}; ms)")
+    print(f"  {'path':<14} {'jobs':>5} {'setup':>7} {'teardown':>8} {'total':>7}  vs netd@1")
+    base = sum(r1["netd"][:2])
+    for label, res, n in (("netd", r1["netd"], 1), ("in-process", r1["in-process"], 1),
+                          ("cold process", r1["cold process"], 1),
+                          ("netd", rN["netd"], args.jobs + 1), ("in-process", rN["in-process"], args.jobs + 1)):
+        s, t, rss = res
+        extra = f"  (peak RSS {rss:.0f} MB)" if rss else ""
+        print(f"  {label:<14} {n:>5} {ms(s)} {ms(t):>8} {ms(s + t)}  {((s + t) / base):5.2f}x{extra}")
+    print(f"  loading {args.jobs} jobs via netd: {ms(per_load_setup).strip()} ms/job setup, "
+          f"{ms(per_load_td).strip()} ms/job teardown")
+    if isinstance(e2e, tuple):
+        none, inproc, vianetd = e2e
+        print(f"\nnet: `starter run -- /bin/true` (median of {args.rounds}; ms)")
+        print(f"  --net none        {ms(none)}")
+        print(f"  --net nat, netd   {ms(vianetd)}   +{ms(vianetd - none).strip()} ms  (target: +40)")
+        print(f"  --net nat, no netd{ms(inproc)}   +{ms(inproc - none).strip()} ms")
+    elif e2e:
+        print(f"\nnet: starter run skipped: {e2e}")
+    else:
+        print("\nnet: starter run skipped: a `starter` table exists (someone runs jobs)")
+    if tp:
+        print(f"\nnet: iperf3 TCP job ns -> WAN host, {args.iperf_seconds} s, median of 3 (Gbit/s)")
+        ref = tp["plain veth, routed"]
+        one = tp.get("NAT, 1 job")
+        for k, v in tp.items():
+            rel = f"{v / ref:5.2f}x plain"
+            if one and k.startswith("NAT") and k != "NAT, 1 job":
+                rel += f", {v / one:5.2f}x 1-job"
+            print(f"  {k:<20} {v:6.2f}   {rel}")
+
+
+if __name__ == "__main__":
+    main()
