@@ -43,6 +43,9 @@ FINAL_STATES = frozenset({
     "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
 })
 
+# Directory names Slurm's cgroup/v1 plugin makes below <ctrl>/slurm_<node>.
+_SLURM_CGROUP = re.compile(r"^(uid_\d+|job_\d+|step_(\d+|batch|extern|interactive)|task_\d+|system)$")
+
 _BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol",
              "scancel", "sinfo")
 
@@ -156,7 +159,8 @@ class SlurmCluster:
         self.env = None
         self.startup_s = None
         self._procs = {}          # name -> Popen, started in order, stopped in reverse
-        self._cgroup_dirs = []    # /sys/fs/cgroup/<ctrl>/slurm we must remove at stop
+        self._cgroup_dirs = []    # /sys/fs/cgroup/<ctrl>/slurm_<node> we remove at stop
+        self.foreign_cgroups = [] # cgroups found in Slurm's tree that Slurm did not make
 
     # ---- lifecycle -------------------------------------------------------------
 
@@ -179,8 +183,11 @@ class SlurmCluster:
         self.startup_s = time.monotonic() - t0
         return self
 
-    def __exit__(self, *exc):
+    def __exit__(self, exc_type, exc, tb):
         self.stop()
+        if exc_type is None and self.foreign_cgroups:
+            raise SlurmError("cgroups left in Slurm's tree after the jobs ended (removed "
+                             "now): %s" % ", ".join(self.foreign_cgroups))
         return False
 
     def stop(self):
@@ -365,7 +372,7 @@ class SlurmCluster:
             "SwitchType=switch/none",
             "SchedulerType=sched/builtin",
             # Start batch jobs at once instead of on the next 3 s scheduling pass.
-            "SchedulerParameters=batch_sched_delay=0,sched_min_interval=0",
+            "SchedulerParameters=batch_sched_delay=0",
             "SelectType=select/cons_tres",
             "SelectTypeParameters=CR_Core",
             "ReturnToService=2",
@@ -442,10 +449,17 @@ class SlurmCluster:
             time.sleep(0.05)
 
     def _remove_cgroups(self):
-        """rmdir everything Slurm made below <ctrl>/slurm, deepest first."""
+        """rmdir everything below <ctrl>/slurm_<node>, deepest first.
+
+        Directories Slurm does not make (anything but uid_N, job_N, step_*, task_N,
+        system) were made by what ran in the jobs: they are removed too, and listed in
+        `foreign_cgroups` so the caller can fail a test that leaked them."""
         for top in self._cgroup_dirs:
             if not os.path.isdir(top):
                 continue
+            for root, dirs, _files in os.walk(top):
+                self.foreign_cgroups.extend(
+                    os.path.join(root, d) for d in dirs if not _SLURM_CGROUP.match(d))
             for _ in range(50):  # a just-exited task can keep a cgroup busy briefly
                 busy = []
                 for root, dirs, _files in os.walk(top, topdown=False):
