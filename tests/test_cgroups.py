@@ -602,6 +602,55 @@ def test_default_parent(backend):
         assert not os.path.exists(d)
 
 
+def _v2_or_skip():
+    _need_root()
+    lay = host_layout()
+    if lay.kind != "v2":
+        pytest.skip(f"host cgroups are {lay.kind}: the delegation leaf exists only on pure v2")
+    return lay
+
+
+@pytest.mark.cgroup_v2
+def test_v2_delegation_leaf_is_undone():
+    """On v2 the starter moves itself into <own>/<parent>/supervisor-<pid> to
+    enable controllers in <own>; destroying the last job puts everything back."""
+    lay = _v2_or_skip()
+    own = files.join(lay.unified.mount_point, lay.own["unified"])
+    before = (files.read_text("/proc/self/cgroup"), files.read_text(os.path.join(own, "cgroup.subtree_control")))
+    be = cgroups.backend_for(lay, f"starter-test-{os.getpid()}")
+    try:
+        cg = be.create(f"t{os.getpid()}-deleg", Limits(memory_bytes=64 << 20, pids=10))
+        assert files.read_text(os.path.join(cg.paths["unified"], "memory.max")).strip() == str(64 << 20)
+        cg.destroy()
+    finally:
+        be.close()
+    after = (files.read_text("/proc/self/cgroup"), files.read_text(os.path.join(own, "cgroup.subtree_control")))
+    assert after == before
+    assert not os.path.exists(be.parents["unified"])
+
+
+@pytest.mark.cgroup_v2
+def test_v2_refuses_when_own_cgroup_is_shared():
+    """Another process in <own> (not ours to move): fail closed, undo the move."""
+    lay = _v2_or_skip()
+    own = files.join(lay.unified.mount_point, lay.own["unified"])
+    if set(files.read_text(os.path.join(own, "cgroup.subtree_control")).split()) >= {"memory", "pids"}:
+        pytest.skip(f"{own} already delegates its controllers")
+    before = files.read_text("/proc/self/cgroup")
+    other = subprocess.Popen(["sleep", "100"])  # inherits our cgroup
+    be = cgroups.backend_for(lay, f"starter-test-{os.getpid()}")
+    try:
+        with pytest.raises(CgroupError, match="other than the starter") as ei:
+            be.create(f"t{os.getpid()}-shared", Limits(pids=10))
+        assert "Delegate=yes" in ei.value.hint
+    finally:
+        other.kill()
+        other.wait()
+        be.close()
+    assert files.read_text("/proc/self/cgroup") == before
+    assert not os.path.exists(be.parents["unified"])
+
+
 def test_no_leftovers(backend):
     """Runs last in each backend: nothing of ours under /sys/fs/cgroup."""
     backend.prune()

@@ -18,9 +18,9 @@ starter moves itself into a leaf <own>/starter/supervisor-<pid>, then enables
 the controllers in <own> and in starter/.  If <own> still has other
 processes (not ours to move) this fails closed with a hint: give the starter
 a cgroup of its own (systemd Delegate=yes, Slurm's task cgroup) or set the
-parent to a delegated cgroup.  close() undoes all of it once no job is left:
-controllers disabled again, the starter moved back, the leaf and starter/
-removed, so the node looks as before.
+parent to a delegated cgroup.  prune() (called by JobCgroup.destroy()) undoes
+all of it once no job is left: controllers disabled again, the starter moved
+back, the leaf and starter/ removed, so the node looks as before.
 """
 
 import errno
@@ -374,9 +374,10 @@ class V2Backend(Backend):
             except OSError:
                 pass
 
-    def close(self):
+    def prune(self):
         """Once no job is left: disable what we enabled, move the starter
-        back into its own cgroup, remove starter/."""
+        back into its own cgroup, remove starter/ (JobCgroup.destroy() calls
+        this, so a starter that destroys its job leaves nothing behind)."""
         if self._moved_self is not None and not self.list_jobs():
             p = self.parents["unified"]
             up = os.path.dirname(p)
@@ -393,8 +394,8 @@ class V2Backend(Backend):
                     self._enabled_above = []
                 self._move_back()
             except CgroupError:
-                pass  # another starter shares <own>; its close() finishes
-        return self.prune()
+                pass  # another starter shares <own>; its prune() finishes
+        return super().prune()
 
 
 def _controllers(d):
