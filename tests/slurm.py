@@ -60,14 +60,17 @@ def missing_binaries():
     return [b for b in _BINARIES if shutil.which(b, path=path) is None]
 
 
-def skip_reason():
-    """Why a SlurmCluster cannot run here, or None when it can."""
+def skip_reason(proctrack=None):
+    """Why a SlurmCluster (with this proctrack) cannot run here, or None when it can."""
     missing = missing_binaries()
     if missing:
         return ("Slurm/munge not installed (missing %s); install slurmd slurmctld "
                 "slurm-client munge" % ", ".join(missing))
     if os.geteuid() != 0:
         return "the private Slurm runs slurmd as root (SlurmdUser=root)"
+    if proctrack == "cgroup" and not _cgroup_v1_controllers():
+        return ("proctrack/cgroup is configured here with CgroupPlugin=cgroup/v1 and this "
+                "host has no v1 controllers (Slurm 22.05's cgroup/v2 needs systemd and dbus)")
     return None
 
 
@@ -109,9 +112,9 @@ def _cgroup_v1_controllers():
 def parse_scontrol_record(text):
     """`scontrol show -o ...` one-line record -> dict of Key=Value.
 
-    Values may contain spaces only in a few fields (Command=, WorkDir= paths with
-    spaces, Reason=); we split on ' Key=' boundaries, where Key is an identifier,
-    so such values stay whole.
+    Values may contain spaces (JobName=, Command=, Reason=): a value runs up to the
+    next ' Key=' (Key an identifier), so it stays whole unless it itself contains
+    ' word=' -- unavoidable in this format, and never the case for JobState/ExitCode.
     """
     fields = {}
     for m in re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s+[A-Za-z][A-Za-z0-9_:/]*=|\s*$)",
@@ -165,7 +168,7 @@ class SlurmCluster:
     # ---- lifecycle -------------------------------------------------------------
 
     def __enter__(self):
-        reason = skip_reason()
+        reason = skip_reason(self.proctrack)
         if reason:
             raise SlurmError(reason)
         t0 = time.monotonic()

@@ -24,9 +24,7 @@ import time
 
 import pytest
 
-from slurm import SlurmCluster, skip_reason
-
-pytestmark = pytest.mark.slurm
+from slurm import SlurmCluster, parse_exit_code, parse_scontrol_record, skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTER = os.path.join(REPO, ".venv", "bin", "starter")
@@ -39,7 +37,7 @@ KILL_WAIT = 10
 
 @pytest.fixture(params=["linuxproc", "cgroup"])
 def slurm(request, tmp_path):
-    reason = skip_reason()
+    reason = skip_reason(request.param)
     if reason:
         pytest.skip(reason)
     with SlurmCluster(tmp_path / "slurm", proctrack=request.param, kill_wait=KILL_WAIT) as cluster:
@@ -157,13 +155,42 @@ def assert_suspends_and_resumes(slurm, jobid):
              "the resumed job to count on", 10, slurm, jobid)
 
 
+# ---------------------------------------------------------------- parsers (no Slurm)
+
+SCONTROL_JOB = (
+    "JobId=1 JobName=exit seven UserId=root(0) GroupId=root(0) MCS_label=N/A "
+    "JobState=FAILED Reason=NonZeroExitCode Dependency=(null) ExitCode=7:0 "
+    "RunTime=00:00:00 AllocNode:Sid=localhost:6689 ReqB:S:C:T=0:0:*:* "
+    "TRES=cpu=1,node=1,billing=1 CPUs/Task=1 Command=/tmp/a dir/job.sh Power= \n")
+
+
+def test_parse_scontrol_record():
+    rec = parse_scontrol_record(SCONTROL_JOB)
+    assert rec["JobState"] == "FAILED"
+    assert rec["ExitCode"] == "7:0"
+    assert rec["JobName"] == "exit seven"
+    assert rec["AllocNode:Sid"] == "localhost:6689"
+    assert rec["TRES"] == "cpu=1,node=1,billing=1"
+    assert rec["CPUs/Task"] == "1"
+    assert rec["Command"] == "/tmp/a dir/job.sh"
+    assert rec["Power"] == ""
+
+
+def test_parse_exit_code():
+    assert parse_exit_code("7:0") == (7, 0)
+    assert parse_exit_code("0:15") == (0, 15)
+    assert parse_exit_code("3") == (3, 0)
+
+
 # ---------------------------------------------------------------- the harness itself
 
+@pytest.mark.slurm
 def test_plain_srun_exit_codes(slurm):
     assert slurm.srun(["/bin/true"]).returncode == 0
     assert slurm.srun(["sh", "-c", "exit 3"]).returncode == 3
 
 
+@pytest.mark.slurm
 def test_plain_sbatch_exit_code_and_file(slurm, tmp_path):
     out = tmp_path / "written"
     jobid = slurm.sbatch("#!/bin/sh\necho hello > %s\nexit 5\n" % shlex.quote(str(out)))
@@ -172,6 +199,7 @@ def test_plain_sbatch_exit_code_and_file(slurm, tmp_path):
     assert out.read_text() == "hello\n"
 
 
+@pytest.mark.slurm
 def test_plain_scancel(slurm):
     jobid = slurm.sbatch("#!/bin/sh\necho started\nexec sleep 300\n")
     wait_for(lambda: "started" in output_lines(slurm, jobid), "the job to start", 30,
@@ -181,6 +209,7 @@ def test_plain_scancel(slurm):
     assert state == "CANCELLED"
 
 
+@pytest.mark.slurm
 def test_plain_suspend_resume(slurm):
     jobid = slurm.sbatch("#!/bin/sh\n%s\n" % COUNTER)
     assert_suspends_and_resumes(slurm, jobid)
@@ -190,6 +219,7 @@ def test_plain_suspend_resume(slurm):
 
 # ---------------------------------------------------------------- starter under Slurm
 
+@pytest.mark.slurm
 def test_srun_exit_code_and_report(slurm, tmp_path, state_dir):
     report = tmp_path / "report.json"
     r = slurm.srun(starter_run(state_dir, report) + ["sh", "-c", "exit 7"], timeout=60)
@@ -200,6 +230,7 @@ def test_srun_exit_code_and_report(slurm, tmp_path, state_dir):
     assert rep["signal"] is None
 
 
+@pytest.mark.slurm
 def test_sbatch_exec_exit_code_and_report(slurm, tmp_path, state_dir):
     report = tmp_path / "report.json"
     jobid = slurm.sbatch(batch_script(
@@ -213,6 +244,7 @@ def test_sbatch_exec_exit_code_and_report(slurm, tmp_path, state_dir):
     assert rep["job_id"] == "slurm-%s" % jobid
 
 
+@pytest.mark.slurm
 def test_scancel_vacates_with_report(slurm, tmp_path, state_dir):
     """scancel: SIGCONT+SIGTERM to every process of the step, SIGKILL after KillWait.
     starter takes the SIGTERM as vacate and writes its report before the SIGKILL."""
@@ -229,6 +261,7 @@ def test_scancel_vacates_with_report(slurm, tmp_path, state_dir):
     assert rep["reason"] == "vacated", rep
 
 
+@pytest.mark.slurm
 def test_scancel_batch_usr1_vacates(slurm, tmp_path, state_dir):
     """`scancel --batch -s USR1` signals the batch shell only: starter (exec'd) maps
     USR1 to vacate; the job itself never sees USR1 (it would die of it: 'signaled')."""
@@ -244,6 +277,7 @@ def test_scancel_batch_usr1_vacates(slurm, tmp_path, state_dir):
     assert rep["reason"] == "vacated", (state, rep)
 
 
+@pytest.mark.slurm
 def test_suspend_resume_through_starter(slurm, tmp_path, state_dir):
     report = tmp_path / "report.json"
     jobid = slurm.sbatch(batch_script(
@@ -254,6 +288,7 @@ def test_suspend_resume_through_starter(slurm, tmp_path, state_dir):
     read_report(report, slurm, jobid)
 
 
+@pytest.mark.slurm
 def test_double_forked_daemon_is_cleaned_up(slurm, tmp_path, state_dir):
     """A setsid daemon that double-forks away from the job (which plain Slurm with
     proctrack/linuxproc loses track of) must be gone once the job ends."""
@@ -275,6 +310,7 @@ def test_double_forked_daemon_is_cleaned_up(slurm, tmp_path, state_dir):
     read_report(report, slurm, jobid)
 
 
+@pytest.mark.slurm
 def test_steps_finish_promptly(slurm, tmp_path, state_dir):
     """Nothing starter does (its own cgroups nested in Slurm's, with proctrack/cgroup)
     may keep a step from ending: each srun and the batch job end within bounds."""
@@ -289,6 +325,7 @@ def test_steps_finish_promptly(slurm, tmp_path, state_dir):
     assert read_report(report, slurm, jobid)["exit_code"] == 0
 
 
+@pytest.mark.slurm
 def test_job_stays_inside_the_steps_cgroups(slurm, tmp_path, state_dir):
     """With proctrack/cgroup, Slurm tracks, freezes and kills the step through its
     freezer cgroup: starter must nest its cgroups below the step's, never move the job
