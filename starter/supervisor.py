@@ -101,12 +101,15 @@ class Supervisor:
             poller.register(efd, select.POLLPRI | select.POLLERR)
         poller.register(self.signals.r, select.POLLIN)
         while self.out.status is None:
-            for fd, _ in poller.poll(self._timeout_ms()):
-                if fd == self.signals.r:
-                    for action in self.signals.read():
-                        self.act(action)
-                elif fd == self.child.pidfd:
-                    self.out.status = self.child.poll()
+            ready = {fd for fd, _ in poller.poll(self._timeout_ms())}
+            # Signals first: under Slurm a scancel sends SIGTERM to the job and
+            # to us at once, and the job may be gone in the same wakeup; the
+            # job still ended because it was vacated.
+            if self.signals.r in ready:
+                for action in self.signals.read():
+                    self.act(action)
+            if self.child.pidfd in ready:
+                self.out.status = self.child.poll()
             now = time.monotonic()
             if self.wall_deadline is not None and now >= self.wall_deadline and self.out.reason is None:
                 self.out.reason = "timeout"
@@ -131,6 +134,8 @@ class Supervisor:
     def act(self, action):
         if self.out.status is not None:
             return
+        if action == "vacate" and self.out.reason is None:
+            self.out.reason = "vacated"
         if action == "suspend":
             self.cg.freeze()
             self.state.update(state="suspended")
@@ -140,8 +145,6 @@ class Supervisor:
             self.state.update(state="running")
             self.events.emit("resumed")
         elif action == "vacate":
-            if self.out.reason is None:
-                self.out.reason = "vacated"
             if self.kill_deadline is None:
                 self.state.update(state="vacating")
                 self.events.emit("vacating", grace=self.grace)
