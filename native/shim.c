@@ -356,24 +356,56 @@ static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m
     return 0;
 }
 
-static void do_mount(const struct child_ctx *c, const struct shim_mount *m)
+/* Bind sources are taken before anything is mounted (open_tree, 5.2+), so a
+ * source is the starter's view of that path even when the private /tmp or an
+ * earlier mount covers it in the job's view.  A read-only bind is made
+ * read-only while still detached, for its whole subtree, keeping the flags
+ * (nosuid, nodev, ...) the source had. */
+static int grab_source(const struct child_ctx *c, const struct shim_mount *m)
 {
+    if (m->kind != SHIM_MOUNT_BIND && m->kind != SHIM_MOUNT_RO_BIND)
+        return -1;
+    int fd = (int)syscall(SYS_open_tree, AT_FDCWD, m->src,
+                          OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+    if (fd < 0) {
+        if (errno == ENOSYS)
+            return -1; /* old kernel: mount(2) from the path later */
+        fail(c, "bind source", m->src);
+    }
+    if (m->kind == SHIM_MOUNT_RO_BIND) {
+        struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+        if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) < 0) {
+            if (errno != ENOSYS)
+                fail(c, "read-only", m->src);
+            close(fd); /* 5.2..5.11: no mount_setattr; remount after mount(2) */
+            return -1;
+        }
+    }
+    return fd;
+}
+
+static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree)
+{
+    const char *what = m->kind == SHIM_MOUNT_BIND ? "bind" : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind" : "tmpfs";
     if (make_mountpoint(c, m) < 0)
         fail(c, "mkdir", m->dst);
+    if (tree >= 0) {
+        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, m->dst, MOVE_MOUNT_F_EMPTY_PATH) < 0)
+            fail(c, what, m->dst);
+        close(tree);
+        return;
+    }
     switch (m->kind) {
     case SHIM_MOUNT_BIND:
-        if (mount(m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
-            fail(c, "bind", m->dst);
-        break;
     case SHIM_MOUNT_RO_BIND:
         if (mount(m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
-            fail(c, "ro-bind", m->dst);
-        if (make_readonly(m->dst) < 0)
+            fail(c, what, m->dst);
+        if (m->kind == SHIM_MOUNT_RO_BIND && make_readonly(m->dst) < 0)
             fail(c, "remount read-only", m->dst);
         break;
     case SHIM_MOUNT_TMPFS:
         if (mount("tmpfs", m->dst, "tmpfs", MS_NOSUID | MS_NODEV, m->data) < 0)
-            fail(c, "tmpfs", m->dst);
+            fail(c, what, m->dst);
         break;
     default:
         fail_err(c, EINVAL, EXIT_STARTER, "mount kind", m->dst);
@@ -446,11 +478,14 @@ static void setup_namespaces(const struct child_ctx *c)
     const struct shim_spec *s = c->s;
     int ns = s->nsflags;
     int harden = s->drop_privileges && s->uid == 0;
+    int trees[SHIM_MAX_MOUNTS];
 
     if (ns & SHIM_NEWNS) {
         /* Before any mount, or the mounts below propagate to the host. */
         if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0)
             fail(c, "make / a slave mount", NULL);
+        for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
+            trees[i] = grab_source(c, &s->mounts[i]);
         if (ns & SHIM_NEWPID) {
             if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
                 fail(c, "mount", "/proc");
@@ -471,8 +506,8 @@ static void setup_namespaces(const struct child_ctx *c)
     if ((ns & SHIM_NEWNS) && s->private_tmp &&
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") < 0)
         fail(c, "mount", "/tmp");
-    for (int i = 0; i < s->nmounts; i++)
-        do_mount(c, &s->mounts[i]);
+    for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
+        do_mount(c, &s->mounts[i], trees[i]);
 }
 
 /* ---- credentials -------------------------------------------------------- */
@@ -560,6 +595,27 @@ static void close_fds(const struct child_ctx *c)
             char num[16];
             s_int(num, sizeof num, s->keep_fds[i]);
             fail(c, "keep fd", num);
+        }
+}
+
+/* The job's 0-2 from the given fds.  Through fresh copies first, so that
+ * swaps such as stdio = {1, 0, 2} work. */
+static void setup_stdio(const struct child_ctx *c)
+{
+    int tmp[3];
+    for (int i = 0; i < 3; i++) {
+        tmp[i] = -1;
+        if (c->s->stdio[i] >= 0 && (tmp[i] = fcntl(c->s->stdio[i], F_DUPFD_CLOEXEC, 3)) < 0) {
+            char num[16];
+            s_int(num, sizeof num, c->s->stdio[i]);
+            fail(c, "stdio fd", num);
+        }
+    }
+    for (int i = 0; i < 3; i++)
+        if (tmp[i] >= 0) {
+            if (dup2(tmp[i], i) < 0)
+                fail(c, "dup2 stdio", NULL);
+            close(tmp[i]);
         }
 }
 
@@ -657,6 +713,7 @@ static _Noreturn void init_main(const struct child_ctx *c)
     arm_pdeathsig(c);
     /* The job runs as the same uid: it must not ptrace its init. */
     prctl(PR_SET_DUMPABLE, 0, 0, 0, 0);
+    prctl(PR_SET_NAME, "starter-init", 0, 0, 0);
     close_fds(c);
     if (chdir("/") < 0)
         fail(c, "chdir", "/");
@@ -716,6 +773,7 @@ static _Noreturn void child_main(const struct child_ctx *c)
      * into it fails. */
     if (setsid() < 0)
         fail(c, "setsid", NULL);
+    setup_stdio(c);
     if (c->s->init)
         init_main(c);
     become_job(c, 1);
@@ -907,6 +965,7 @@ static _Noreturn void enter_child_main(const struct child_ctx *c)
     wait_release(c);
     if (setsid() < 0)
         fail(c, "setsid", NULL);
+    setup_stdio(c);
     become_job(c, 1);
 }
 

@@ -10,6 +10,7 @@
 /* cffi-begin */
 #define SHIM_STEP_MAX 248
 #define SHIM_MAX_KEEP 256
+#define SHIM_MAX_MOUNTS 256
 
 #define SHIM_MOUNT_BIND 1
 #define SHIM_MOUNT_RO_BIND 2
@@ -50,6 +51,7 @@ struct shim_spec {
     int private_tmp;          /* fresh tmpfs on /tmp; needs SHIM_NEWNS */
     const struct shim_mount *mounts;
     int nmounts;
+    int stdio[3];             /* fds to become the job's 0, 1, 2; -1: inherit */
     const int *keep_fds;      /* stay open (and lose CLOEXEC) in the job */
     int nkeep;
     int init;                 /* shim stays PID 1, the job is PID 2 */

@@ -52,12 +52,12 @@ class ChildSpec:
 
     __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
                  "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
-                 "die_with_parent", "drop_privileges")
+                 "die_with_parent", "drop_privileges", "stdio")
 
     def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
                  namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
                  keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
-                 drop_privileges=True):
+                 drop_privileges=True, stdio=(None, None, None)):
         self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
         self.env = env                # dict[str, str]: exactly the job's environment
         self.cwd = cwd
@@ -73,6 +73,7 @@ class ChildSpec:
         self.cgroup_fd = cgroup_fd    # cgroup2 dir fd: CLONE_INTO_CGROUP
         self.die_with_parent = die_with_parent
         self.drop_privileges = drop_privileges  # False: keep uid 0 and caps (ns-exec)
+        self.stdio = stdio            # fds to become the job's 0, 1, 2 (None: inherit)
 
     def __repr__(self):
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
@@ -230,14 +231,15 @@ def spawn(spec):
 
 
 def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=None,
-          *, released=True, drop_privileges=True, keep_fds=()):
+          *, released=True, drop_privileges=True, keep_fds=(), stdio=(None, None, None)):
     """Run argv inside a running job: join the namespaces of the job's PID 1
     (given by its pidfd) in a short-lived helper, and clone the process into
     `cgroup_fd`.  Returns a Child, already released unless released=False
     (then attach it to v1 cgroups first, and call release())."""
     spec = ChildSpec(argv, env, cwd=cwd, uid=uid, gid=gid, groups=groups,
                      namespaces=frozenset(namespaces), mounts=(), private_tmp=False,
-                     keep_fds=keep_fds, cgroup_fd=cgroup_fd, drop_privileges=drop_privileges)
+                     keep_fds=keep_fds, cgroup_fd=cgroup_fd, drop_privileges=drop_privileges,
+                     stdio=stdio)
     keep = []
     c = _build(spec, keep, entering=True)
     c.enter_pidfd = pidfd
@@ -291,6 +293,8 @@ def _build(spec, keep, entering=False):
         raise SpecError("hostname", "needs the uts namespace")
     if spec.mounts and "mnt" not in names:
         raise SpecError("mounts", "need the mnt namespace (they would land on the host)")
+    if len(spec.mounts) > lib.SHIM_MAX_MOUNTS:
+        raise SpecError("mounts", f"at most {lib.SHIM_MAX_MOUNTS}")
     for field in ("uid", "gid"):
         v = getattr(spec, field)
         if not isinstance(v, int) or not 0 <= v <= _MAX_ID:
@@ -310,6 +314,12 @@ def _build(spec, keep, entering=False):
             os.fstat(fd)
         except OSError:
             raise SpecError("keep_fds", f"fd {fd} is not open") from None
+    stdio = tuple(spec.stdio)
+    if len(stdio) != 3:
+        raise SpecError("stdio", "give three fds (or None) for stdin, stdout, stderr")
+    for fd in stdio:
+        if fd is not None and (not isinstance(fd, int) or fd < 0):
+            raise SpecError("stdio", f"{fd!r} is not a fd")
     if spec.cgroup_fd is not None and (not isinstance(spec.cgroup_fd, int) or spec.cgroup_fd < 0):
         raise SpecError("cgroup_fd", f"{spec.cgroup_fd!r} is not a fd")
 
@@ -332,6 +342,7 @@ def _build(spec, keep, entering=False):
         c.private_tmp = 1 if spec.private_tmp else 0
         c.mounts = _mounts.to_c(ffi, spec.mounts, keep)
         c.nmounts = len(spec.mounts)
+    c.stdio = [-1 if fd is None else fd for fd in stdio]
     kf = ffi.new("int[]", kfds or [0])
     keep.append(kf)
     c.keep_fds = kf
@@ -462,6 +473,8 @@ def _step_hint(step, err, spec):
         return None
     if step.startswith("chdir"):
         return f"the working directory must exist in the job's view and be searchable by uid {uid}"
+    if step.startswith("bind source") and err == E.ENOENT:
+        return "the source of the bind does not exist on the host"
     if step.startswith(("bind", "ro-bind", "tmpfs", "mkdir")):
         if err == E.ENOENT:
             return ("the source or the mount point does not exist; mount points are "

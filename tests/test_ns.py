@@ -1,0 +1,605 @@
+"""ns.spawn / ns.enter against the real kernel, as root.
+
+Every test reaps and closes what it made; the `no_leaks` fixture checks that
+no fd and no child (zombie or running) outlives a test.
+"""
+
+import errno
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import pytest
+
+from starter import ns
+from starter.errors import SpawnError, SpecError
+from starter.mounts import Mount
+
+PY = "/usr/bin/python3"
+ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
+NOBODY = 65534
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")
+
+
+def _fds():
+    return set(os.listdir("/proc/self/fd"))
+
+
+def _children():
+    me = str(os.getpid())
+    kids = []
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            with open(f"/proc/{p}/stat") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        fields = stat.rsplit(")", 1)[1].split()
+        if fields[1] == me:
+            kids.append((int(p), fields[0]))
+    return kids
+
+
+@pytest.fixture(autouse=True)
+def no_leaks():
+    before = _fds()
+    yield
+    assert _children() == [], "a test left a child (running or zombie)"
+    assert len(_fds()) <= len(before), "a test leaked fds"
+
+
+def run(argv, env=ENV, stdin=None, **kw):
+    """Spawn, release, wait; return (raw status, stdout text)."""
+    r, w = os.pipe()
+    try:
+        child = ns.spawn(ns.ChildSpec(argv, env, stdio=(stdin, w, None), **kw))
+    except BaseException:
+        os.close(r)
+        os.close(w)
+        raise
+    os.close(w)
+    try:
+        with child:
+            child.release()
+            child.wait_started()
+            out = _read_all(r)
+            return child.wait(), out
+    finally:
+        os.close(r)
+
+
+def _read_all(fd):
+    chunks = []
+    while True:
+        b = os.read(fd, 65536)
+        if not b:
+            return b"".join(chunks).decode()
+        chunks.append(b)
+
+
+def py(code):
+    return [PY, "-c", textwrap.dedent(code)]
+
+
+class Running:
+    """A job that prints "ready" and then waits for its stdin to close."""
+
+    def __init__(self, argv=None, **kw):
+        argv = argv or ["sh", "-c", "echo ready; read x; echo done"]
+        self.out_r, out_w = os.pipe()
+        in_r, self.in_w = os.pipe()
+        try:
+            self.child = ns.spawn(ns.ChildSpec(argv, ENV, stdio=(in_r, out_w, None), **kw))
+        finally:
+            os.close(out_w)
+            os.close(in_r)
+        self.child.release()
+        self.child.wait_started()
+        line = os.read(self.out_r, 6)
+        assert line == b"ready\n", line
+
+    def finish(self):
+        os.close(self.in_w)
+        self.in_w = -1
+        status = self.child.wait()
+        out = _read_all(self.out_r)
+        return status, out
+
+    def close(self):
+        if self.in_w >= 0:
+            os.close(self.in_w)
+        self.child.send_signal(signal.SIGKILL)
+        self.child.wait()
+        self.child.close()
+        os.close(self.out_r)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+# ---- namespaces ---------------------------------------------------------------
+
+def test_job_is_pid_1_and_sees_only_its_processes():
+    status, out = run(py("""
+        import os
+        print(os.getpid())
+        print(open('/proc/1/cmdline').read().split('\\0')[:2])
+        print(sorted(int(p) for p in os.listdir('/proc') if p.isdigit()))
+    """))
+    assert status == 0
+    pid, cmdline, pids = out.splitlines()
+    assert pid == "1"
+    assert cmdline == str([PY, "-c"])
+    assert pids == "[1]"
+
+
+def test_ps_inside_shows_the_job_only():
+    status, out = run(["sh", "-c", "ps -e -o pid=,comm="])
+    assert status == 0
+    rows = [line.split() for line in out.splitlines()]
+    assert rows == [["1", "sh"], [rows[1][0], "ps"]]
+
+
+def test_network_namespace_has_only_loopback_up():
+    status, out = run(["ip", "-o", "link"])
+    assert status == 0
+    lines = out.splitlines()
+    assert len(lines) == 1
+    assert lines[0].split(":")[1].strip() == "lo"
+    assert ",UP" in lines[0]
+    status, out = run(["ip", "-o", "-4", "addr"])
+    assert "127.0.0.1/8" in out
+
+
+def test_sysfs_shows_the_jobs_network():
+    status, out = run(["ls", "/sys/class/net"])
+    assert out.split() == ["lo"]
+
+
+def test_host_mountinfo_unchanged_before_during_after(tmp_path):
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "f").write_text("x")
+    with open("/proc/self/mountinfo") as f:
+        before = f.read()
+    mounts = (Mount("bind", "/mnt", str(src)), Mount("ro-bind", "/srv", str(src)),
+              Mount("tmpfs", "/media", options="size=1m"))
+    with Running(mounts=mounts) as job:
+        with open("/proc/self/mountinfo") as f:
+            during = f.read()
+        job.finish()
+    with open("/proc/self/mountinfo") as f:
+        after = f.read()
+    assert before == during == after
+
+
+def test_mounts_bind_ro_bind_tmpfs_and_private_tmp(tmp_path):
+    src = tmp_path / "data"
+    src.mkdir()
+    (src / "f").write_text("hello")
+    mounts = (Mount("bind", "/mnt", str(src)),
+              Mount("ro-bind", "/srv", str(src)),
+              Mount("tmpfs", "/media", options="size=1m,mode=700"),
+              Mount("ro-bind", "/tmp/in/data", str(src)))  # mount point made in the private /tmp
+    status, out = run(["sh", "-c", """
+        cat /mnt/f; echo
+        echo new > /mnt/g && echo bind-writable
+        echo new > /srv/h 2>/dev/null || echo ro-bind-readonly
+        cat /tmp/in/data/f; echo
+        stat -c %a /media /tmp
+        grep -E ' /(media|tmp|srv|proc|sys) ' /proc/self/mountinfo | cut -d' ' -f5,6
+    """], mounts=mounts)
+    assert status == 0, out
+    lines = out.splitlines()
+    assert lines[:4] == ["hello", "bind-writable", "ro-bind-readonly", "hello"]
+    assert lines[4:6] == ["700", "1777"]
+    opts = dict(line.split() for line in lines[6:])
+    assert opts["/srv"].startswith("ro,")
+    assert "nosuid" in opts["/tmp"] and "nodev" in opts["/tmp"]
+    assert {"nosuid", "nodev", "noexec"} <= set(opts["/proc"].split(","))
+    assert (src / "g").read_text() == "new\n"
+    assert not (src / "h").exists()
+
+
+def test_hostname_needs_and_uses_uts():
+    status, out = run(["hostname"], namespaces=frozenset({"pid", "net", "mnt", "uts"}),
+                      hostname="job-42")
+    assert out.strip() == "job-42"
+    with pytest.raises(SpecError) as e:
+        ns.spawn(ns.ChildSpec(["true"], ENV, hostname="x"))
+    assert e.value.field == "hostname"
+
+
+def test_mounts_without_mnt_namespace_are_refused():
+    with pytest.raises(SpecError) as e:
+        ns.spawn(ns.ChildSpec(["true"], ENV, namespaces=frozenset({"pid"}),
+                              mounts=(Mount("tmpfs", "/mnt"),)))
+    assert e.value.field == "mounts"
+
+
+# ---- exit codes ---------------------------------------------------------------
+
+def test_every_exit_code_propagates():
+    for code in range(256):
+        status, _ = run(["sh", "-c", f"exit {code}"])
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == code
+
+
+def test_death_by_signal_is_a_signaled_status():
+    with Running() as job:
+        job.child.send_signal(signal.SIGKILL)
+        status = job.child.wait()
+    assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+    assert ns.exit_code(status) == 137
+
+
+def test_pid_1_without_handler_ignores_sigterm_but_not_sigkill():
+    # The kernel only delivers signals a namespace's PID 1 has a handler for
+    # (SIGKILL from an ancestor namespace excepted).  Python installs none
+    # for SIGTERM, so the job keeps running and exits 7 on its own.
+    r, w = os.pipe()
+    child = ns.spawn(ns.ChildSpec(py("""
+        import sys, time
+        print('ready', flush=True); time.sleep(0.3); sys.exit(7)
+    """), ENV, stdio=(None, w, None)))
+    os.close(w)
+    with child:
+        child.release()
+        child.wait_started()
+        assert os.read(r, 6) == b"ready\n"
+        child.send_signal(signal.SIGTERM)
+        assert os.WEXITSTATUS(child.wait()) == 7
+    os.close(r)
+    with Running() as job:
+        job.child.send_signal(signal.SIGKILL)
+        assert os.WTERMSIG(job.child.wait()) == signal.SIGKILL
+
+
+def test_missing_command_is_127():
+    for argv in (["no-such-command-xyz"], ["/no/such/file"]):
+        with pytest.raises(SpawnError) as e:
+            run(argv)
+        assert e.value.exit_code == 127
+        assert e.value.errno == errno.ENOENT
+        assert e.value.step == f"execve {argv[0]}"
+
+
+def test_not_executable_is_126(tmp_path):
+    f = tmp_path / "script"
+    f.write_text("#!/bin/sh\necho hi\n")
+    f.chmod(0o644)
+    with pytest.raises(SpawnError) as e:
+        run([str(f)], private_tmp=False)  # tmp_path lives in the host's /tmp
+    assert e.value.exit_code == 126
+    assert e.value.errno == errno.EACCES
+    assert "not executable" in str(e.value)
+
+
+def test_path_search_uses_the_jobs_path_not_ours(tmp_path):
+    exe = tmp_path / "only-here"
+    exe.write_text("#!/bin/sh\necho found\n")
+    exe.chmod(0o755)
+    status, out = run(["only-here"], env={"PATH": f"/nonexistent:{tmp_path}"}, private_tmp=False)
+    assert out == "found\n"
+    with pytest.raises(SpawnError) as e:
+        run(["only-here"], env={"PATH": "/usr/bin"}, private_tmp=False)
+    assert e.value.exit_code == 127
+    assert "PATH=/usr/bin" in str(e.value)
+
+
+def test_setup_failure_is_125_and_names_the_step(tmp_path):
+    missing = str(tmp_path / "missing")
+    child = ns.spawn(ns.ChildSpec(["true"], ENV, mounts=(Mount("bind", "/mnt", missing),)))
+    with child:
+        child.release()
+        with pytest.raises(SpawnError) as e:
+            child.wait_started()
+        assert os.WEXITSTATUS(child.wait()) == 125
+    assert e.value.exit_code == 125
+    assert e.value.step == f"bind source {missing}"
+    assert str(e.value).startswith(f"bind source {missing} failed: ENOENT")
+    assert len(str(e.value).splitlines()) == 1
+    # A missing mount point (outside any tmpfs the job made) names the target.
+    with pytest.raises(SpawnError) as e:
+        run(["true"], mounts=(Mount("bind", "/no-such-mountpoint", "/etc"),))
+    assert e.value.step == "bind /no-such-mountpoint" and e.value.exit_code == 125
+
+
+def test_chdir_failure_names_the_directory():
+    with pytest.raises(SpawnError) as e:
+        run(["true"], cwd="/no/such/dir")
+    assert e.value.step == "chdir /no/such/dir"
+    assert e.value.exit_code == 125
+
+
+def test_unreleased_child_is_killed_on_close():
+    child = ns.spawn(ns.ChildSpec(["true"], ENV))
+    child.close()  # never released: SIGKILL + reap, nothing ran
+    assert child.pidfd == -1
+
+
+# ---- what the job holds -------------------------------------------------------
+
+def test_job_sees_only_0_1_2_of_100_inheritable_fds():
+    held = []
+    try:
+        for _ in range(100):
+            fd = os.open("/dev/null", os.O_RDONLY)
+            os.set_inheritable(fd, True)
+            held.append(fd)
+        status, out = run(["sh", "-c", "ls /proc/$$/fd"])
+        assert sorted(out.split(), key=int) == ["0", "1", "2"]
+        status, out = run(["sh", "-c", "ls /proc/$$/fd"], keep_fds=(held[50],))
+        assert sorted(out.split(), key=int) == ["0", "1", "2", str(held[50])]
+    finally:
+        for fd in held:
+            os.close(fd)
+
+
+def test_credentials_capabilities_and_no_new_privs():
+    status, out = run(py("""
+        import os
+        print(os.getresuid(), os.getresgid(), sorted(os.getgroups()))
+        for line in open('/proc/self/status'):
+            if line.startswith(('Cap', 'NoNewPrivs')):
+                print(line.split()[0], line.split()[1])
+    """), uid=NOBODY, gid=NOBODY, groups=(NOBODY, 100))
+    assert status == 0, out
+    lines = out.splitlines()
+    assert lines[0] == f"({NOBODY}, {NOBODY}, {NOBODY}) ({NOBODY}, {NOBODY}, {NOBODY}) [100, {NOBODY}]"
+    fields = dict(line.split() for line in lines[1:])
+    for cap in ("CapInh:", "CapPrm:", "CapEff:", "CapBnd:", "CapAmb:"):
+        assert int(fields[cap], 16) == 0, cap
+    assert fields["NoNewPrivs:"] == "1"
+
+
+def test_root_job_has_no_capabilities_and_readonly_proc_sys():
+    status, out = run(["sh", "-c", """
+        grep -E '^Cap(Eff|Prm|Bnd)' /proc/self/status | cut -f2
+        echo 1 > /proc/sys/kernel/printk_ratelimit 2>/dev/null && echo writable || echo readonly
+        touch /sys/x 2>/dev/null && echo sys-writable || echo sys-readonly
+    """])
+    assert out.split() == ["0000000000000000"] * 3 + ["readonly", "sys-readonly"]
+
+
+def test_drop_privileges_false_keeps_root_and_caps():
+    status, out = run(["sh", "-c", "id -u; grep ^CapEff /proc/self/status | cut -f2"],
+                      drop_privileges=False)
+    uid, capeff = out.split()
+    assert uid == "0" and int(capeff, 16) != 0
+
+
+def test_environment_is_exactly_as_given():
+    env = {"PATH": "/usr/bin:/bin", "A": "1", "EMPTY": "", "SPACES": "a b  c"}
+    status, out = run(["env"], env=env)
+    assert out.splitlines() == [f"{k}={v}" for k, v in env.items()]
+
+
+_TIOCSTI_PROBE = r"""
+import fcntl, os, sys, termios, tty
+from starter import ns
+master, slave = os.openpty()
+tty.setraw(slave)
+os.setsid()
+fcntl.ioctl(slave, termios.TIOCSCTTY, 0)        # the pty is now our controlling tty
+fcntl.ioctl(slave, termios.TIOCSTI, b"A")       # and we may inject into it
+assert os.read(slave, 1) == b"A"
+r, w = os.pipe()
+code = "import fcntl, termios, errno\ntry:\n fcntl.ioctl(0, termios.TIOCSTI, b'B'); print('injected')\nexcept OSError as e:\n print(errno.errorcode[e.errno])"
+child = ns.spawn(ns.ChildSpec(["/usr/bin/python3", "-c", code], {"PATH": "/usr/bin:/bin"},
+                              uid=65534, gid=65534, stdio=(slave, w, w)))
+os.close(w)
+child.release(); child.wait_started(); child.wait(); child.close()
+print(os.read(r, 100).decode().strip())
+"""
+
+
+def test_tiocsti_into_the_callers_terminal_fails():
+    out = subprocess.run([sys.executable, "-c", _TIOCSTI_PROBE], capture_output=True,
+                         text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.strip() == "EPERM"
+
+
+_ORPHANS = """
+import os, sys, time
+n = int(sys.argv[1])
+for _ in range(n):
+    pid = os.fork()
+    if pid == 0:
+        if os.fork() == 0:
+            os._exit(0)   # an orphan: reparented to PID 1 of the namespace
+        os._exit(0)
+    os.waitpid(pid, 0)
+time.sleep(0.3)
+zombies = 0
+for p in os.listdir('/proc'):
+    if p.isdigit():
+        try:
+            if open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z':
+                zombies += 1
+        except OSError:
+            pass
+print(zombies)
+"""
+
+
+def test_init_reaps_1000_orphans():
+    status, out = run([PY, "-c", _ORPHANS, "1000"], init=True)
+    assert status == 0
+    assert out.strip() == "0"
+
+
+def test_without_init_orphans_stay_zombies():
+    # The control for the test above: a PID 1 that does not reap.
+    status, out = run([PY, "-c", _ORPHANS, "20"])
+    assert int(out.strip()) == 20
+
+
+def test_init_is_pid_1_and_job_pid_2():
+    status, out = run(["sh", "-c", "echo $$; cat /proc/1/comm"], init=True, uid=NOBODY, gid=NOBODY)
+    assert out.split() == ["2", "starter-init"]
+
+
+def test_init_forwards_sigterm_to_the_job():
+    job = py("""
+        import signal, sys, time
+        signal.signal(signal.SIGTERM, lambda *a: sys.exit(42))
+        print('ready', flush=True)
+        time.sleep(30)
+    """)
+    r, w = os.pipe()
+    child = ns.spawn(ns.ChildSpec(job, ENV, init=True, stdio=(None, w, None)))
+    os.close(w)
+    with child:
+        child.release()
+        child.wait_started()
+        assert os.read(r, 6) == b"ready\n"
+        child.send_signal(signal.SIGTERM)
+        status = child.wait()
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 42
+        assert child.job_status() == 42 << 8
+    os.close(r)
+
+
+def test_init_reports_the_jobs_true_status():
+    status, _ = run(["sh", "-c", "kill -KILL $$"], init=True)
+    # The init can only exit 137; the job's own status says "signal 9".
+    assert os.WEXITSTATUS(status) == 137
+    with Running(init=True) as job:
+        job.child.send_signal(signal.SIGTERM)  # forwarded; sh has no handler: dies
+        assert os.WEXITSTATUS(job.child.wait()) == 128 + signal.SIGTERM
+        js = job.child.job_status()
+        assert os.WIFSIGNALED(js) and os.WTERMSIG(js) == signal.SIGTERM
+    status, _ = run(["sh", "-c", "exit 137"], init=True)
+    assert os.WEXITSTATUS(status) == 137
+
+
+def test_init_exec_failure_is_reported():
+    with pytest.raises(SpawnError) as e:
+        run(["no-such-command-xyz"], init=True)
+    assert e.value.exit_code == 127
+
+
+def test_job_dies_when_the_starter_is_killed():
+    probe = textwrap.dedent("""
+        import os, sys
+        from starter import ns
+        c = ns.spawn(ns.ChildSpec(["sleep", "60"], {"PATH": "/usr/bin:/bin"}, uid=65534, gid=65534))
+        c.release(); c.wait_started()
+        print(c.pid, flush=True)
+        sys.stdin.read()
+    """)
+    p = subprocess.Popen([sys.executable, "-c", probe], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, text=True)
+    try:
+        pid = int(p.stdout.readline())
+        p.kill()
+        p.wait()
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            try:
+                with open(f"/proc/{pid}/stat") as f:
+                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
+                        break
+            except FileNotFoundError:
+                break
+            time.sleep(0.01)
+        else:
+            pytest.fail(f"job {pid} survived its starter")
+    finally:
+        p.stdin.close()
+        p.stdout.close()
+
+
+# ---- enter --------------------------------------------------------------------
+
+def test_enter_sees_the_jobs_processes_network_and_mounts():
+    with Running(["sh", "-c", "echo ready; hostname; read x"],
+                 namespaces=frozenset({"pid", "net", "mnt", "uts"}), hostname="jobhost") as job:
+        os.read(job.out_r, 100)
+        r, w = os.pipe()
+        try:
+            entered = ns.enter(job.child.pidfd, frozenset({"pid", "net", "mnt", "uts"}),
+                               ["sh", "-c", "ps -e -o pid=,comm=; ip -o link | wc -l; hostname; "
+                                "grep -E '^(NSpid|Uid|CapEff)' /proc/self/status; echo x > /tmp/mine"],
+                               ENV, uid=NOBODY, gid=NOBODY, stdio=(None, w, None))
+        finally:
+            os.close(w)
+        with entered:
+            entered.wait_started()
+            out = _read_all(r)
+            assert entered.wait() == 0, out
+        os.close(r)
+        lines = out.splitlines()
+        procs = [line.split() for line in lines[:3]]
+        assert procs[0] == ["1", "sh"]
+        assert [p[1] for p in procs[1:]] == ["sh", "ps"]
+        assert lines[3] == "1"            # only lo
+        assert lines[4] == "jobhost"
+        status = {line.split()[0]: line.split()[1:] for line in lines[5:]}
+        # grep's own status, in the job's /proc: one level, a pid of the job's ns
+        assert len(status["NSpid:"]) == 1 and int(status["NSpid:"][0]) < 100
+        assert status["Uid:"] == [str(NOBODY)] * 4
+        assert int(status["CapEff:"][0], 16) == 0
+        assert not os.path.exists("/tmp/mine") or open("/tmp/mine").read() != "x\n"
+        job.finish()
+
+
+def test_enter_failure_names_the_step():
+    with Running() as job:
+        entered = ns.enter(job.child.pidfd, frozenset({"pid", "mnt"}), ["true"], ENV, cwd="/nope")
+        with entered, pytest.raises(SpawnError) as e:
+            entered.wait_started()
+        assert e.value.step == "chdir /nope"
+        assert os.WEXITSTATUS(entered.wait()) == 125
+        job.finish()
+        # The job is gone: the helper's setns fails, reported the same way.
+        with pytest.raises(SpawnError) as e:
+            ns.enter(job.child.pidfd, frozenset({"pid", "mnt"}), ["true"], ENV)
+        assert e.value.step == "setns job namespaces"
+
+
+
+# ---- cgroup -------------------------------------------------------------------
+
+UNIFIED = "/sys/fs/cgroup/unified"
+
+
+def _cgroup2_root():
+    for root in ("/sys/fs/cgroup", UNIFIED):
+        if os.path.exists(os.path.join(root, "cgroup.procs")) and \
+                os.statvfs(root).f_fsid is not None and _is_cgroup2(root):
+            return root
+    return None
+
+
+def _is_cgroup2(path):
+    with open("/proc/self/mountinfo") as f:
+        return any(line.split()[4] == path and " - cgroup2 " in line for line in f)
+
+
+@pytest.mark.skipif(_cgroup2_root() is None, reason="no cgroup2 hierarchy mounted")
+def test_clone_into_cgroup():
+    root = _cgroup2_root()
+    path = os.path.join(root, f"starter_test_core_{os.getpid()}")
+    os.mkdir(path)
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            status, out = run(["cat", "/proc/self/cgroup"], cgroup_fd=fd,
+                              namespaces=frozenset({"pid", "net"}))
+        finally:
+            os.close(fd)
+        assert f"0::/{os.path.basename(path)}" in out.splitlines()
+    finally:
+        os.rmdir(path)
