@@ -55,7 +55,7 @@ def bench_spawn(runs, **kw):
     return statistics.median(times)
 
 
-def bench_cmd(argv, runs, hide_unified=False):
+def bench_cmd(argv, runs, hide_unified=False, env=None):
     """Median seconds of argv, via hyperfine -N if available.
 
     hide_unified: run the timing inside a mount namespace whose
@@ -71,7 +71,8 @@ def bench_cmd(argv, runs, hide_unified=False):
             if hide_unified:
                 rc = _run_hiding_unified(cmd)
             else:
-                rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL).returncode
+                rc = subprocess.run(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                    env=env).returncode
             if rc != 0:
                 r = subprocess.run(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
                 raise RuntimeError((r.stderr.strip().splitlines() or ["exit %d" % r.returncode])[-1])
@@ -79,7 +80,7 @@ def bench_cmd(argv, runs, hide_unified=False):
     times = []
     for i in range(runs + 5):
         t = time.perf_counter()
-        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(argv, check=True, stdout=subprocess.DEVNULL, env=env)
         if i >= 5:
             times.append(time.perf_counter() - t)
     return statistics.median(times)
@@ -211,26 +212,33 @@ def main():
 
     tmp = tempfile.mkdtemp(prefix="starter-bench-core-")
     try:
-        cmds = []
+        cmds = []  # (name, argv, env)
         if os.access(STARTER, os.X_OK):
-            cmds.append(("starter run --net none", [STARTER, "run", "--net", "none", "--", "/bin/true"]))
+            run_true = [STARTER, "run", "--net", "none", "--", "/bin/true"]
+            cmds.append(("starter run --net none", run_true, None))
+            if os.environ.get("PYTHONDONTWRITEBYTECODE"):
+                # This environment compiles every module on every start;
+                # an installed starter has its .pyc files.
+                env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+                env["PYTHONPYCACHEPREFIX"] = os.path.join(tmp, "pycache")
+                cmds.append(("starter run, .pyc cached", run_true, env))
         cmds += [
-            ("unshare -pnm --fork --mount-proc", ["unshare", "-pnm", "--fork", "--mount-proc", "true"]),
+            ("unshare -pnm --fork --mount-proc", ["unshare", "-pnm", "--fork", "--mount-proc", "true"], None),
             ("bwrap", ["bwrap", "--unshare-pid", "--unshare-net", "--dev-bind", "/", "/",
-                       "--proc", "/proc", "true"]),
+                       "--proc", "/proc", "true"], None),
         ]
         for rt in ("crun", "runc"):
             if shutil.which(rt):
                 bundle = make_bundle(tmp, rt)
-                cmds.append((f"{rt} run", [rt, "run", "--bundle", bundle, f"{CG_NAME}-{rt}"]))
-        cmds.append(("python3 -c pass", ["/usr/bin/python3", "-c", "pass"]))
-        for name, argv in cmds:
+                cmds.append((f"{rt} run", [rt, "run", "--bundle", bundle, f"{CG_NAME}-{rt}"], None))
+        cmds.append(("python3 -c pass", ["/usr/bin/python3", "-c", "pass"], None))
+        for name, argv, env in cmds:
             if not shutil.which(argv[0]) and not os.access(argv[0], os.X_OK):
                 rows.append((name, None, "not installed"))
                 continue
             hide = argv[0] == "crun" and _hybrid_with_controllers()
             try:
-                rows.append((name, bench_cmd(argv, args.runs, hide),
+                rows.append((name, bench_cmd(argv, args.runs, hide, env),
                              "cgroup v1 view (crun refuses this hybrid)" if hide else ""))
             except (RuntimeError, subprocess.CalledProcessError) as e:
                 rows.append((name, None, f"failed: {e}"))
