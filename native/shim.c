@@ -883,6 +883,11 @@ int shim_clone3_supported(void)
     return clone3_state;
 }
 
+void shim_test_no_clone3(int on)
+{
+    clone3_state = on ? -1 : 0;
+}
+
 int shim_spawn(const struct shim_spec *s, struct shim_child *out)
 {
     struct pipes p;

@@ -78,6 +78,8 @@ int shim_enter(const struct shim_spec *spec, struct shim_child *out);
 int shim_setns(int fd, int nstype);
 int shim_pidfd_open(int pid);
 int shim_clone3_supported(void);
+/* Tests: force the clone() fallback (1) or go back to probing clone3 (0). */
+void shim_test_no_clone3(int on);
 /* cffi-end */
 
 #endif

@@ -18,6 +18,10 @@ stays PID 1 (tini-like): it forwards every signal but SIGCHLD to the job
 (PID 2, default dispositions, so SIGTERM kills it), reaps orphans, and exits
 with the job's code or 128+N; `Child.job_status()` then has the job's own
 raw wait status ("killed by signal 9" rather than "exit 137").
+
+die_with_parent uses PR_SET_PDEATHSIG, which fires when the *thread* that
+called spawn() exits: call spawn() from the main thread (or one that lives as
+long as the job).
 """
 
 import os

@@ -490,11 +490,13 @@ def test_init_exec_failure_is_reported():
     assert e.value.exit_code == 127
 
 
-def test_job_dies_when_the_starter_is_killed():
-    probe = textwrap.dedent("""
+@pytest.mark.parametrize("init", [False, True], ids=["pid1", "init"])
+def test_job_dies_when_the_starter_is_killed(init):
+    probe = textwrap.dedent(f"""
         import os, sys
         from starter import ns
-        c = ns.spawn(ns.ChildSpec(["sleep", "60"], {"PATH": "/usr/bin:/bin"}, uid=65534, gid=65534))
+        c = ns.spawn(ns.ChildSpec(["sleep", "60"], {{"PATH": "/usr/bin:/bin"}}, uid=65534, gid=65534,
+                                  init={init}))
         c.release(); c.wait_started()
         print(c.pid, flush=True)
         sys.stdin.read()
@@ -503,6 +505,8 @@ def test_job_dies_when_the_starter_is_killed():
                          stdout=subprocess.PIPE, text=True)
     try:
         pid = int(p.stdout.readline())
+        if init:
+            pid = int(open(f"/proc/{pid}/task/{pid}/children").read().split()[0])  # sleep, PID 2
         p.kill()
         p.wait()
         deadline = time.monotonic() + 10
@@ -589,17 +593,25 @@ def _is_cgroup2(path):
 
 
 @pytest.mark.skipif(_cgroup2_root() is None, reason="no cgroup2 hierarchy mounted")
-def test_clone_into_cgroup():
+@pytest.mark.parametrize("clone3", [True, False], ids=["clone3", "clone-fallback"])
+def test_clone_into_cgroup(clone3):
     root = _cgroup2_root()
     path = os.path.join(root, f"starter_test_core_{os.getpid()}")
     os.mkdir(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         try:
+            if not clone3:
+                ns.lib.shim_test_no_clone3(1)
             status, out = run(["cat", "/proc/self/cgroup"], cgroup_fd=fd,
                               namespaces=frozenset({"pid", "net"}))
+            if not clone3:  # the rest of the suite, through clone()
+                test_job_is_pid_1_and_sees_only_its_processes()
+                test_every_exit_code_propagates()
         finally:
+            ns.lib.shim_test_no_clone3(0)
             os.close(fd)
+        assert ns.lib.shim_clone3_supported() == 0 or clone3
         assert f"0::/{os.path.basename(path)}" in out.splitlines()
     finally:
         os.rmdir(path)
