@@ -215,21 +215,31 @@ static _Noreturn void fail(const struct child_ctx *c, const char *what, const ch
     fail_err(c, errno, EXIT_STARTER, what, arg);
 }
 
+/* Raw rt_sigaction/rt_sigprocmask: glibc's wrappers refuse its internal
+ * signals (32, 33), whose handlers would otherwise survive in an init. */
+struct k_sigaction {
+    void (*handler)(int);
+    unsigned long flags;
+    void (*restorer)(void);
+    uint64_t mask;
+};
+
 static void reset_signals(void)
 {
-    struct sigaction sa;
-    memset(&sa, 0, sizeof sa);
-    sa.sa_handler = SIG_DFL;
-    for (int sig = 1; sig < _NSIG; sig++)
+    struct k_sigaction sa = {.handler = SIG_DFL};
+    for (int sig = 1; sig <= 64; sig++)
         if (sig != SIGKILL && sig != SIGSTOP)
-            sigaction(sig, &sa, NULL); /* EINVAL for glibc-internal ones: fine */
+            syscall(SYS_rt_sigaction, sig, &sa, NULL, sizeof sa.mask);
+}
+
+static void set_sigmask(uint64_t mask)
+{
+    syscall(SYS_rt_sigprocmask, SIG_SETMASK, &mask, NULL, sizeof mask);
 }
 
 static void unblock_signals(void)
 {
-    sigset_t none;
-    sigemptyset(&none);
-    sigprocmask(SIG_SETMASK, &none, NULL);
+    set_sigmask(0);
 }
 
 /* The starter holds the write end of sync until the job has exec'd; a hangup
@@ -313,7 +323,7 @@ static int under(const char *path, const char *dir)
     return path[n] == '/';
 }
 
-static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m)
+static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m, int tree)
 {
     const struct shim_spec *s = c->s;
     struct stat st;
@@ -341,7 +351,8 @@ static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m
             buf[i] = 0;
             int last = m->dst[i] == 0;
             int file = 0;
-            if (last && m->kind != SHIM_MOUNT_TMPFS && stat(m->src, &st) == 0 && !S_ISDIR(st.st_mode))
+            if (last && m->kind != SHIM_MOUNT_TMPFS &&
+                (tree >= 0 ? fstat(tree, &st) : stat(m->src, &st)) == 0 && !S_ISDIR(st.st_mode))
                 file = 1;
             if (file) {
                 int fd = open(buf, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -387,7 +398,7 @@ static int grab_source(const struct child_ctx *c, const struct shim_mount *m)
 static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree)
 {
     const char *what = m->kind == SHIM_MOUNT_BIND ? "bind" : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind" : "tmpfs";
-    if (make_mountpoint(c, m) < 0)
+    if (make_mountpoint(c, m, tree) < 0)
         fail(c, "mkdir", m->dst);
     if (tree >= 0) {
         if (syscall(SYS_move_mount, tree, "", AT_FDCWD, m->dst, MOVE_MOUNT_F_EMPTY_PATH) < 0)
@@ -718,9 +729,8 @@ static _Noreturn void init_main(const struct child_ctx *c)
     if (chdir("/") < 0)
         fail(c, "chdir", "/");
 
-    sigset_t all;
-    sigfillset(&all);
-    sigprocmask(SIG_SETMASK, &all, NULL); /* already so since clone; be sure */
+    uint64_t all = ~0ULL;
+    set_sigmask(all); /* mostly so since clone; now glibc's 32 and 33 too */
 
     pid_t job = raw_fork();
     if (job < 0)
@@ -738,7 +748,7 @@ static _Noreturn void init_main(const struct child_ctx *c)
 
     for (;;) {
         siginfo_t si;
-        int sig = sigwaitinfo(&all, &si);
+        int sig = (int)syscall(SYS_rt_sigtimedwait, &all, &si, NULL, sizeof all);
         if (sig < 0)
             continue; /* EINTR */
         if (sig != SIGCHLD) {

@@ -189,20 +189,22 @@ def test_mounts_bind_ro_bind_tmpfs_and_private_tmp(tmp_path):
     mounts = (Mount("bind", "/mnt", str(src)),
               Mount("ro-bind", "/srv", str(src)),
               Mount("tmpfs", "/media", options="size=1m,mode=700"),
-              Mount("ro-bind", "/tmp/in/data", str(src)))  # mount point made in the private /tmp
+              Mount("ro-bind", "/tmp/in/data", str(src)),  # mount point made in the private /tmp
+              Mount("bind", "/tmp/in/file", str(src / "f")))  # a file, from the host's /tmp
     status, out = run(["sh", "-c", """
         cat /mnt/f; echo
         echo new > /mnt/g && echo bind-writable
         echo new > /srv/h 2>/dev/null || echo ro-bind-readonly
         cat /tmp/in/data/f; echo
+        cat /tmp/in/file; echo
         stat -c %a /media /tmp
         grep -E ' /(media|tmp|srv|proc|sys) ' /proc/self/mountinfo | cut -d' ' -f5,6
     """], mounts=mounts)
     assert status == 0, out
     lines = out.splitlines()
-    assert lines[:4] == ["hello", "bind-writable", "ro-bind-readonly", "hello"]
-    assert lines[4:6] == ["700", "1777"]
-    opts = dict(line.split() for line in lines[6:])
+    assert lines[:5] == ["hello", "bind-writable", "ro-bind-readonly", "hello", "hello"]
+    assert lines[5:7] == ["700", "1777"]
+    opts = dict(line.split() for line in lines[7:])
     assert opts["/srv"].startswith("ro,")
     assert "nosuid" in opts["/tmp"] and "nodev" in opts["/tmp"]
     assert {"nosuid", "nodev", "noexec"} <= set(opts["/proc"].split(","))
