@@ -503,28 +503,38 @@ def test_job_dies_when_the_starter_is_killed(init):
         print(c.pid, flush=True)
         sys.stdin.read()
     """)
+    # As a subreaper, the orphaned job comes to us: we reap it (the node's
+    # PID 1 may not), and waitpid proves it died.
+    _subreaper(True)
     p = subprocess.Popen([sys.executable, "-c", probe], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, text=True)
     try:
         pid = int(p.stdout.readline())
-        if init:
-            pid = int(open(f"/proc/{pid}/task/{pid}/children").read().split()[0])  # sleep, PID 2
         p.kill()
         p.wait()
         deadline = time.monotonic() + 10
         while time.monotonic() < deadline:
-            try:
-                with open(f"/proc/{pid}/stat") as f:
-                    if f.read().rsplit(")", 1)[1].split()[0] == "Z":
-                        break
-            except FileNotFoundError:
+            got, status = os.waitpid(pid, os.WNOHANG)
+            if got == pid:
+                assert os.WTERMSIG(status) == signal.SIGKILL
                 break
             time.sleep(0.01)
         else:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
             pytest.fail(f"job {pid} survived its starter")
     finally:
+        _subreaper(False)
         p.stdin.close()
         p.stdout.close()
+
+
+def _subreaper(on):
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    PR_SET_CHILD_SUBREAPER = 36
+    assert libc.prctl(PR_SET_CHILD_SUBREAPER, 1 if on else 0, 0, 0, 0) == 0
 
 
 # ---- enter --------------------------------------------------------------------
