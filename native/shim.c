@@ -18,8 +18,9 @@
  *   restore signal mask                      read(sync) ........ blocks
  *   attach v1 cgroups, wire network          :   EOF (starter died) -> _exit(125)
  *   release(): write(sync, 1 byte) ───sync──►:
- *                                            / rslave, /proc, /sys, lo up,
- *                                            hostname, /tmp, binds, tmpfs,
+ *                                            / rslave, grab bind sources,
+ *                                            /proc, /sys, lo up, hostname,
+ *                                            /tmp, binds, tmpfs, stdio,
  *                                            setsid, setresgid, setgroups,
  *                                            cap bounding drop, setresuid,
  *                                            capset(0), NO_NEW_PRIVS,
