@@ -31,11 +31,8 @@ facade does the work in-process.
 import errno
 import json
 import os
-import select
-import signal
 import socket
 import struct
-import sys
 
 MAX_MSG = 1 << 20
 TIMEOUT = 60.0
@@ -127,6 +124,7 @@ class Server:
             elif op == "counters":
                 result = w.counters(_check_job_id(req.get("job_id")), cfg)
             elif op == "gc":
+                w.wait_idle()  # queued teardowns first: gc must see their final state
                 result = w.gc(cfg, set(req.get("live") or ()))
             elif op == "ping":
                 result = {"pid": os.getpid()}
@@ -141,6 +139,8 @@ class Server:
                 os.close(fd)
 
     def serve_forever(self, listener, stop_fd):
+        import select
+
         while True:
             ready, _, _ = select.select([listener, stop_fd], [], [])
             if stop_fd in ready:
@@ -155,11 +155,6 @@ class Server:
                     conn.send(json.dumps(reply).encode())
                 except OSError:
                     pass  # the starter went away; its lease is reclaimed by gc
-            try:
-                self.wiring.run_deferred()
-            except Exception as e:  # noqa: BLE001 - gc reclaims what is left
-                self.wiring.deferred.clear()
-                sys.stderr.write(f"netd: deferred teardown failed: {e}\n")
 
 
 def _bind(path):
@@ -192,6 +187,8 @@ def _bind(path):
 
 
 def serve(cfg, path):
+    import signal
+
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     server = Server(cfg, path)
     listener = _bind(path)

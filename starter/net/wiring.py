@@ -84,10 +84,23 @@ class Wiring:
     def __init__(self, defer=False):
         self._links = None
         self._nft = None
-        # netd sets defer: teardown answers once rules and counters are gone,
-        # and the veth deletion (10-20 ms of unregister_netdevice, most of a
-        # teardown) runs after the reply, before netd serves the next request.
-        self.deferred = [] if defer else None
+        # netd sets defer: teardown answers once the rules and counters are
+        # gone; deleting the veth (15-30 ms here, nearly all of it waiting for
+        # RCU in unregister_netdevice, outside the RTNL lock), releasing the
+        # lease and removing an unused table happen on a worker thread with
+        # its own netlink socket, so neither the starter nor netd's next
+        # request waits for them.  The lease is released only after the
+        # veth is gone, so its addresses cannot be handed out twice.
+        self._queue = None
+        self._worker = None
+        self._pending = set()  # keys whose teardown the worker has yet to finish
+        if defer:
+            import queue
+            import threading
+
+            self._queue = queue.Queue()
+            self._worker = threading.Thread(target=self._work, name="net-teardown", daemon=True)
+            self._worker.start()
 
     @property
     def links(self):
@@ -104,9 +117,40 @@ class Wiring:
         return self._nft
 
     def close(self):
+        """Finish queued teardowns, then drop the handles."""
+        if self._worker is not None:
+            self._queue.put(None)
+            self._worker.join()
+            self._worker = None
         if self._links is not None:
             self._links.close()
             self._links = None
+
+    def _work(self):
+        import sys
+
+        from starter.net.veth import Links
+
+        links = None
+        while True:
+            item = self._queue.get()
+            if item is None:
+                break
+            try:
+                if links is None:
+                    links = Links()  # pyroute2 sockets are not shared between threads
+                self._finish(links, *item)
+            except Exception as e:  # noqa: BLE001 - gc reclaims whatever is left
+                sys.stderr.write(f"netd: finishing the teardown of {item[1]} failed: {e}\n")
+            finally:
+                self._pending.discard(item[1])
+                self._queue.task_done()
+        if links is not None:
+            links.close()
+
+    def wait_idle(self):
+        if self._queue is not None:
+            self._queue.join()
 
     # -- the table -------------------------------------------------------
     def _create_table(self, store, cfg, table):
@@ -201,14 +245,17 @@ class Wiring:
 
     def teardown(self, job_id, cfg):
         key = ipam.job_key(job_id, cfg.table)
+        if key in self._pending:
+            return None  # torn down already; the worker is finishing it
         store = ipam.LeaseStore(cfg.state_dir)
         with store:
-            return self._teardown_key(store, cfg, key, store.get_by_key(key), defer=True)
-
-    def run_deferred(self):
-        """Finish deferred teardowns (netd calls this after each reply)."""
-        while self.deferred:
-            self.deferred.pop(0)()
+            lease = store.get_by_key(key)
+            if lease is None and not _if_exists(key):
+                # Nothing on record: done before (or never set up).  Skip nft:
+                # a failing nft command costs ~8 ms (and grows with the
+                # ruleset); stray counters are gc's business.
+                return None
+            return self._teardown_key(store, cfg, key, lease, defer=True)
 
     def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False):
         """Read the counters, then remove rules, counters, veth, lease, and the
@@ -229,22 +276,32 @@ class Wiring:
                 for cmd in table.del_job(key, key, address):
                     with contextlib.suppress(nft.NftError):
                         self.nft.run([cmd], "remove job rule")
-        if defer and self.deferred is not None:
-            self.deferred.append(lambda: self._finish(cfg, key, lease))
+        if defer and self._queue is not None:
+            self._pending.add(key)
+            self._queue.put((cfg, key, lease))
         else:
-            self._finish_locked(store, cfg, key, lease, removed)
+            self._delete_veth(self.links, key)
+            self._release(store, cfg, key, lease, removed)
         return counters
 
-    def _finish(self, cfg, key, lease):
+    @staticmethod
+    def _delete_veth(links, key):
+        # Usually the job's netns died with the job and took the veth along;
+        # if it still exists (the netns is kept alive, or is still dying),
+        # delete it now.
+        if _if_exists(key):
+            links.delete(key)
+
+    def _finish(self, links, cfg, key, lease):
+        """Worker thread: the veth without the lock, then the bookkeeping with it."""
+        self._delete_veth(links, key)
         store = ipam.LeaseStore(cfg.state_dir)
         with store:
-            self._finish_locked(store, cfg, key, lease, None)
+            self._release(store, cfg, key, lease, None)
 
-    def _finish_locked(self, store, cfg, key, lease, removed):
-        """The veth, the lease, and the table if no job is left."""
+    def _release(self, store, cfg, key, lease, removed):
+        """The lease, and the table if no job is left.  Lock held."""
         table = nft.Table(cfg.table)
-        if _if_exists(key):
-            self.links.delete(key)
         store.release(key, lease.get("slot") if lease else None)
         if store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
             self._delete_table(store, table)
