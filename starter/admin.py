@@ -264,12 +264,10 @@ def enter(state_dir, job_id, argv, user=None):
             env["USER"] = name
         namespaces = {"pid", "mnt"} | ({"net"} if st.get("net") != "host" else set())
         child = ns.enter(pidfd, frozenset(namespaces), list(argv), env, cwd="/", uid=uid, gid=gid,
-                         groups=groups, cgroup_fd=cg.clone_fd())
+                         groups=groups, cgroup_fd=cg.clone_fd(), released=False)
         try:
-            cg.add_pid(child.pid)
-        except (StarterError, OSError):
-            pass  # the process may already be gone; it was cloned into the cgroup2 side
-        try:
+            cg.add_pid(child.pid)      # v1 hierarchies, before it runs anything
+            child.release()
             child.wait_started()
             return decode_status(child.wait())[0]
         finally:
