@@ -266,7 +266,7 @@ def enter(state_dir, job_id, argv, user=None):
         child = ns.enter(pidfd, frozenset(namespaces), list(argv), env, cwd="/", uid=uid, gid=gid,
                          groups=groups, cgroup_fd=cg.clone_fd(), released=False)
         try:
-            cg.add_pid(child.pid)      # v1 hierarchies, before it runs anything
+            cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything
             child.release()
             child.wait_started()
             return decode_status(child.wait())[0]

@@ -162,7 +162,8 @@ def _run(spec, job_state, signals, events, undo, report):
         mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd())
     child = ns.spawn(child_spec)
     undo.push(child.close)
-    cg.add_pid(child.pid)
+    # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
+    cg.add_pid(child.pid, cloned=child_spec.cgroup_fd is not None)
 
     lease = None
     if netcfg is not None:
