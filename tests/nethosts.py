@@ -1,12 +1,15 @@
 """Test hosts for job networks: a private "site" the NAT can reach.
 
     host (this machine)                router ns              lan ns
-    uplink <name>  10.76.0.1/30 ---- 10.76.0.2/30
-                                      10.77.0.1/24 -------- 10.77.0.10/24  LAN server
-                                      198.18.0.1/24 ------- 198.18.0.10/24 WAN server (wan ns)
+    uplink <name>  10.76.T.1/30 ---- 10.76.T.2/30
+                                      10.77.T.1/24 -------- 10.77.T.10/24  LAN server
+                                      198.18.T.1/24 ------- 198.18.T.10/24 WAN server (wan ns)
 
-The host gets routes to 10.77.0.0/16 and 198.18.0.0/15 via the uplink, and
-nothing else changes on the host: no sysctl, no other route.  Every
+T is random per site, so two sites (two test runs, a test and a bench) can
+coexist on a node.  The LAN CIDR to configure is site.lan_cidr (10.77.T.0/24,
+inside the 10.77.0.0/16 LAN range); the WAN host is in 198.18.0.0/15 (the
+benchmarking range).  The host gets routes to those two /24s via the uplink,
+and nothing else changes on the host: no sysctl, no other route.  Every
 namespace is held by a `sleep` process we start (no /run/netns mounts) and
 everything is removed on exit, also when the body raises.  Traffic goes only
 to addresses inside these namespaces.
@@ -28,10 +31,6 @@ import sys
 import time
 
 PY = "/usr/bin/python3"
-LAN_CIDR = "10.77.0.0/16"
-WAN_CIDR = "198.18.0.0/15"
-UPLINK_HOST = "10.76.0.1"
-UPLINK_PEER = "10.76.0.2"
 
 SERVER = r"""
 import socket, sys
@@ -163,11 +162,11 @@ class Site:
     def __init__(self, stack):
         self._stack = stack
         tag = secrets.token_hex(3)
+        t = secrets.randbelow(256)
         self.uplink = f"stupl{tag}"
-        self.router_if = f"sturt{tag}"
-        self.lan_cidr, self.wan_cidr = LAN_CIDR, WAN_CIDR
-        self.lan_addr, self.wan_addr = "10.77.0.10", "198.18.0.10"
-        self.uplink_addr = UPLINK_HOST
+        self.lan_cidr, self.wan_cidr = f"10.77.{t}.0/24", f"198.18.{t}.0/24"
+        self.lan_addr, self.wan_addr = f"10.77.{t}.10", f"198.18.{t}.10"
+        self.uplink_addr, self.uplink_peer = f"10.76.{t}.1", f"10.76.{t}.2"
         self._port = 20000 + secrets.randbelow(20000)
 
         self.router = self._ns()
@@ -177,19 +176,19 @@ class Site:
         run("ip", "link", "add", self.uplink, "type", "veth", "peer", "name", "up0",
             "netns", str(self.router.pid))
         stack.callback(run, "ip", "link", "del", self.uplink, check=False)
-        run("ip", "addr", "add", f"{UPLINK_HOST}/30", "dev", self.uplink)
+        run("ip", "addr", "add", f"{self.uplink_addr}/30", "dev", self.uplink)
         run("ip", "link", "set", self.uplink, "up")
-        for cidr in (LAN_CIDR, WAN_CIDR):
-            run("ip", "route", "add", cidr, "via", UPLINK_PEER, "dev", self.uplink)
-            stack.callback(run, "ip", "route", "del", cidr, "via", UPLINK_PEER, check=False)
+        for cidr in (self.lan_cidr, self.wan_cidr):
+            run("ip", "route", "add", cidr, "via", self.uplink_peer, "dev", self.uplink)
+            stack.callback(run, "ip", "route", "del", cidr, "via", self.uplink_peer, check=False)
         r = self.router
-        r.ip("addr", "add", f"{UPLINK_PEER}/30", "dev", "up0")
+        r.ip("addr", "add", f"{self.uplink_peer}/30", "dev", "up0")
         r.ip("link", "set", "up0", "up")
         r.ip("link", "set", "lo", "up")
         # Forwarding inside the router's own namespace only.
         run(*r.argv("sysctl", "-qw", "net.ipv4.ip_forward=1"))
-        for ns, name, gw, addr in ((self.lan, "lan", "10.77.0.1", self.lan_addr),
-                                   (self.wan, "wan", "198.18.0.1", self.wan_addr)):
+        for ns, name, gw, addr in ((self.lan, "lan", f"10.77.{t}.1", self.lan_addr),
+                                   (self.wan, "wan", f"198.18.{t}.1", self.wan_addr)):
             r.ip("link", "add", name, "type", "veth", "peer", "name", "eth0",
                  "netns", str(ns.pid))
             r.ip("addr", "add", f"{gw}/24", "dev", name)

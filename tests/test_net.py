@@ -20,7 +20,8 @@ from starter.errors import NetworkError  # noqa: E402
 from starter.net import ipam, nft  # noqa: E402
 
 PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
-POOL = "10.215.0.0/16"
+# A pool of its own per test run: two runs on one node must not collide.
+POOL = f"10.{216 + secrets.randbelow(32)}.0.0/16"
 
 
 # ============================================================ pure logic
@@ -140,17 +141,19 @@ def test_rule_rendering_job_adds_no_rules():
     assert len(dele) == len(add)
 
 
-def test_parse_counters_fixture():
-    docs = [json.loads(line) for line in (
-        '{"nftables": [{"metainfo": {"version": "1.0.6"}}, {"counter": {"family": "inet", "name": '
-        '"stjaaaaaaaaaaaa_lan_in", "table": "starter", "handle": 42, "packets": 3, "bytes": 180}}]}',
-        '{"nftables": [{"counter": {"family": "inet", "name": "stjaaaaaaaaaaaa_drop", "table": '
-        '"starter", "handle": 46, "packets": 1, "bytes": 60}}]}',
-        '{"nftables": [{"counter": {"family": "inet", "name": "stjbbbbbbbbbbbb_lan_in", "table": '
-        '"starter", "handle": 47, "packets": 9, "bytes": 9}}]}',
-    )]
-    assert nft.parse_counters(docs, "stjaaaaaaaaaaaa") == {
-        "lan_in": {"bytes": 180, "packets": 3}, "dropped": {"bytes": 60, "packets": 1}}
+def test_counter_read_messages():
+    import struct
+
+    req = nft.getobj_request("starter", "stjaaaaaaaaaaaa_lan_in", 7)
+    length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", req)
+    assert (length, mtype, flags, seq) == (len(req), (10 << 8) | 19, 1, 7)
+    assert b"starter\0" in req and b"stjaaaaaaaaaaaa_lan_in\0" in req and len(req) % 4 == 0
+    # a NEWOBJ answer (bytes/packets are big-endian u64 in a nested attribute)
+    data = nft._nla(1, struct.pack(">Q", 1500)) + nft._nla(2, struct.pack(">Q", 3))
+    body = struct.pack("=BBH", 1, 0, 0) + nft._nla(1, b"starter\0") + nft._nla(4 | 0x8000, data)
+    ok = struct.pack("=IHHII", 16 + len(body), (10 << 8) | 18, 0, 1, 0) + body
+    err = struct.pack("=IHHII", 36, 2, 0, 2, 0) + struct.pack("=i", -2) + req[:16]
+    assert nft.parse_getobj_replies(ok + err) == {1: {"bytes": 1500, "packets": 3}, 2: -2}
 
 
 def test_resolv_conf_text(tmp_path):
@@ -370,9 +373,10 @@ def test_isolation(site, tmp_path):
         assert d4 == d3 + 1
 
         # A spoofed source address (the job is root in its namespace).
-        a.ip("addr", "add", "10.215.99.99/32", "dev", "eth0")
+        spoof = POOL.replace(".0.0/16", ".99.99")
+        a.ip("addr", "add", f"{spoof}/32", "dev", "eth0")
         srv = site.serve("lan", "recv", 0)
-        rc, out = nethosts.client(a, "connect", site.lan_addr, srv.port, src="10.215.99.99", timeout=1)
+        rc, out = nethosts.client(a, "connect", site.lan_addr, srv.port, src=spoof, timeout=1)
         assert rc == 3
         assert srv.proc.poll() is None
         d5 = _dropped("iso-a", cfg)
@@ -456,6 +460,17 @@ sys.exit(1)
     assert ipam.LeaseStore(cfg.state_dir).count() == 0
     # the job namespace got no interface either
     assert "eth0" not in job.ip("-o", "link").stdout
+
+
+@pytest.mark.net
+def test_pool_overlapping_a_host_address_is_refused(site, tmp_path):
+    job = site.job()
+    bad = net.NetConfig(state_dir=str(tmp_path / "state"), pool="10.76.0.0/16", uplink=site.uplink,
+                        table="starter_t" + secrets.token_hex(3))
+    with pytest.raises(NetworkError, match=f"pool: 10.76.0.0/16 overlaps {site.uplink_addr}/30 on {site.uplink}"):
+        _setup(job, "overlap", bad)
+    assert bad.table not in _tables() and not _our_veths()
+    assert os.listdir(bad.state_dir) == []
 
 
 @pytest.mark.net

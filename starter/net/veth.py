@@ -159,13 +159,11 @@ class Links:
             return False
         return True
 
-    def names(self, prefix):
-        out = []
-        for link in self.ipr.get_links():
-            name = link.get_attr("IFLA_IFNAME")
-            if name and name.startswith(prefix):
-                out.append(name)
-        return out
+    def host_addresses(self):
+        """[(cidr, ifname)] of the host's IPv4 addresses (pool overlap check)."""
+        names = {l["index"]: l.get_attr("IFLA_IFNAME") for l in self.ipr.get_links()}
+        return [(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", names.get(a["index"], "?"))
+                for a in self.ipr.get_addr(family=socket.AF_INET)]
 
 
 def _error(what, e):

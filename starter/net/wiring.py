@@ -153,7 +153,18 @@ class Wiring:
             self._queue.join()
 
     # -- the table -------------------------------------------------------
+    def _check_pool_is_free(self, cfg):
+        """The pool must not overlap any host address (the site's own nets)."""
+        pool = ipam.Pool(cfg.pool)
+        for cidr, ifname in self.links.host_addresses():
+            if pool.overlaps(cidr):
+                hint = ("a job veth left by a crash or by a starter with another state dir: "
+                        "run `starter gc`" if ipam.is_job_key(ifname)
+                        else "configure a job address pool that is not used on this node")
+                raise NetworkError(f"pool: {cfg.pool} overlaps {cidr} on {ifname}", hint)
+
     def _create_table(self, store, cfg, table):
+        self._check_pool_is_free(cfg)
         guard = []
         if cfg.uplink is not None:
             if not _if_exists(cfg.uplink):
@@ -234,14 +245,7 @@ class Wiring:
             self.nft.run(table.add_job(key, key, address), "add job rules")
 
     def counters(self, job_id, cfg):
-        table = nft.Table(cfg.table)
-        key = ipam.job_key(job_id, cfg.table)
-        try:
-            return nft.parse_counters(self.nft.run(table.list_counters(key), "read counters"), key) or None
-        except nft.NftError as e:
-            if e.enoent:
-                return None
-            raise
+        return nft.read_counters(cfg.table, ipam.job_key(job_id, cfg.table))
 
     def teardown(self, job_id, cfg):
         key = ipam.job_key(job_id, cfg.table)
@@ -261,13 +265,8 @@ class Wiring:
         """Read the counters, then remove rules, counters, veth, lease, and the
         table if this was the last job.  Every step tolerates absence."""
         table = nft.Table(cfg.table)
-        counters = None
         address = lease.get("address") if lease else None
-        try:
-            counters = nft.parse_counters(self.nft.run(table.list_counters(key), "read counters"), key) or None
-        except nft.NftError as e:
-            if not e.enoent:
-                raise
+        counters = nft.read_counters(cfg.table, key)
         if counters is not None or address:
             try:
                 self.nft.run(table.del_job(key, key, address), "remove job rules")
