@@ -246,12 +246,12 @@ def cmd_gc(argv):
 
 
 def cmd_netd(argv):
-    table = {
-        "--state-dir": ("state-dir", "value", "DIR  state directory (socket: DIR/netd.sock)"),
-        "--pool": ("pool", "value", "CIDR  address pool"),
-        "--lan": ("lan", "multi", "CIDR  LAN networks"),
-        "--uplink": ("uplink", "value", "IFACE  uplink"),
-    }
+    """The per-node network helper: holds pyroute2 and the nftables handle so
+    a NAT job does not pay their import (README, "netd vs in-process")."""
+    table = {"--state-dir": ("state-dir", "value", "DIR  state directory (socket: DIR/netd.sock)")}
+    if argv[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(help_text("usage: starter netd [--state-dir DIR]", table))
+        return 0
     values, _, _ = parse(argv, table, command_after=False)
     need_root("starter netd")
     from starter import net

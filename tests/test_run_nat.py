@@ -1,0 +1,123 @@
+"""`starter run --net nat` end to end through the CLI, against the private
+test site of tests/nethosts.py (LAN and WAN hosts in namespaces we made),
+with and without the per-node network helper (netd)."""
+
+import json
+import os
+import secrets
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import nethosts  # noqa: E402
+from conftest import STARTER  # noqa: E402
+
+POOL = f"10.{216 + secrets.randbelow(32)}.0.0/16"
+
+JOB = r"""
+import socket, sys
+def go(host, port, mode, n):
+    s = socket.create_connection((host, port), timeout=20)
+    if mode == "recv":
+        got = 0
+        while True:
+            b = s.recv(1 << 16)
+            if not b:
+                break
+            got += len(b)
+        s.send(b"!")
+        assert got == n, (host, got, n)
+    else:
+        buf = b"y" * 65536
+        left = n
+        while left:
+            left -= s.send(buf[:min(left, len(buf))])
+        s.shutdown(socket.SHUT_WR)
+        s.recv(1)
+    s.close()
+for spec in sys.argv[1:]:
+    host, port, mode, n = spec.split(":")
+    go(host, int(port), mode, int(n))
+print("done")
+"""
+
+
+@pytest.fixture
+def site():
+    with nethosts.site() as s:
+        yield s
+
+
+@pytest.fixture(params=["in-process", "netd"])
+def netmode(request, state_dir):
+    if request.param == "in-process":
+        yield None
+        return
+    os.makedirs(state_dir, exist_ok=True)
+    proc = subprocess.Popen([STARTER, "netd", "--state-dir", state_dir], stderr=subprocess.PIPE, text=True)
+    sock = os.path.join(state_dir, "netd.sock")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "netd did not come up"
+        time.sleep(0.05)
+    yield proc
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+    assert not os.path.exists(sock)
+
+
+def _nat_args(site):
+    return ["--net", "nat", "--pool", POOL, "--lan", site.lan_cidr, "--uplink", site.uplink]
+
+
+@pytest.mark.net
+def test_nat_job_counts_lan_and_wan_bytes(starter, site, tmp_path, netmode):
+    N, M, K_LAN, K_WAN = 2_000_000, 1_000_000, 800_000, 400_000
+    servers = [site.serve("lan", "send", N), site.serve("wan", "send", M),
+               site.serve("lan", "recv", 0), site.serve("wan", "recv", 0)]
+    plan = [f"{site.lan_addr}:{servers[0].port}:recv:{N}", f"{site.wan_addr}:{servers[1].port}:recv:{M}",
+            f"{site.lan_addr}:{servers[2].port}:send:{K_LAN}", f"{site.wan_addr}:{servers[3].port}:send:{K_WAN}"]
+    report = tmp_path / "r.json"
+    events = tmp_path / "e.jsonl"
+    p = starter("run", *_nat_args(site), "--report", str(report), "--events", str(events),
+                "--", "/usr/bin/python3", "-c", JOB, *plan, timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.strip() == "done"
+    for s in servers:
+        s.result()
+    r = json.loads(report.read_text())
+    net = r["network"]
+    for bucket, expect in (("lan_in", N), ("wan_in", M), ("lan_out", K_LAN), ("wan_out", K_WAN)):
+        payload = net[bucket]["bytes"] - 52 * net[bucket]["packets"]   # IP + TCP headers
+        assert abs(payload - expect) <= 0.02 * expect, (bucket, net)
+    running = [json.loads(l) for l in events.read_text().splitlines() if '"running"' in l][0]
+    assert running["address"].startswith(POOL.split(".0.0/")[0] + ".")
+
+
+@pytest.mark.net
+def test_nat_job_is_isolated(starter, site, netmode):
+    # The gateway (the host), the metadata address, and a spoofed source: all dropped.
+    code = ("import socket, subprocess\n"
+            "gw = subprocess.run(['ip', '-4', 'route', 'show', 'default'], capture_output=True, text=True).stdout.split()[2]\n"
+            "for host in (gw, '169.254.169.254', '127.0.0.1'):\n"
+            "    try:\n"
+            "        socket.create_connection((host, 22), timeout=1).close(); print('reached', host)\n"
+            "    except OSError:\n"
+            "        print('blocked', host)\n")
+    p = starter("run", *_nat_args(site), "--", "/usr/bin/python3", "-c", code, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "reached" not in p.stdout, p.stdout
+    assert p.stdout.count("blocked") == 3
+
+
+@pytest.mark.net
+def test_nat_fails_closed_without_uplink_interface(starter, state_dir):
+    p = starter("run", "--net", "nat", "--pool", POOL, "--uplink", "nosuchif0", "--", "true")
+    assert p.returncode == 125, (p.stdout, p.stderr)
+    assert p.stderr.startswith("starter:") and len(p.stderr.strip().splitlines()) == 1, p.stderr
