@@ -1,15 +1,17 @@
 """The event loop beside a running job.
 
-One poll() over four kinds of fd, no busy loop, no /proc walking:
+One poll() over these, no busy loop, no /proc walking:
 
     pidfd             readable when the job's main process exits
-    cgroup.events     POLLPRI when "populated" flips (cgroup2); completion
     signal pipe       control signals (vacate/suspend/resume/kill), written
                       by the interpreter's wakeup fd, one byte per signal
     (timeout)         wall-clock limit, end of a vacate's grace period
 
-The job is over when its main process has exited AND its cgroup is empty;
-whatever is left when the main process exits is killed through the cgroup.
+The job is over when its main process has exited AND its cgroup is empty:
+whatever is left when the main process exits is killed through the cgroup,
+and cg.kill() returns once cgroup.events says "populated 0" (it waits on the
+file with poll(POLLPRI); v1-only hosts have no such file and re-check on a
+short timer).
 
 Signals are handled with `_signal` (the C module): `import signal` builds
 enums and costs ~5 ms per start.
@@ -96,9 +98,6 @@ class Supervisor:
     def run(self):
         poller = select.poll()
         poller.register(self.child.pidfd, select.POLLIN)
-        efd = self.cg.events_fd()
-        if efd is not None:
-            poller.register(efd, select.POLLPRI | select.POLLERR)
         poller.register(self.signals.r, select.POLLIN)
         while self.out.status is None:
             ready = {fd for fd, _ in poller.poll(self._timeout_ms())}

@@ -8,7 +8,6 @@ to do about it.  No backend logic lives here.
 
 import errno
 import os
-from dataclasses import dataclass, field
 
 from ..errors import CgroupError
 
@@ -201,13 +200,47 @@ def pressure_totals(text):
     return out or None
 
 
-@dataclass(frozen=True)
-class ProcCgroup:
-    """One line of /proc/<pid>/cgroup."""
+class _Record:
+    """A small value class: positional or keyword init, eq, repr.  Plain
+    __slots__ instead of dataclasses, whose import costs ~13 ms of every
+    job's start-up."""
 
-    hierarchy_id: int
-    controllers: tuple  # () for the unified line "0::/path"; ("name=systemd",) for named
-    path: str
+    __slots__ = ()
+    _defaults = {}
+    _frozen = True
+
+    def __init__(self, *args, **kw):
+        vals = dict(zip(self.__slots__, args))
+        vals.update(kw)
+        for name in self.__slots__:
+            default = self._defaults.get(name)
+            object.__setattr__(self, name, vals[name] if name in vals else (default() if callable(default) else default))
+
+    def __setattr__(self, name, value):
+        if self._frozen:
+            raise AttributeError(f"{type(self).__name__} is frozen")
+        object.__setattr__(self, name, value)
+
+    def __eq__(self, other):
+        return type(other) is type(self) and all(getattr(self, n) == getattr(other, n) for n in self.__slots__)
+
+    def __hash__(self):
+        return hash(tuple(getattr(self, n) for n in self.__slots__ if not isinstance(getattr(self, n), dict)))
+
+    def replace(self, **kw):
+        vals = {n: getattr(self, n) for n in self.__slots__}
+        vals.update(kw)
+        return type(self)(**vals)
+
+    def __repr__(self):
+        return f"{type(self).__name__}(" + ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__) + ")"
+
+
+class ProcCgroup(_Record):
+    """One line of /proc/<pid>/cgroup: hierarchy_id, controllers (() for the
+    unified line "0::/path"; ("name=systemd",) for named), path."""
+
+    __slots__ = ("hierarchy_id", "controllers", "path")
 
 
 def parse_proc_cgroup(text):
@@ -235,15 +268,13 @@ def _unescape_mountinfo(s):
     return "".join(out)
 
 
-@dataclass(frozen=True)
-class Mount:
-    """A cgroup mount from /proc/self/mountinfo."""
+class Mount(_Record):
+    """A cgroup mount from /proc/self/mountinfo: mount_point, root (the
+    cgroup path this mount shows at mount_point), fstype ("cgroup" or
+    "cgroup2"), controllers (v1 controllers of this hierarchy; () for
+    cgroup2), name (a v1 named hierarchy such as systemd, else None)."""
 
-    mount_point: str
-    root: str  # the cgroup path this mount shows at mount_point
-    fstype: str  # "cgroup" (v1) or "cgroup2"
-    controllers: tuple  # v1 controllers on this hierarchy; () for cgroup2
-    name: str = None  # v1 named hierarchy (name=systemd), else None
+    __slots__ = ("mount_point", "root", "fstype", "controllers", "name")
 
 
 def parse_mountinfo(text):
@@ -274,8 +305,7 @@ def parse_mountinfo(text):
     return mounts
 
 
-@dataclass
-class Layout:
+class Layout(_Record):
     """What the host has, decided once: the backend kind and where each
     hierarchy is mounted, and the starter's own cgroup in each.
 
@@ -285,10 +315,9 @@ class Layout:
     that mount's mount point ("/" = the mount point itself).
     """
 
-    kind: str
-    unified: Mount = None
-    v1: dict = field(default_factory=dict)
-    own: dict = field(default_factory=dict)
+    __slots__ = ("kind", "unified", "v1", "own")
+    _defaults = {"v1": dict, "own": dict}
+    _frozen = False
 
 
 def _prefer(mounts):

@@ -2,7 +2,7 @@
 /sys/fs/cgroup/unified) next to v1 controller hierarchies.
 
 The cgroup2 side tracks the job: clone3(CLONE_INTO_CGROUP) target,
-cgroup.events "populated" (and an inotify fd on it), cgroup.freeze,
+cgroup.events "populated" (polled for POLLPRI), cgroup.freeze,
 cgroup.kill, cpu.stat (user/system usec are kept on every cgroup2 cgroup,
 controller or not) and PSI.  The v1 side limits and accounts: memory
 (limit, memsw, peak, oom_kill), pids, cpu (quota, shares), blkio.  v1

@@ -32,7 +32,7 @@ from . import files
 from .base import (
     CPU_PERIOD_US,
     Backend,
-    Inotify,
+    EventsWatch,
     JobCgroup,
     cpu_quota_us,
     kill_pids,
@@ -65,15 +65,15 @@ class UnifiedTracking:
         return self._clone_fd
 
     def events_fd(self):
-        """An inotify fd that becomes readable when cgroup.events changes
-        (populated, frozen).  After it does: read it empty (or ignore) and
-        check is_empty().  Owned by this object."""
+        """An fd that polls POLLPRI when cgroup.events changes (populated,
+        frozen).  After it does: drain_events(), then check is_empty().
+        Owned by this object."""
         if self._events is None:
-            self._events = Inotify(self._ufile("cgroup.events"))
+            self._events = EventsWatch(self._ufile("cgroup.events"))
         return self._events.fd
 
     def drain_events(self):
-        """Empty the events_fd() after it polled readable (POLLIN)."""
+        """Re-arm events_fd() after it polled POLLPRI."""
         if self._events is not None:
             self._events.drain()
 
@@ -102,7 +102,7 @@ class UnifiedTracking:
     def _wait_events(self, key, value, timeout, what):
         if self._events_value(key) == value:
             return
-        w = Inotify(self._ufile("cgroup.events"))
+        w = EventsWatch(self._ufile("cgroup.events"))
         try:
             deadline = time.monotonic() + timeout
             while self._events_value(key) != value:
@@ -134,7 +134,7 @@ class UnifiedTracking:
         has_kill = os.path.exists(self._ufile("cgroup.kill"))
         if not os.path.isdir(self.upath):
             return self._kill_v1_leftovers(deadline)
-        w = Inotify(self._ufile("cgroup.events"))
+        w = EventsWatch(self._ufile("cgroup.events"))
         try:
             while True:
                 if has_kill:
