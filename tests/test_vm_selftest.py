@@ -5,8 +5,8 @@ They run only inside the VM (vm-init sets STARTER_VM=1):
     scripts/vm-test -- python -m pytest -q tests/test_vm_selftest.py
 
 and prove that the VM gives the cgroup v2 tests what they need: one pure v2
-hierarchy, its controllers enabled, the command in a leaf of its own, and the
-project built inside the VM rather than borrowed from the host checkout.
+hierarchy with its controllers enabled below the root, and the project built
+inside the VM rather than borrowed from the host checkout.
 test_deliberate_failure fails on request, to prove that a failing test makes
 scripts/vm-test exit non-zero:
 
@@ -33,20 +33,24 @@ def test_one_pure_cgroup2_hierarchy():
         if line.split()[2] in ("cgroup", "cgroup2")
     ]
     assert cgroup_mounts == [["/sys/fs/cgroup", "cgroup2"]]
-    # Only the v2 line in /proc/self/cgroup: no v1 hierarchy is even mountable.
-    assert Path("/proc/self/cgroup").read_text() == "0::/test\n"
+    # Only the v2 line, in the root cgroup (vm-init itself sits in /init).
+    assert Path("/proc/self/cgroup").read_text() == "0::/\n"
+    assert Path("/proc/1/cgroup").read_text() == "0::/init\n"
 
 
 @pytest.mark.cgroup_v2
-def test_controllers_enabled_for_the_command_leaf():
+def test_controllers_enabled_below_the_root():
     wanted = {"cpu", "memory", "pids", "io"}
     assert wanted <= set((CGROOT / "cgroup.subtree_control").read_text().split())
-    # Available in our leaf, for the project to enable below it once it has
-    # moved itself out of the way (no internal processes).
-    assert wanted <= set((CGROOT / "test" / "cgroup.controllers").read_text().split())
-    assert (CGROOT / "test" / "memory.max").read_text() == "max\n"
-    assert (CGROOT / "test" / "pids.max").read_text() == "max\n"
-    assert "oom_kill" in (CGROOT / "test" / "memory.events").read_text()
+    child = CGROOT / f"starter-vm-selftest-{os.getpid()}"
+    child.mkdir()
+    try:
+        assert wanted <= set((child / "cgroup.controllers").read_text().split())
+        assert (child / "memory.max").read_text() == "max\n"
+        assert (child / "pids.max").read_text() == "max\n"
+        assert "oom_kill" in (child / "memory.events").read_text()
+    finally:
+        child.rmdir()
 
 
 def test_project_built_in_the_vm():
