@@ -246,7 +246,11 @@ def send_raw_udp(ns, ifname, dst_mac, src_ip, dst_ip, dport, payload=b"probe"):
     code = r"""
 import socket, struct, sys
 ifname, dst_mac, src, dst, dport, payload = sys.argv[1], sys.argv[2], sys.argv[3], sys.argv[4], int(sys.argv[5]), sys.argv[6].encode()
-src_mac = open(f"/sys/class/net/{ifname}/address").read().strip()
+# /sys here still shows the namespace that mounted it: ask the kernel in ours.
+import fcntl, struct as _st
+_q = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+_hw = fcntl.ioctl(_q.fileno(), 0x8927, _st.pack("256s", ifname.encode()[:15]))  # SIOCGIFHWADDR
+src_mac = ":".join("%02x" % b for b in _hw[18:24])
 mac = lambda m: bytes(int(x, 16) for x in m.split(":"))
 udp = struct.pack("!HHHH", 40000, dport, 8 + len(payload), 0) + payload
 tot = 20 + len(udp)

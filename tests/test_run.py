@@ -214,4 +214,6 @@ def test_private_tmp(starter, tmp_path):
 
 def test_net_host_shares_network(starter):
     p = starter("run", "--net", "host", "--", "ip", "-o", "link", check=0)
-    assert "eth0" in p.stdout or len(p.stdout.splitlines()) > 1
+    host = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
+    names = lambda out: sorted(l.split(": ")[1].split("@")[0] for l in out.splitlines())
+    assert names(p.stdout) == names(host)
