@@ -35,6 +35,7 @@ import json
 import os
 
 from starter.errors import NetworkError
+from starter.state import process_start_time as proc_starttime, write_atomic
 
 KEY_PREFIX = "stj"
 SLOT_PREFIXLEN = 30  # network, gateway (.1), job (.2), broadcast
@@ -98,17 +99,6 @@ class Pool:
 
 def _ntoa(n):
     return f"{n >> 24 & 255}.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
-
-
-def proc_starttime(pid):
-    """Field 22 of /proc/PID/stat (clock ticks since boot), or None if gone."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            data = f.read()
-    except (FileNotFoundError, ProcessLookupError):
-        return None
-    # comm (field 2) may hold spaces and parentheses: split after the last ')'
-    return int(data[data.rindex(b")") + 2:].split()[19])
 
 
 def owner_alive(lease):
@@ -233,7 +223,7 @@ class LeaseStore:
             "owner_pid": owner_pid, "owner_start": proc_starttime(owner_pid),
         }
         try:
-            _write_atomic(self._path(key), json.dumps(lease))
+            write_atomic(self._path(key), json.dumps(lease))
         except BaseException:
             _unlink(self._path(key))
             _unlink(os.path.join(self.slots, str(n)))
@@ -284,17 +274,7 @@ class LeaseStore:
         if rec is None:
             _unlink(p)
         else:
-            _write_atomic(p, json.dumps(rec))
-
-
-def _write_atomic(path, text):
-    tmp = f"{path}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-    try:
-        os.write(fd, text.encode())
-    finally:
-        os.close(fd)
-    os.replace(tmp, path)
+            write_atomic(p, json.dumps(rec))
 
 
 def _unlink(path):
