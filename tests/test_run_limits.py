@@ -102,8 +102,12 @@ def test_job_subcgroup_frozen_and_chmodded_is_still_cleaned(starter, tmp_path, s
         track = st["cgroup"].get("unified") or next(iter(st["cgroup"].values()))
         sub = os.path.join(track, "inner")
         os.mkdir(sub)
-        pids = [int(x) for x in open(os.path.join(track, "cgroup.procs")).read().split()]
-        victim = [p for p in pids if p != st["pid"]][0]
+        others = []
+        while not others and time.monotonic() < deadline:  # the shell may not have forked yet
+            pids = [int(x) for x in open(os.path.join(track, "cgroup.procs")).read().split()]
+            others = [p for p in pids if p != st["pid"]]
+            time.sleep(0.05)
+        victim = others[0]
         with open(os.path.join(sub, "cgroup.procs"), "w") as f:
             f.write(str(victim))
         if os.path.exists(os.path.join(sub, "cgroup.freeze")):
