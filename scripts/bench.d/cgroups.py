@@ -21,7 +21,6 @@ Usage: .venv/bin/python scripts/bench.d/cgroups.py [--procs 3000] [--rounds 3]
 """
 
 import argparse
-import dataclasses
 import os
 import subprocess
 import sys
@@ -177,7 +176,7 @@ def main(argv=None):
         rows.append(run_cgroup_kill(be, args.procs, label + ", sleeping tree", code=SLEEPERS))
         rows[-1]["note"] = "same size, no fork storm"
         if be.kind == "hybrid" and "freezer" in be.layout.v1:
-            v1 = cgroups.backend_for(dataclasses.replace(be.layout, kind="v1"), parent)
+            v1 = cgroups.backend_for(be.layout.replace(kind="v1"), parent)
             rows.append(run_cgroup_kill(v1, args.procs, "v1 freezer loop"))
         try:
             rows.append(run_proc_walk(be, args.procs, args.rounds))
