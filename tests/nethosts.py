@@ -62,7 +62,7 @@ else:
 CLIENT = r"""
 import socket, sys
 mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-src = sys.argv[5] if len(sys.argv) > 5 else None
+src = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] else None
 timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 10.0
 s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
 s.settimeout(timeout)

@@ -19,34 +19,6 @@ from conftest import STARTER  # noqa: E402
 
 POOL = f"10.{216 + secrets.randbelow(32)}.0.0/16"
 
-JOB = r"""
-import socket, sys
-def go(host, port, mode, n):
-    s = socket.create_connection((host, port), timeout=20)
-    if mode == "recv":
-        got = 0
-        while True:
-            b = s.recv(1 << 16)
-            if not b:
-                break
-            got += len(b)
-        s.send(b"!")
-        assert got == n, (host, got, n)
-    else:
-        buf = b"y" * 65536
-        left = n
-        while left:
-            left -= s.send(buf[:min(left, len(buf))])
-        s.shutdown(socket.SHUT_WR)
-        s.recv(1)
-    s.close()
-for spec in sys.argv[1:]:
-    host, port, mode, n = spec.split(":")
-    go(host, int(port), mode, int(n))
-print("done")
-"""
-
-
 @pytest.fixture
 def site():
     with nethosts.site() as s:
@@ -81,14 +53,16 @@ def test_nat_job_counts_lan_and_wan_bytes(starter, site, tmp_path, netmode):
     N, M, K_LAN, K_WAN = 2_000_000, 1_000_000, 800_000, 400_000
     servers = [site.serve("lan", "send", N), site.serve("wan", "send", M),
                site.serve("lan", "recv", 0), site.serve("wan", "recv", 0)]
-    plan = [f"{site.lan_addr}:{servers[0].port}:recv:{N}", f"{site.wan_addr}:{servers[1].port}:recv:{M}",
-            f"{site.lan_addr}:{servers[2].port}:send:{K_LAN}", f"{site.wan_addr}:{servers[3].port}:send:{K_WAN}"]
+    plan = [("recv", site.lan_addr, servers[0].port, N), ("recv", site.wan_addr, servers[1].port, M),
+            ("send", site.lan_addr, servers[2].port, K_LAN), ("send", site.wan_addr, servers[3].port, K_WAN)]
+    (tmp_path / "client.py").write_text(nethosts.CLIENT)
+    script = "; ".join(f"/usr/bin/python3 /srv/client.py {m} {h} {port} {n} '' 20" for m, h, port, n in plan)
     report = tmp_path / "r.json"
     events = tmp_path / "e.jsonl"
     p = starter("run", *_nat_args(site), "--report", str(report), "--events", str(events),
-                "--", "/usr/bin/python3", "-c", JOB, *plan, timeout=120)
+                "--ro-bind", f"{tmp_path}:/srv", "--", "sh", "-c", script, timeout=120)
     assert p.returncode == 0, p.stderr
-    assert p.stdout.strip() == "done"
+    assert p.stdout.split("\n")[:4] == [f"received {N}", f"received {M}", f"sent {K_LAN}", f"sent {K_WAN}"], p.stdout
     for s in servers:
         s.result()
     r = json.loads(report.read_text())
