@@ -95,3 +95,42 @@ def test_nat_fails_closed_without_uplink_interface(starter, state_dir):
     p = starter("run", "--net", "nat", "--pool", POOL, "--uplink", "nosuchif0", "--", "true")
     assert p.returncode == 125, (p.stdout, p.stderr)
     assert p.stderr.startswith("starter:") and len(p.stderr.strip().splitlines()) == 1, p.stderr
+
+
+@pytest.mark.net
+def test_kill9_of_a_nat_job_then_gc_leaves_the_node_as_before(starter, site, state_dir):
+    def node():
+        veths = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True).stdout
+        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+        state = sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []
+        return veths, tables, state
+
+    before = node()
+    proc = subprocess.Popen([STARTER, "run", "--id", "natcrash", *_nat_args(site), "--", "sleep", "300"])
+    deadline = time.monotonic() + 30
+    st = {}
+    while time.monotonic() < deadline and st.get("state") != "running":
+        try:
+            with open(os.path.join(state_dir, "natcrash.json")) as f:
+                st = json.load(f)
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    assert st.get("state") == "running" and st.get("host_ifname")
+    assert st["host_ifname"] in node()[0]
+    proc.kill()
+    proc.wait(10)
+    def alive(pid):  # a zombie waiting for the host's init to reap it is dead
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                return f.read().rsplit(") ", 1)[1][0] != "Z"
+        except FileNotFoundError:
+            return False
+
+    t0 = time.monotonic()
+    while alive(st["pid"]) and time.monotonic() - t0 < 1.0:
+        time.sleep(0.01)
+    assert not alive(st["pid"]), "the job outlived its starter by a second"
+    out = starter("gc", check=0).stdout
+    assert "natcrash" in out
+    assert node() == before, out
