@@ -515,7 +515,8 @@ def _make(raw):
 
 
 def load_job_file(path):
-    """Parse a JSON job file strictly: duplicate keys are an error."""
+    """Parse a job file strictly: JSON (duplicate keys are an error), or TOML
+    when the name ends in .toml (TOML itself forbids duplicate keys)."""
     import json
 
     def no_dups(pairs):
@@ -533,6 +534,17 @@ def load_job_file(path):
         raise SpecError("job", f"cannot read {path}: {e.strerror}") from None
     if len(data) > 1 << 20:
         raise SpecError("job", "job file larger than 1 MiB")
+    if path.endswith(".toml"):
+        try:
+            import tomllib
+        except ImportError:
+            raise SpecError("job", "TOML job files need Python 3.11 or later; use JSON") from None
+        try:
+            return tomllib.loads(data.decode("utf-8"))
+        except UnicodeDecodeError:
+            raise SpecError("job", "job file is not UTF-8") from None
+        except tomllib.TOMLDecodeError as e:
+            raise SpecError("job", f"not valid TOML: {e}") from None
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=no_dups)
     except UnicodeDecodeError:

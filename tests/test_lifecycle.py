@@ -80,6 +80,18 @@ def test_job_file_full_example(starter, tmp_path):
     assert evs[2]["report"]["exit_code"] == 3
 
 
+def test_toml_job_file(starter, tmp_path):
+    report = tmp_path / "r.json"
+    doc = (f'id = "toml-1"\ncommand = ["sh", "-c", "exit 6"]\nuser = "nobody"\nreport = "{report}"\n'
+           '[limits]\nmemory = "128M"\npids = 32\n[network]\nmode = "none"\n')
+    (tmp_path / "job.toml").write_text(doc)
+    assert starter("run", "--job", str(tmp_path / "job.toml")).returncode == 6
+    assert json.loads(report.read_text())["job_id"] == "toml-1"
+    (tmp_path / "bad.toml").write_text('id = "a"\nid = "b"\ncommand = ["true"]\n')
+    p = starter("run", "--job", str(tmp_path / "bad.toml"))
+    assert p.returncode == 125 and p.stderr.startswith("starter: job: not valid TOML")
+
+
 def test_cli_overrides_job_file(starter, tmp_path):
     doc = {"command": ["sh", "-c", "exit 1"]}
     p = starter("run", "--job", _job_file(tmp_path, doc), "--", "sh", "-c", "exit 4")
