@@ -13,43 +13,58 @@ from starter.state import dumps
 REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "starter_error")
 
 
-def open_dest(dest, append):
-    """FILE or fd:N -> writable fd (ours to close)."""
+def open_dest(dest):
+    """FILE or fd:N -> an fd to append to (ours to close)."""
     if dest.startswith("fd:"):
         return os.dup(int(dest[3:]))
-    flags = os.O_WRONLY | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW
-    flags |= os.O_APPEND if append else os.O_TRUNC
-    return os.open(dest, flags, 0o644)
+    if dest.startswith("/dev/") or dest.startswith("/proc/"):  # /dev/stdout is a link
+        return os.open(dest, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
+    # No link followed, never truncated.
+    return os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
 
 def write_report(dest, report):
+    """The report goes where the node daemon said, written as root, often
+    into a directory the job can write (its scratch, say).  So: never write
+    through a link the job could have planted, never truncate a file we did
+    not create.
+
+    - fd:N, and /dev/... or /proc/... paths (/dev/stdout): written in place;
+    - a fifo or character device at the path itself: written in place, no
+      link followed;
+    - otherwise a fresh temp file (O_EXCL) renamed over the path: a reader
+      never sees half a report, and a symlink there is replaced, not followed.
+    """
     if dest is None:
         return
     text = (dumps(report) + "\n").encode()
+    if dest.startswith("fd:") or dest.startswith("/dev/") or dest.startswith("/proc/"):
+        fd = open_dest(dest)
+        try:
+            os.write(fd, text)
+        finally:
+            os.close(fd)
+        return
     import stat
 
     try:
-        # lstat: /dev/stdout is a symlink, and renaming over it would replace it.
-        special = not stat.S_ISREG(os.lstat(dest).st_mode) if not dest.startswith("fd:") else False
+        mode = os.lstat(dest).st_mode
     except FileNotFoundError:
-        special = False
-    if special:  # /dev/stdout, a fifo, a link the caller chose: write through it
-        fd = os.open(dest, os.O_WRONLY | os.O_CLOEXEC | os.O_APPEND)
+        mode = 0
+    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):
+        fd = os.open(dest, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
         try:
             os.write(fd, text)
         finally:
             os.close(fd)
         return
-    if dest.startswith("fd:"):
-        fd = open_dest(dest, append=True)
-        try:
-            os.write(fd, text)
-        finally:
-            os.close(fd)
-        return
-    # Next to the destination, then renamed: a reader never sees half a report.
     tmp = f"{dest}.{os.getpid()}.tmp"
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        fd = os.open(tmp, flags, 0o644)
+    except FileExistsError:  # left by a crash, or planted: drop the name, make our own
+        os.unlink(tmp)
+        fd = os.open(tmp, flags, 0o644)
     try:
         os.write(fd, text)
         os.fsync(fd)
@@ -62,7 +77,7 @@ class Events:
     """JSON lines to --events; a no-op without it."""
 
     def __init__(self, dest, job_id):
-        self.fd = open_dest(dest, append=True) if dest else None
+        self.fd = open_dest(dest) if dest else None
         self.job_id = job_id
 
     def emit(self, event, **fields):

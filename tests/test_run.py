@@ -217,3 +217,16 @@ def test_net_host_shares_network(starter):
     host = subprocess.run(["ip", "-o", "link"], capture_output=True, text=True, check=True).stdout
     names = lambda out: sorted(l.split(": ")[1].split("@")[0] for l in out.splitlines())
     assert names(p.stdout) == names(host)
+
+
+def test_report_never_written_through_a_planted_link(starter, tmp_path):
+    """The report directory may be writable by the job; a symlink planted at
+    the report path is replaced, and its target is untouched."""
+    victim = tmp_path / "victim"
+    victim.write_text("precious\n")
+    report = tmp_path / "r.json"
+    report.symlink_to(victim)
+    (tmp_path / f"r.json.{os.getpid()}.tmp").symlink_to(victim)  # a guess at a temp name, harmless
+    starter("run", "--report", str(report), "--", "true", check=0)
+    assert victim.read_text() == "precious\n"
+    assert not report.is_symlink() and json.loads(report.read_text())["exit_code"] == 0
