@@ -51,6 +51,20 @@ def starter(state_root):
     return run
 
 
+# Under software emulation (scripts/vm-test runs qemu TCG, ~7x slower) time
+# bounds that state a promise ("dead within a second") stretch by this much.
+SLOWDOWN = 7.0 if os.environ.get("STARTER_VM") else 1.0
+
+
+def process_alive(pid):
+    """True while pid runs; a zombie waiting for its reaper counts as dead."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(") ", 1)[1][0] != "Z"
+    except (FileNotFoundError, ProcessLookupError):  # ESRCH: it exited while we read
+        return False
+
+
 # ---------------------------------------------------------------- leak check
 
 def _lines(cmd):

@@ -15,7 +15,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
-from conftest import STARTER  # noqa: E402
+from conftest import SLOWDOWN, STARTER, process_alive  # noqa: E402
 
 POOL = f"10.{216 + secrets.randbelow(32)}.0.0/16"
 
@@ -120,17 +120,10 @@ def test_kill9_of_a_nat_job_then_gc_leaves_the_node_as_before(starter, site, sta
     assert st["host_ifname"] in node()[0]
     proc.kill()
     proc.wait(10)
-    def alive(pid):  # a zombie waiting for the host's init to reap it is dead
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                return f.read().rsplit(") ", 1)[1][0] != "Z"
-        except FileNotFoundError:
-            return False
-
     t0 = time.monotonic()
-    while alive(st["pid"]) and time.monotonic() - t0 < 1.0:
+    while process_alive(st["pid"]) and time.monotonic() - t0 < 1.0 * SLOWDOWN:
         time.sleep(0.01)
-    assert not alive(st["pid"]), "the job outlived its starter by a second"
+    assert not process_alive(st["pid"]), "the job outlived its starter by a second"
     out = starter("gc", check=0).stdout
     assert "natcrash" in out
     assert node() == before, out
