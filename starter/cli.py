@@ -268,10 +268,9 @@ def cmd_spool(argv):
 
 
 def _state_dir(values):
-    from starter.spec import check_path
+    from starter.spec import state_dir
 
-    d = values.get("state-dir") or os.environ.get("STARTER_STATE_DIR") or "/run/starter"
-    return check_path("state-dir", d)
+    return state_dir(values.get("state-dir"))
 
 
 COMMANDS = {

@@ -31,6 +31,7 @@ class SpecError(StarterError):
     def __init__(self, field, message, hint=None):
         super().__init__(f"{field}: {message}", hint)
         self.field = field
+        self.detail = message
 
 
 class SpawnError(StarterError):

@@ -13,6 +13,7 @@ A plain class rather than a dataclass: `import dataclasses` costs every job
 import os
 
 from starter.errors import SpecError
+from starter.spec import check_path as _check_path
 
 KINDS = ("bind", "ro-bind", "tmpfs")
 _KIND_CODE = {"bind": 1, "ro-bind": 2, "tmpfs": 3}  # SHIM_MOUNT_* in shim.h
@@ -70,15 +71,6 @@ class Mount:
 
     def __repr__(self):
         return f"Mount(kind={self.kind!r}, dst={self.dst!r}, src={self.src!r}, options={self.options!r})"
-
-
-def _check_path(field, path):
-    if not isinstance(path, str) or not path.startswith("/"):
-        raise SpecError(field, f"{path!r} must be an absolute path")
-    if "\0" in path or len(path) >= 4096:
-        raise SpecError(field, f"{path!r} is not a usable path")
-    if ".." in path.split("/"):
-        raise SpecError(field, f"{path!r} must not contain '..'")
 
 
 def to_c(ffi, mounts, keep):

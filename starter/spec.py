@@ -137,6 +137,11 @@ def check_path(field, value, must_exist=False):
     return value
 
 
+def state_dir(value=None):
+    """--state-dir, else $STARTER_STATE_DIR, else /run/starter."""
+    return check_path("state-dir", value or os.environ.get("STARTER_STATE_DIR") or "/run/starter")
+
+
 def parse_size(field, value):
     """512M, 2G, 1048576 -> bytes."""
     if isinstance(value, bool):
@@ -197,24 +202,23 @@ def parse_env(field, items):
 
 
 def parse_mount(field, kind, value):
-    """--bind SRC[:DST]  --ro-bind SRC[:DST]  --tmpfs DST[:OPTIONS]"""
+    """--bind SRC[:DST]  --ro-bind SRC[:DST]  --tmpfs DST[:OPTIONS]: Mount.parse
+    splits and checks the paths; here what only a job spec asks on top."""
     from starter.mounts import Mount
 
     if kind not in MOUNT_KINDS:
         raise SpecError(field, f"unknown mount type {kind!r} (one of {', '.join(MOUNT_KINDS)})")
-    value = _str(field, value)
-    first, _, second = value.partition(":")
+    try:
+        m = Mount.parse(kind, _str(field, value))
+    except SpecError as e:
+        raise SpecError(field, e.detail, e.hint) from None
     if kind == "tmpfs":
-        dst = check_path(field, first)
-        opts = second
-        for opt in filter(None, opts.split(",")):
-            key = opt.partition("=")[0]
-            if key not in ("size", "mode", "nr_inodes"):
+        for opt in filter(None, m.options.split(",")):
+            if opt.partition("=")[0] not in ("size", "mode", "nr_inodes"):
                 raise SpecError(field, f"tmpfs option {opt!r} not allowed (size, mode, nr_inodes)")
-        return Mount(kind="tmpfs", dst=dst, options=opts)
-    src = check_path(field, first, must_exist=True)
-    dst = check_path(field, second or first)
-    return Mount(kind=kind, src=src, dst=dst)
+    elif not os.path.exists(m.src):
+        raise SpecError(field, f"{m.src!r} does not exist")
+    return m
 
 
 def parse_on_signal(field, items):
@@ -503,7 +507,7 @@ def _make(raw):
         events=dest("events"),
         grace=parse_number("grace", raw.get("grace", 10.0), 0, MAX_GRACE),
         on_signal=parse_on_signal("on-signal", _list("on-signal", raw.get("on-signal", []))),
-        state_dir=opt_path("state-dir") or os.environ.get("STARTER_STATE_DIR") or "/run/starter",
+        state_dir=state_dir(raw.get("state-dir")),
         cgroup_parent=raw.get("cgroup-parent") and _str("cgroup-parent", raw["cgroup-parent"]),
         scratch=opt_path("scratch"),
         execute_dir=opt_path("execute-dir", must_exist=True),
