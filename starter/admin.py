@@ -7,7 +7,6 @@ gc reclaims what it left (cgroups, network lease/rules/veth, scratch, entry).
 """
 
 import os
-import sys
 import time
 
 from starter import state as S
@@ -87,10 +86,7 @@ def _reclaim(state_dir, job_id):
             except StarterError as e:
                 done.append(f"job {job_id}: scratch: {e}")
         for suffix in (".json", ".resolv.conf", ".lock"):
-            try:
-                os.unlink(os.path.join(state_dir, job_id + suffix))
-            except FileNotFoundError:
-                pass
+            S.unlink_quiet(os.path.join(state_dir, job_id + suffix))
         done.append(f"job {job_id}: state entry removed")
     finally:
         os.close(fd)
@@ -136,7 +132,7 @@ def _live_entries(state_dir):
         yield st
 
 
-def _usage(st):
+def _usage(state_dir, st):
     """Live cpu/memory from the job's cgroup, network bytes from its counters."""
     out = {}
     try:
@@ -151,7 +147,7 @@ def _usage(st):
         try:
             from starter import net
 
-            out["network"] = net.counters(st["id"], net.NetConfig(state_dir=os.path.dirname(st.get("_path", "")) or "/run/starter"))
+            out["network"] = net.counters(st["id"], net.NetConfig(state_dir=state_dir))
         except (StarterError, OSError):
             pass
     return out
@@ -160,8 +156,7 @@ def _usage(st):
 def ps(state_dir, as_json):
     rows = []
     for st in _live_entries(state_dir):
-        st["_path"] = os.path.join(state_dir, st["id"] + ".json")
-        u = _usage(st)
+        u = _usage(state_dir, st)
         netb = None
         if u.get("network"):
             netb = sum(c.get("bytes", 0) for c in u["network"].values() if isinstance(c, dict))
@@ -185,9 +180,8 @@ def ps(state_dir, as_json):
 
 def status(state_dir, job_id, as_json):
     st = _entry(state_dir, job_id)
-    st["_path"] = os.path.join(state_dir, job_id + ".json")
-    u = _usage(st)
-    doc = {k: v for k, v in st.items() if not k.startswith("_")}
+    u = _usage(state_dir, st)
+    doc = dict(st)
     doc.update(live=S.is_live(state_dir, job_id), **{k: v for k, v in u.items() if k != "cpu_s"})
     if as_json:
         print(S.dumps(doc))
@@ -274,8 +268,3 @@ def enter(state_dir, job_id, argv, user=None):
             child.close()
     finally:
         os.close(pidfd)
-
-
-def main_err(msg):
-    sys.stderr.write(f"starter: {msg}\n")
-    return 125

@@ -118,10 +118,7 @@ class JobState:
     def remove(self):
         """Last step of a job: entry first, then the lock we still hold."""
         for p in (self.path, self.lock_path):
-            try:
-                os.unlink(p)
-            except FileNotFoundError:
-                pass
+            unlink_quiet(p)
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
@@ -142,31 +139,38 @@ def list_ids(state_dir):
     return sorted(n[:-5] for n in names if n.endswith(".lock"))
 
 
-def is_live(state_dir, job_id):
-    """True while a starter holds the job's lock."""
-    try:
-        fd = os.open(os.path.join(state_dir, job_id + ".lock"), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return False
-    try:
-        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        return False
-    except OSError:
-        return True
-    finally:
-        os.close(fd)
-
-
-def claim_dead(state_dir, job_id):
-    """Take the lock of a job whose starter is gone; None if it is alive.
-    The caller removes the entry and closes the fd."""
+def _lock_nb(state_dir, job_id, op):
+    """The job's lock file, flock()ed with `op` without waiting: an fd (ours
+    to close), None if a live starter holds it, -1 if there is none."""
     try:
         fd = os.open(os.path.join(state_dir, job_id + ".lock"), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except FileNotFoundError:
-        return None
+        return -1
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, op | fcntl.LOCK_NB)
     except OSError:
         os.close(fd)
         return None
     return fd
+
+
+def is_live(state_dir, job_id):
+    """True while a starter holds the job's lock."""
+    fd = _lock_nb(state_dir, job_id, fcntl.LOCK_SH)
+    if fd is not None and fd >= 0:
+        os.close(fd)
+    return fd is None
+
+
+def claim_dead(state_dir, job_id):
+    """Take the lock of a job whose starter is gone; None if it is alive (or
+    has no entry).  The caller removes the entry and closes the fd."""
+    fd = _lock_nb(state_dir, job_id, fcntl.LOCK_EX)
+    return None if fd is None or fd < 0 else fd
+
+
+def unlink_quiet(path):
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
