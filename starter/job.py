@@ -20,6 +20,7 @@ import sys
 import time
 
 from starter.errors import EXIT_STARTER_FAILED, StarterError
+from starter.state import JobState, unlink_quiet, write_atomic
 
 
 class Undo:
@@ -45,7 +46,6 @@ class Undo:
 
 def run(spec):
     """Run the job described by a checked JobSpec; -> the starter's exit code."""
-    from starter import state as S
     from starter.report import Events, write_report
     from starter.supervisor import Signals
 
@@ -64,7 +64,7 @@ def run(spec):
         from starter import admin
 
         admin.gc_quick(spec.state_dir)
-        job_state = S.JobState(spec.state_dir, spec.id).create(
+        job_state = JobState(spec.state_dir, spec.id).create(
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
             argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
         undo.push(job_state.remove)
@@ -135,10 +135,10 @@ def _run(spec, job_state, signals, events, undo, report):
 
     # The cgroup, with its limits, before anything runs in it.
     backend = cgroups.open_backend(spec.cgroup_parent)
-    cg = backend.create(spec.id)
+    cg = backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
+        memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
+        cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
     undo.push(cg.destroy)
-    cg.set_limits(cgroups.Limits(memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
-                                 cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
     job_state.update(cgroup=cg.paths, cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent)
 
     netcfg = None
@@ -147,8 +147,8 @@ def _run(spec, job_state, signals, events, undo, report):
 
         netcfg = _net_config(spec)
         resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
-        S_write(resolv, net.resolv_conf_text(netcfg))
-        undo.push(_unlink, resolv)
+        write_atomic(resolv, net.resolv_conf_text(netcfg), 0o644)
+        undo.push(unlink_quiet, resolv)
         mounts.append(Mount(kind="ro-bind", src=resolv, dst="/etc/resolv.conf"))
 
     namespaces = {"pid", "mnt"}
@@ -171,6 +171,8 @@ def _run(spec, job_state, signals, events, undo, report):
 
         fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
+            # Also the normal end: reads the counters into the report, then
+            # removes the rules (it runs first of all teardowns).
             undo.push(_net_teardown, spec.id, netcfg, report)
             lease = net.setup(spec.id, fd, netcfg)
         finally:
@@ -199,10 +201,6 @@ def _run(spec, job_state, signals, events, undo, report):
                   cgroup=backend.kind, **stats)
     if out.unkillable:
         report["unkillable"] = out.unkillable
-    if netcfg is not None:
-        from starter import net
-
-        report["network"] = net.teardown(spec.id, netcfg)
     job_state.update(state="exited")
     return code
 
@@ -221,21 +219,8 @@ def _net_teardown(job_id, cfg, report):
     from starter import net
 
     counters = net.teardown(job_id, cfg)
-    if counters and "network" not in report:
+    if counters:
         report["network"] = counters
-
-
-def _unlink(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def S_write(path, text):
-    from starter.state import write_atomic
-
-    write_atomic(path, text, 0o644)
 
 
 def ns_exec(argv, namespaces):
