@@ -13,7 +13,7 @@ has no controllers to enable.
 """
 
 from .base import Backend, JobCgroup
-from .v1 import HYBRID_V1_ROLES, V1Resources
+from .v1 import HYBRID_V1_ROLES, V1Resources, V1ResourcesBackend
 from .v2 import UnifiedTracking
 
 
@@ -21,17 +21,9 @@ class HybridJob(UnifiedTracking, V1Resources, JobCgroup):
     pass
 
 
-class HybridBackend(Backend):
+class HybridBackend(V1ResourcesBackend, Backend):
     kind = "hybrid"
     job_class = HybridJob
 
     def roles(self):
         return ("unified",) + tuple(r for r in HYBRID_V1_ROLES if r in self.layout.v1)
-
-    @property
-    def supports_memory_peak(self):
-        return "memory" in self.parents
-
-    @property
-    def supports_pids_peak(self):
-        return self._probe_file("pids", "pids.peak")

@@ -224,12 +224,9 @@ class V1Job(V1Tracking, V1Resources, JobCgroup):
     pass
 
 
-class V1Backend(Backend):
-    kind = "v1"
-    job_class = V1Job
-
-    def roles(self):
-        return tuple(r for r in V1_ROLES if r in self.layout.v1)
+class V1ResourcesBackend:
+    """What backends whose memory and pids controllers are v1 (v1, hybrid)
+    can report."""
 
     @property
     def supports_memory_peak(self):
@@ -238,3 +235,11 @@ class V1Backend(Backend):
     @property
     def supports_pids_peak(self):
         return self._probe_file("pids", "pids.peak")
+
+
+class V1Backend(V1ResourcesBackend, Backend):
+    kind = "v1"
+    job_class = V1Job
+
+    def roles(self):
+        return tuple(r for r in V1_ROLES if r in self.layout.v1)
