@@ -706,6 +706,14 @@ static _Noreturn void become_job(const struct child_ctx *c, int creds)
     close_fds(c);
     if (s->cwd && chdir(s->cwd) < 0)
         fail(c, "chdir", s->cwd);
+    if (!s->cwd && s->ncwd_fallbacks > 0) {
+        /* After the uid switch and the mounts: "works" means this user can
+         * search it in this view (the caller's /tmp is not the job's). */
+        int i = 0;
+        while (chdir(s->cwd_fallbacks[i]) < 0)
+            if (++i == s->ncwd_fallbacks)
+                fail(c, "chdir", s->cwd_fallbacks[i - 1]);
+    }
     unblock_signals();
     exec_job(c);
 }

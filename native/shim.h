@@ -61,6 +61,11 @@ struct shim_spec {
     int cap_last_cap;         /* from /proc/sys/kernel/cap_last_cap */
     int enter_pidfd;          /* shim_enter: pidfd of the job's PID 1 */
     int enter_pid;            /* shim_enter: its pid, for the /proc/PID/ns fallback */
+    /* cli (issue 12): without cwd, chdir to the first of these that works
+     * as the job's user in the job's view (caller's cwd, home, "/"); none
+     * working is the "chdir" failure of the last one. */
+    const char *const *cwd_fallbacks;
+    int ncwd_fallbacks;
 };
 
 struct shim_child {

@@ -6,6 +6,7 @@ in `re` and costs ~8 ms per start on these machines, half the budget of a
 whole `starter run -- /bin/true`.
 """
 
+import errno
 import os
 import sys
 
@@ -78,13 +79,24 @@ class UsageError(StarterError):
     pass
 
 
-def parse(argv, table, positional=0, command_after=True):
-    """-> (values dict of given options, positionals, command list)."""
+class HelpRequested(Exception):
+    """--help or -h among the options: main() prints `text` and exits 0."""
+
+    def __init__(self, text):
+        super().__init__("help")
+        self.text = text
+
+
+def parse(argv, table, positional=0, command_after=True, usage=None):
+    """-> (values dict of given options, positionals, command list).
+    --help / -h before any command: HelpRequested with `usage` and the table."""
     values, pos, i = {}, [], 0
     while i < len(argv):
         a = argv[i]
         if a == "--":
             return values, pos, argv[i + 1:]
+        if a in ("--help", "-h"):
+            raise HelpRequested(help_text(f"usage: {usage or 'starter COMMAND [options]'}", table))
         if a.startswith("--"):
             name, eq, inline = a.partition("=")
             if name not in table:
@@ -139,7 +151,7 @@ def cmd_run(argv):
     if argv[:1] in (["--help"], ["-h"]):
         sys.stdout.write(help_text("usage: starter run [options] -- CMD [ARGS]", RUN_OPTIONS))
         return 0
-    values, _, command = parse(argv, RUN_OPTIONS)
+    values, _, command = parse(argv, RUN_OPTIONS, usage="starter run [options] -- CMD [ARGS]")
     from starter import spec as S
 
     job_file = S.load_job_file(values.pop("job")) if "job" in values else None
@@ -193,7 +205,7 @@ def cmd_enter(argv):
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(help_text("usage: starter enter JOB [--user USER] [-- CMD [ARGS]]", table))
         return 0 if argv else 2
-    values, pos, command = parse(argv, table, positional=1)
+    values, pos, command = parse(argv, table, positional=1, usage="starter enter JOB [--user USER] [-- CMD [ARGS]]")
     if not pos:
         raise UsageError("which job? (starter ps lists them)")
     need_root("starter enter")
@@ -204,7 +216,7 @@ def cmd_enter(argv):
 
 def cmd_ps(argv):
     table = {"--json": ("json", "flag", "print JSON"), "--state-dir": ("state-dir", "value", "DIR  state directory")}
-    values, _, _ = parse(argv, table, command_after=False)
+    values, _, _ = parse(argv, table, command_after=False, usage="starter ps [--json] [--state-dir DIR]")
     from starter import admin
 
     return admin.ps(_state_dir(values), values.get("json", False))
@@ -212,7 +224,8 @@ def cmd_ps(argv):
 
 def cmd_status(argv):
     table = {"--json": ("json", "flag", "print JSON"), "--state-dir": ("state-dir", "value", "DIR  state directory")}
-    values, pos, _ = parse(argv, table, positional=1, command_after=False)
+    values, pos, _ = parse(argv, table, positional=1, command_after=False,
+                           usage="starter status JOB [--json] [--state-dir DIR]")
     if not pos:
         raise UsageError("which job? (starter ps lists them)")
     from starter import admin
@@ -223,7 +236,8 @@ def cmd_status(argv):
 def _control(action):
     def cmd(argv):
         table = {"--state-dir": ("state-dir", "value", "DIR  state directory")}
-        values, pos, _ = parse(argv, table, positional=1, command_after=False)
+        values, pos, _ = parse(argv, table, positional=1, command_after=False,
+                               usage=f"starter {action} JOB [--state-dir DIR]")
         if not pos:
             raise UsageError(f"usage: starter {action} JOB")
         need_root(f"starter {action}")
@@ -236,7 +250,7 @@ def _control(action):
 
 def cmd_gc(argv):
     table = {"--state-dir": ("state-dir", "value", "DIR  state directory")}
-    values, _, _ = parse(argv, table, command_after=False)
+    values, _, _ = parse(argv, table, command_after=False, usage="starter gc [--state-dir DIR]")
     need_root("starter gc")
     from starter import admin
 
@@ -252,7 +266,7 @@ def cmd_netd(argv):
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(help_text("usage: starter netd [--state-dir DIR]", table))
         return 0
-    values, _, _ = parse(argv, table, command_after=False)
+    values, _, _ = parse(argv, table, command_after=False, usage="starter netd [--state-dir DIR]")
     need_root("starter netd")
     from starter import net
 
@@ -301,15 +315,48 @@ def main(argv=None):
         return 0
     cmd = COMMANDS.get(argv[0])
     if cmd is None:
-        sys.stderr.write(f"starter: unknown command {argv[0]!r}\n{USAGE}")
+        _error(f"starter: unknown command {argv[0]!r} (see starter --help)")
         return 2
+    # Every way out is one line on stderr: what failed and what to do.
     try:
         return cmd(argv[1:])
+    except HelpRequested as e:
+        sys.stdout.write(e.text)
+        return 0
     except UsageError as e:
-        sys.stderr.write(f"starter {argv[0]}: {e}\n")
+        _error(f"starter {argv[0]}: {e}")
         return EXIT_STARTER_FAILED if argv[0] == "run" else 2
     except StarterError as e:
-        sys.stderr.write(f"starter: {e}\n")
+        _error(f"starter: {e}")
         return e.exit_code
     except KeyboardInterrupt:
         return 130
+    except RecursionError:
+        _error(f"starter {argv[0]}: input nested too deeply")
+        return EXIT_STARTER_FAILED
+    except OSError as e:
+        from starter.errors import from_oserror
+
+        err = from_oserror(e)
+        if e.errno in (errno.EACCES, errno.EPERM) and os.geteuid() != 0:
+            err.hint = f"starter {argv[0]} works on root-only state and cgroups: run it as root"
+        _error(f"starter {argv[0]}: {err}")
+        return EXIT_STARTER_FAILED
+    except Exception as e:  # a bug: still one line (STARTER_DEBUG=1 shows the traceback)
+        _debug_traceback()
+        _error(f"starter {argv[0]}: internal error: {type(e).__name__}: {e} "
+               "(please report it; STARTER_DEBUG=1 shows where)")
+        return EXIT_STARTER_FAILED
+
+
+def _error(msg):
+    from starter.errors import one_line
+
+    sys.stderr.write(one_line(msg) + "\n")
+
+
+def _debug_traceback():
+    if os.environ.get("STARTER_DEBUG"):
+        import traceback
+
+        traceback.print_exc()

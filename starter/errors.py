@@ -66,6 +66,41 @@ class StagingError(StarterError):
     """Scratch, spool or manifest verification failed; the job does not start."""
 
 
+def one_line(msg):
+    """A message as one printable line: a hostile id with a newline or an
+    escape sequence in it is shown escaped, never interpreted."""
+    return "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(msg))
+
+
+_OSERROR_HINTS = {
+    "EACCES": "run as root, or check the permissions on the path",
+    "EPERM": "run as root",
+    "EROFS": "the file system is read-only: choose a writable directory",
+    "ENOSPC": "the file system is full: free space or choose another directory",
+    "EDQUOT": "the disk quota is exhausted: free space or choose another directory",
+    "ENOTDIR": "a component of the path is not a directory",
+    "EISDIR": "the path is a directory, a file was expected",
+    "ELOOP": "the path is a symbolic link, which is not followed",
+    "EMFILE": "too many open files: raise the limit (ulimit -n)",
+    "ENFILE": "too many open files on the node",
+    "ENOMEM": "the node is out of memory",
+}
+
+
+def from_oserror(e, doing=None):
+    """An OSError nobody handled more precisely -> a StarterError with the
+    path, the errno name and what to do: "cannot open /x: ENOSPC (...)"."""
+    name = _errno_name(e.errno) if e.errno else type(e).__name__
+    where = " ".join(repr(f) if not isinstance(f, str) else f
+                     for f in (e.filename, e.filename2) if f is not None)
+    text = f"{e.strerror or e} ({name})"
+    if where:
+        text = f"{where}: {text}"
+    if doing:
+        text = f"{doing}: {text}"
+    return StarterError(text, _OSERROR_HINTS.get(name))
+
+
 def _errno_name(n):
     import errno
 

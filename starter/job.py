@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from starter.errors import EXIT_STARTER_FAILED, StarterError
+from starter.errors import EXIT_STARTER_FAILED, StarterError, from_oserror, one_line
 from starter.state import JobState, unlink_quiet, write_atomic
 
 
@@ -63,23 +63,35 @@ def run(spec):
             raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
         from starter import admin
 
-        admin.gc_quick(spec.state_dir)
-        job_state = JobState(spec.state_dir, spec.id).create(
-            state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
-            argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
+        try:
+            admin.gc_quick(spec.state_dir)
+            job_state = JobState(spec.state_dir, spec.id).create(
+                state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
+                argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
+        except OSError as e:
+            raise StarterError(f"state directory {spec.state_dir} is unusable: {e.strerror or e}",
+                               "set --state-dir or STARTER_STATE_DIR to a writable local directory") from None
         undo.push(job_state.remove)
         events.emit("starting", argv=spec.argv, user=spec.uid)
         code = _run(spec, job_state, signals, events, undo, report)
     except StarterError as e:
-        sys.stderr.write(f"starter: {e}\n")
+        sys.stderr.write(f"starter: {one_line(e)}\n")
         report.update(error=str(e), exit_code=e.exit_code)
         code = e.exit_code
+    except OSError as e:
+        # An errno nothing above turned into a precise message.
+        e = from_oserror(e)
+        sys.stderr.write(f"starter: {one_line(e)}\n")
+        report.update(error=str(e), exit_code=EXIT_STARTER_FAILED)
+        code = EXIT_STARTER_FAILED
     except Exception as e:
-        # A bug or an unexpected kernel answer: still fail closed, unwind, report.
-        import traceback
+        # A bug or an unexpected kernel answer: still fail closed, unwind, report;
+        # one line for the admin, the traceback with STARTER_DEBUG=1.
+        if os.environ.get("STARTER_DEBUG"):
+            import traceback
 
-        traceback.print_exc()
-        sys.stderr.write(f"starter: internal error: {e!r}\n")
+            traceback.print_exc()
+        sys.stderr.write(f"starter: internal error: {one_line(repr(e))} (STARTER_DEBUG=1 shows where)\n")
         report.update(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
         code = EXIT_STARTER_FAILED
     finally:
@@ -157,7 +169,8 @@ def _run(spec, job_state, signals, events, undo, report):
     if spec.hostname:
         namespaces.add("uts")
     child_spec = ns.ChildSpec(
-        argv=argv, env=spec.env, cwd=cwd or "/", uid=spec.uid, gid=spec.gid,
+        argv=argv, env=spec.env, cwd=cwd, cwd_fallbacks=() if cwd else default_cwds(spec),
+        uid=spec.uid, gid=spec.gid,
         groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
         mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd())
     child = ns.spawn(child_spec)
@@ -203,6 +216,23 @@ def _run(spec, job_state, signals, events, undo, report):
         report["unkillable"] = out.unkillable
     job_state.update(state="exited")
     return code
+
+
+def default_cwds(spec):
+    """The job's working directory without --cwd (and without a scratch,
+    which is then the cwd): the caller's, if the job's user can reach it in
+    the job's view, else the user's home, else /.  Only the child can tell
+    (after the uid switch, in its mount namespace: the caller's /tmp is not
+    the job's), so the shim gets the list and takes the first that works."""
+    out = []
+    try:
+        out.append(os.getcwd())
+    except OSError:          # the caller's cwd was removed
+        pass
+    for d in (spec.home, "/"):
+        if d and d.startswith("/") and d not in out:
+            out.append(d)
+    return tuple(out)
 
 
 def _net_config(spec):

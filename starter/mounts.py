@@ -13,7 +13,7 @@ A plain class rather than a dataclass: `import dataclasses` costs every job
 import os
 
 from starter.errors import SpecError
-from starter.spec import check_path as _check_path
+from starter.values import host_path as _host_path, path as _check_path
 
 KINDS = ("bind", "ro-bind", "tmpfs")
 _KIND_CODE = {"bind": 1, "ro-bind": 2, "tmpfs": 3}  # SHIM_MOUNT_* in shim.h
@@ -50,11 +50,13 @@ class Mount:
     @classmethod
     def parse(cls, kind, text):
         """From the command line: "SRC:DST" (or "PATH" for SRC=DST) for binds,
-        "DST[:OPTIONS]" for tmpfs."""
+        "DST[:OPTIONS]" for tmpfs.  A relative SRC is resolved against the
+        caller's working directory (and is then also the DST if none is given)."""
         if kind == "tmpfs":
             dst, _, opts = text.partition(":")
             return cls("tmpfs", dst, None, opts)
         src, sep, dst = text.partition(":")
+        src = _host_path("mount.src", src) if src and kind in KINDS else src
         return cls(kind, dst if sep else src, src)
 
     def __setattr__(self, name, value):

@@ -56,12 +56,12 @@ class ChildSpec:
 
     __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
                  "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
-                 "die_with_parent", "drop_privileges", "stdio")
+                 "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks")
 
     def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
                  namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
                  keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
-                 drop_privileges=True, stdio=(None, None, None)):
+                 drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=()):
         self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
         self.env = env                # dict[str, str]: exactly the job's environment
         self.cwd = cwd
@@ -78,6 +78,7 @@ class ChildSpec:
         self.die_with_parent = die_with_parent
         self.drop_privileges = drop_privileges  # False: keep uid 0 and caps (ns-exec)
         self.stdio = stdio            # fds to become the job's 0, 1, 2 (None: inherit)
+        self.cwd_fallbacks = cwd_fallbacks  # cwd=None: the first of these the job can chdir to
 
     def __repr__(self):
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
@@ -358,6 +359,9 @@ def _build(spec, keep, entering=False):
     c.cap_last_cap = cap_last_cap()
     c.enter_pidfd = -1
     c.enter_pid = -1
+    if not spec.cwd and spec.cwd_fallbacks:
+        c.cwd_fallbacks = _strv("cwd", list(spec.cwd_fallbacks), keep)
+        c.ncwd_fallbacks = len(spec.cwd_fallbacks)
     return c
 
 

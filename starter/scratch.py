@@ -130,14 +130,9 @@ def create(path, uid, gid, *, keep=False):
 
 def create_in(execute_dir, job_id, uid, gid, *, keep=False):
     """Make `<execute_dir>/job-<job_id>`; `execute_dir` is created (0755) if missing."""
-    job_id = str(job_id)
-    if (
-        not job_id
-        or job_id in (".", "..")
-        or any(not (c.isascii() and (c.isalnum() or c in "._-")) for c in job_id)
-        or len(job_id) > 200
-    ):
-        raise SpecError("job_id", f"{job_id!r} cannot name a scratch directory", hint="use letters, digits, '.', '_', '-'")
+    from starter import values
+
+    values.job_id("job_id", job_id)
     execute_dir = os.path.abspath(execute_dir)
     try:
         os.mkdir(execute_dir, 0o755)

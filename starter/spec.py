@@ -11,14 +11,13 @@ costs ~13 ms of interpreter time here, and every job pays it.
 
 import os
 
+from starter import values as V
 from starter.errors import SpecError
+from starter.values import MAX_ID, MAX_NAME, MAX_PATH  # noqa: F401  (re-exported)
 
-MAX_ID = 64
-MAX_NAME = 32
 MAX_ARGS = 4096
 MAX_ENV = 4096
-MAX_PATH = 4096
-MAX_MEMORY = 1 << 50          # 1 PiB: anything above is a typo
+MAX_MEMORY = V.MAX_SIZE
 MAX_CPUS = 4096
 MAX_PIDS = 4194304            # pid_max limit of the kernel
 MAX_WALL = 366 * 86400
@@ -28,11 +27,6 @@ NET_MODES = ("none", "host", "nat")
 ACTIONS = ("vacate", "suspend", "resume", "kill")
 MOUNT_KINDS = ("bind", "ro-bind", "tmpfs")
 
-_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-_NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-_ENV_FIRST = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ_")
-_ENV_CHARS = _ENV_FIRST | frozenset("0123456789")
-_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
 class Spec:
@@ -99,87 +93,20 @@ class JobSpec(Spec):
 
 
 # ---------------------------------------------------------------- checks
+# The rules live in values.py; these names are what the rest of the code uses.
 
-def check_id(field, value):
-    """Job ids become file, cgroup and nft names: a strict alphabet."""
-    value = _str(field, value)
-    if not value or len(value) > MAX_ID:
-        raise SpecError(field, f"must be 1..{MAX_ID} characters, got {len(value)}")
-    bad = set(value) - _ID_CHARS
-    if bad:
-        raise SpecError(field, f"{value!r} has characters outside [A-Za-z0-9_.-]: {''.join(sorted(bad))!r}")
-    if value[0] in "-." or ".." in value:
-        raise SpecError(field, f"{value!r} may not start with '-' or '.' or contain '..'")
-    return value
-
-
-def check_name(field, value):
-    """A user or group name as the system databases allow them."""
-    value = _str(field, value)
-    if not value or len(value) > MAX_NAME:
-        raise SpecError(field, f"must be 1..{MAX_NAME} characters")
-    bad = set(value) - _NAME_CHARS
-    if bad or value[0] in "-." or ".." in value:
-        raise SpecError(field, f"{value!r} is not a valid user or group name")
-    return value
-
-
-def check_path(field, value, must_exist=False):
-    value = _str(field, value)
-    if not value.startswith("/"):
-        raise SpecError(field, f"{value!r} must be an absolute path")
-    if len(value) > MAX_PATH:
-        raise SpecError(field, "path too long")
-    if "/../" in value + "/" or value.endswith("/.."):
-        raise SpecError(field, f"{value!r} may not contain '..'")
-    if must_exist and not os.path.exists(value):
-        raise SpecError(field, f"{value!r} does not exist")
-    return value
+check_id = V.job_id
+check_name = V.name
+check_path = V.path
+parse_size = V.size
+parse_number = V.number
+parse_cidr = V.cidr
+_str = V.string
 
 
 def state_dir(value=None):
     """--state-dir, else $STARTER_STATE_DIR, else /run/starter."""
-    return check_path("state-dir", value or os.environ.get("STARTER_STATE_DIR") or "/run/starter")
-
-
-def parse_size(field, value):
-    """512M, 2G, 1048576 -> bytes."""
-    if isinstance(value, bool):
-        raise SpecError(field, "must be a size like 512M, not a boolean")
-    if isinstance(value, int):
-        n = value
-    else:
-        s = _str(field, value).strip().lower()
-        if s.endswith("ib"):
-            s = s[:-2]
-        elif s.endswith("b") and len(s) > 1 and not s[-2].isdigit():
-            s = s[:-1]
-        unit = s[-1:] if s[-1:] in _SIZE_UNITS and not s[-1:].isdigit() else ""
-        num = s[: len(s) - len(unit)]
-        try:
-            n = int(float(num) * _SIZE_UNITS[unit]) if num else -1
-        except ValueError:
-            raise SpecError(field, f"{value!r} is not a size (e.g. 512M, 2G)") from None
-    if n <= 0 or n > MAX_MEMORY:
-        raise SpecError(field, f"{value!r} is out of range (1 byte .. 1 PiB)")
-    return n
-
-
-def parse_number(field, value, lo, hi, integer=False):
-    if isinstance(value, bool):
-        raise SpecError(field, "must be a number, not a boolean")
-    if isinstance(value, str):
-        try:
-            value = int(value) if integer else float(value)
-        except ValueError:
-            raise SpecError(field, f"{value!r} is not a{'n integer' if integer else ' number'}") from None
-    if integer and not isinstance(value, int):
-        raise SpecError(field, f"{value!r} must be an integer")
-    if not isinstance(value, (int, float)) or value != value:
-        raise SpecError(field, f"{value!r} is not a number")
-    if not lo <= value <= hi:
-        raise SpecError(field, f"{value!r} is out of range ({lo} .. {hi})")
-    return value
+    return V.host_path("state-dir", value or os.environ.get("STARTER_STATE_DIR") or "/run/starter")
 
 
 def parse_env(field, items):
@@ -192,10 +119,7 @@ def parse_env(field, items):
             k, sep, v = item.partition("=")
             if not sep:
                 raise SpecError(field, f"{item!r} must be KEY=VALUE")
-        k, v = _str(field, k), _str(field, v)
-        if not k or k[0] not in _ENV_FIRST or set(k) - _ENV_CHARS:
-            raise SpecError(field, f"{k!r} is not a valid variable name")
-        env[k] = v
+        env[V.env_name(field, k)] = _str(field, v)
     if len(env) > MAX_ENV:
         raise SpecError(field, "too many variables")
     return env
@@ -247,15 +171,6 @@ def parse_host_port(field, value):
     return (proto, parse_number(field, port, 1, 65535, integer=True))
 
 
-def parse_cidr(field, value):
-    import ipaddress
-
-    try:
-        return str(ipaddress.ip_network(_str(field, value), strict=True))
-    except ValueError as e:
-        raise SpecError(field, str(e)) from None
-
-
 def resolve_user(user, group):
     """-> (uid, gid, groups, home, name).  Numeric ids are taken as given."""
     import pwd
@@ -270,10 +185,11 @@ def resolve_user(user, group):
             pass
         groups = tuple(sorted(set(os.getgroups()) - {gid}))
     else:
+        numeric = V.is_numeric_id(user)
         try:
-            pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(check_name("user", user))
-        except (KeyError, ValueError):
-            if user.isdigit():
+            pw = pwd.getpwuid(V.numeric_id("user", user)) if numeric else pwd.getpwnam(check_name("user", user))
+        except KeyError:
+            if numeric:
                 uid, gid, name, home, groups = int(user), int(user), None, "/", ()
                 pw = None
             else:
@@ -283,19 +199,11 @@ def resolve_user(user, group):
             groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
     if group is not None:
         try:
-            gid = int(group) if group.isdigit() else grp.getgrnam(check_name("group", group)).gr_gid
+            gid = V.numeric_id("group", group) if V.is_numeric_id(group) else grp.getgrnam(check_name("group", group)).gr_gid
         except KeyError:
             raise SpecError("group", f"no such group {group!r}") from None
         groups = ()
     return uid, gid, groups, home, name
-
-
-def _str(field, value):
-    if not isinstance(value, str):
-        raise SpecError(field, f"must be a string, got {type(value).__name__}")
-    if "\0" in value:
-        raise SpecError(field, "contains a NUL byte")
-    return value
 
 
 # ---------------------------------------------------------------- building
@@ -407,13 +315,9 @@ def _make(raw):
     user = raw.get("user")
     group = raw.get("group")
     if user is not None:
-        user = _str("user", user)
-        if not user.isdigit():
-            check_name("user", user)
+        V.user_or_id("user", user)
     if group is not None:
-        group = _str("group", group)
-        if not group.isdigit():
-            check_name("group", group)
+        V.user_or_id("group", group)
     uid, gid, groups, home, uname = resolve_user(user, group)
 
     given_env = parse_env("env", _list("env", raw.get("env", [])))
@@ -426,16 +330,14 @@ def _make(raw):
 
     hostname = raw.get("hostname")
     if hostname is not None:
-        hostname = _str("hostname", hostname)
-        if not 1 <= len(hostname) <= 64 or set(hostname) - _ID_CHARS or hostname[0] in "-.":
-            raise SpecError("hostname", f"{hostname!r} is not a valid host name")
+        hostname = V.hostname("hostname", hostname)
 
     limits = Limits(
         memory=parse_size("memory", raw["memory"]) if raw.get("memory") is not None else None,
         cpus=parse_number("cpus", raw["cpus"], 0.01, MAX_CPUS) if raw.get("cpus") is not None else None,
         cpu_weight=parse_number("cpu-weight", raw["cpu-weight"], 1, 10000, integer=True) if raw.get("cpu-weight") is not None else None,
         pids=parse_number("pids", raw["pids"], 1, MAX_PIDS, integer=True) if raw.get("pids") is not None else None,
-        wall_time=parse_number("wall-time", raw["wall-time"], 0.001, MAX_WALL) if raw.get("wall-time") is not None else None,
+        wall_time=V.duration("wall-time", raw["wall-time"], 0.001, MAX_WALL) if raw.get("wall-time") is not None else None,
     )
 
     mode = _str("net", raw.get("net", "none"))
@@ -447,17 +349,10 @@ def _make(raw):
                 raise SpecError(k, "only applies with --net nat")
     uplink = raw.get("uplink")
     if uplink is not None:
-        uplink = _str("uplink", uplink)
-        if not 1 <= len(uplink) <= 15 or set(uplink) - _ID_CHARS or uplink[0] in "-.":
-            raise SpecError("uplink", f"{uplink!r} is not an interface name")
+        uplink = V.ifname("uplink", uplink)
     resolver = raw.get("resolver")
     if resolver is not None:
-        import ipaddress
-
-        try:
-            resolver = str(ipaddress.ip_address(_str("resolver", resolver)))
-        except ValueError as e:
-            raise SpecError("resolver", str(e)) from None
+        resolver = V.ip_address("resolver", resolver)
     network = Network(
         mode=mode,
         lan=tuple(parse_cidr("lan", c) for c in _list("lan", raw.get("lan", []))),
@@ -469,7 +364,7 @@ def _make(raw):
 
     def opt_path(key, must_exist=False):
         v = raw.get(key)
-        return check_path(key, v, must_exist) if v is not None else None
+        return V.host_path(key, v, must_exist) if v is not None else None
 
     def dest(key):
         v = raw.get(key)
@@ -479,13 +374,11 @@ def _make(raw):
         if v.startswith("fd:"):
             parse_number(key, v[3:], 0, 1 << 20, integer=True)
             return v
-        return check_path(key, v)
+        return V.host_path(key, v)
 
     digest = raw.get("manifest-digest")
     if digest is not None:
-        digest = _str("manifest-digest", digest).lower()
-        if len(digest) != 64 or set(digest) - set("0123456789abcdef"):
-            raise SpecError("manifest-digest", "must be 64 hex digits (SHA-256)")
+        digest = V.hex_digest("manifest-digest", digest)
     if (raw.get("manifest") is None) != (digest is None):
         raise SpecError("manifest", "--manifest and --manifest-digest go together")
     if raw.get("scratch") is not None and raw.get("execute-dir") is not None:
@@ -505,7 +398,7 @@ def _make(raw):
         network=network,
         report=dest("report"),
         events=dest("events"),
-        grace=parse_number("grace", raw.get("grace", 10.0), 0, MAX_GRACE),
+        grace=V.duration("grace", raw.get("grace", 10.0), 0, MAX_GRACE),
         on_signal=parse_on_signal("on-signal", _list("on-signal", raw.get("on-signal", []))),
         state_dir=state_dir(raw.get("state-dir")),
         cgroup_parent=raw.get("cgroup-parent") and _str("cgroup-parent", raw["cgroup-parent"]),
@@ -531,6 +424,7 @@ def load_job_file(path):
             seen[k] = v
         return seen
 
+    path = V.string("job", path)          # relative: to the caller's cwd, as open() does
     try:
         with open(path, "rb") as f:
             data = f.read((1 << 20) + 1)
@@ -549,9 +443,13 @@ def load_job_file(path):
             raise SpecError("job", "job file is not UTF-8") from None
         except tomllib.TOMLDecodeError as e:
             raise SpecError("job", f"not valid TOML: {e}") from None
+        except RecursionError:
+            raise SpecError("job", "job file nested too deeply") from None
     try:
         return json.loads(data.decode("utf-8"), object_pairs_hook=no_dups)
     except UnicodeDecodeError:
         raise SpecError("job", "job file is not UTF-8") from None
     except ValueError as e:
         raise SpecError("job", f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise SpecError("job", "job file nested too deeply") from None

@@ -20,11 +20,11 @@ import math
 import os
 import time
 
+from .. import values
 from ..errors import CgroupError, SpecError
 from . import files
 
 JOB_PREFIX = "job-"
-_JOB_ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 
 CPU_PERIOD_US = 100_000
 CPU_WEIGHT_MIN, CPU_WEIGHT_MAX = 1, 10_000
@@ -34,23 +34,9 @@ PIDS_MAX_SANE = 2**31 - 1
 
 
 def check_job_id(job_id):
-    """Refuse ids that could name a path outside the parent.  The caller
-    (spec.py) validates ids properly; this is the last line of defence."""
-    if (
-        not isinstance(job_id, str)
-        or not 1 <= len(job_id) <= 64
-        or not set(job_id) <= _JOB_ID_CHARS
-        or job_id[0] == "-"
-        or job_id in (".", "..")
-        or "/" in job_id
-        or ".." in job_id
-    ):
-        raise SpecError(
-            "job id",
-            f"{job_id!r} cannot name a cgroup",
-            "use 1-64 characters from [A-Za-z0-9_.-], not starting with '-', without '..'",
-        )
-    return job_id
+    """Refuse ids that could name a path outside the parent: the same rule
+    as spec.py's (values.job_id), checked again as the last line of defence."""
+    return values.job_id("job id", job_id)
 
 
 class Limits(files._Record):

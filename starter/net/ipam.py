@@ -47,16 +47,15 @@ def job_key(job_id, table="starter"):
     return KEY_PREFIX + h[:12]
 
 
-_IFNAME_OK = set("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
-
-
 def check_ifname(field, name):
-    """Interface names reach /proc/sys paths and nft sets: validate once."""
-    if (not isinstance(name, str) or not 1 <= len(name) <= 15 or set(name) - _IFNAME_OK
-            or name in (".", "..") or name[0] == "-"):
-        raise NetworkError(f"{field}: {name!r} is not an interface name",
-                           "use at most 15 characters from [A-Za-z0-9_.-]")
-    return name
+    """Interface names reach /proc/sys paths and nft sets (rule: values.ifname)."""
+    from starter import values
+    from starter.errors import SpecError
+
+    try:
+        return values.ifname(field, name)
+    except SpecError as e:
+        raise NetworkError(str(e), "use at most 15 characters from [A-Za-z0-9_.-]") from None
 
 
 def is_job_key(name):

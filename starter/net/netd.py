@@ -83,9 +83,9 @@ def _peer(conn):
 
 
 def _check_job_id(job_id):
-    if not isinstance(job_id, str) or not 1 <= len(job_id) <= 255 or "\0" in job_id:
-        raise ValueError(f"job_id: {job_id!r} is not a job id")
-    return job_id
+    from starter import values
+
+    return values.job_id("job_id", job_id)   # a SpecError goes back to the client
 
 
 class Server:

@@ -1,0 +1,274 @@
+"""One validator per value class: every id, name, number and path that comes
+from a command line, a job file or a peer is checked by a function here, and
+only here.
+
+A leaf module: it imports nothing of the starter but errors.py, so spec.py,
+mounts.py, cgroups/, net/, scratch.py and spool.py can all use it without an
+import cycle, and nothing heavy is loaded on the run path.
+
+Every check raises SpecError(field, message, hint) and returns the value,
+normalized where that is the point (a size in bytes, a number as int/float).
+The rules:
+
+    job id          1..64 of [A-Za-z0-9_.-], not starting with '-' or '.',
+                    no '..'  (becomes file, cgroup and nft names)
+    user/group name 1..32 of [A-Za-z0-9_.-], not starting with '-' or '.',
+                    no '..'
+    numeric id      ASCII digits only, 0..2^32-2 ((uid_t)-1 means "unchanged")
+    size            a positive integer of bytes, or a decimal with a unit
+                    (K, M, G, T; optional B/iB), ASCII, finite, at most 1 PiB
+    number          int or finite float in [lo, hi]; strings ASCII only
+    path            absolute, no '..' component, no NUL, at most 4096 bytes;
+                    host_path() also takes a relative one and resolves it
+                    against the caller's working directory
+    file name       one path component: not empty, '.', '..', no '/' or NUL,
+                    at most 255 bytes
+    interface name  1..15 of [A-Za-z0-9_.-], not starting with '-', not . or ..
+    host name       1..64 of [A-Za-z0-9_.-], not starting with '-' or '.'
+    env name        [A-Za-z_][A-Za-z0-9_]*
+    CIDR, IP        what `ipaddress` accepts (strict networks), ASCII only
+
+Python's str.isdigit(), int() and float() accept non-ASCII digits ('²', '١'):
+every numeric check here requires ASCII first.
+"""
+
+import os
+
+from starter.errors import SpecError
+
+MAX_ID = 64
+MAX_NAME = 32
+MAX_PATH = 4096
+MAX_FILENAME = 255
+MAX_IFNAME = 15
+MAX_HOSTNAME = 64
+MAX_NUMERIC_ID = 2**32 - 2
+MAX_SIZE = 1 << 50            # 1 PiB: anything above is a typo
+
+_ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+NAME_CHARS = frozenset(_ALNUM + "_.-")
+_ENV_FIRST = frozenset(_ALNUM[:52] + "_")
+_ENV_CHARS = frozenset(_ALNUM + "_")
+_NUMBER_CHARS = frozenset("0123456789+-.eE")
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
+
+
+def string(field, value):
+    """A str without NUL bytes (NUL would cut it short in C)."""
+    if not isinstance(value, str):
+        raise SpecError(field, f"must be a string, got {type(value).__name__}")
+    if "\0" in value:
+        raise SpecError(field, "contains a NUL byte")
+    return value
+
+
+def _token(field, value, max_len, what, leading="-."):
+    value = string(field, value)
+    if not 1 <= len(value) <= max_len:
+        raise SpecError(field, f"{what} must be 1..{max_len} characters, got {len(value)}")
+    bad = set(value) - NAME_CHARS
+    if bad:
+        raise SpecError(field, f"{value!r} has characters outside [A-Za-z0-9_.-]: {''.join(sorted(bad))!r}")
+    if value[0] in leading or ".." in value:
+        raise SpecError(field, f"{value!r} may not start with {' or '.join(map(repr, leading))} or contain '..'")
+    return value
+
+
+def job_id(field, value):
+    """Job ids become file, cgroup and nft names: a strict alphabet."""
+    return _token(field, value, MAX_ID, "a job id")
+
+
+def name(field, value):
+    """A user or group name (the portable subset the system databases allow)."""
+    return _token(field, value, MAX_NAME, "a user or group name")
+
+
+def ifname(field, value):
+    """A network interface name (IFNAMSIZ - 1); reaches /proc/sys paths and nft."""
+    return _token(field, value, MAX_IFNAME, "an interface name", leading="-")
+
+
+def hostname(field, value):
+    return _token(field, value, MAX_HOSTNAME, "a host name")
+
+
+def is_numeric_id(value):
+    """'1000' yes; '²', '١', '+1', ' 1', '1_0' no."""
+    return isinstance(value, str) and value.isascii() and value.isdigit()
+
+
+def numeric_id(field, value):
+    """A uid or gid given as digits."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        n = value
+    elif is_numeric_id(value):
+        n = int(value)
+    else:
+        raise SpecError(field, f"{value!r} is not a numeric id (ASCII digits)")
+    if not 0 <= n <= MAX_NUMERIC_ID:
+        raise SpecError(field, f"{value!r} is out of range (0 .. {MAX_NUMERIC_ID})")
+    return n
+
+
+def user_or_id(field, value):
+    """A user or group given by name or number: -> the name, or the id as int."""
+    value = string(field, value)
+    return numeric_id(field, value) if is_numeric_id(value) else name(field, value)
+
+
+def _ascii_number(field, value, what):
+    value = string(field, value).strip()
+    if not value or not value.isascii() or set(value) - _NUMBER_CHARS:
+        raise SpecError(field, f"{value!r} is not {what}")
+    return value
+
+
+def _finite(field, f, shown):
+    if f != f or f in (float("inf"), float("-inf")):
+        raise SpecError(field, f"{shown!r} is not a finite number")
+    return f
+
+
+def size(field, value, max_bytes=MAX_SIZE):
+    """512M, 2G, 1.5g, 1048576, 64MiB -> bytes (int)."""
+    if isinstance(value, bool):
+        raise SpecError(field, "must be a size like 512M, not a boolean")
+    if isinstance(value, int):
+        n = value
+    elif isinstance(value, float):
+        n = int(_finite(field, value, value))
+    else:
+        s = string(field, value).strip().lower()
+        if not s.isascii():
+            raise SpecError(field, f"{value!r} is not a size (e.g. 512M, 2G)")
+        if s.endswith("ib"):
+            s = s[:-2]
+        elif s.endswith("b") and len(s) > 1 and not s[-2].isdigit():
+            s = s[:-1]
+        unit = s[-1:] if s[-1:] in _SIZE_UNITS and not s[-1:].isdigit() else ""
+        num = s[: len(s) - len(unit)]
+        if not num or set(num) - _NUMBER_CHARS:
+            raise SpecError(field, f"{value!r} is not a size (e.g. 512M, 2G)")
+        try:
+            f = float(num)
+        except ValueError:
+            raise SpecError(field, f"{value!r} is not a size (e.g. 512M, 2G)") from None
+        if f != f or f > max_bytes:     # nan, inf, 1e400, or just too big
+            raise SpecError(field, f"{value!r} is out of range (1 byte .. {_bytes(max_bytes)})")
+        n = int(f * _SIZE_UNITS[unit])
+    if not 0 < n <= max_bytes:
+        raise SpecError(field, f"{value!r} is out of range (1 byte .. {_bytes(max_bytes)})")
+    return n
+
+
+def _bytes(n):
+    for unit, shift in (("PiB", 50), ("TiB", 40), ("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift and n % (1 << shift) == 0:
+            return f"{n >> shift} {unit}"
+    return f"{n} bytes"
+
+
+def number(field, value, lo, hi, integer=False):
+    """An int (integer=True) or a finite float in [lo, hi]; strings are parsed."""
+    what = "an integer" if integer else "a number"
+    if isinstance(value, bool):
+        raise SpecError(field, f"must be {what}, not a boolean")
+    if isinstance(value, str):
+        s = _ascii_number(field, value, what)
+        try:
+            value = int(s) if integer else float(s)
+        except ValueError:
+            raise SpecError(field, f"{s!r} is not {what}") from None
+    if integer and not isinstance(value, int):
+        raise SpecError(field, f"{value!r} must be an integer")
+    if not isinstance(value, (int, float)):
+        raise SpecError(field, f"must be {what}, got {type(value).__name__}")
+    if isinstance(value, float):
+        _finite(field, value, value)
+    if not lo <= value <= hi:
+        shown = value if not isinstance(value, int) or value.bit_length() < 64 else "a huge number"
+        raise SpecError(field, f"{shown!r} is out of range ({lo} .. {hi})")
+    return value
+
+
+def duration(field, value, lo, hi):
+    """Seconds, as a finite number in [lo, hi]."""
+    return number(field, value, lo, hi)
+
+
+def path(field, value, must_exist=False):
+    """An absolute path without '..' components."""
+    value = string(field, value)
+    if not value.startswith("/"):
+        raise SpecError(field, f"{value!r} must be an absolute path")
+    if len(value) > MAX_PATH:
+        raise SpecError(field, "path too long")
+    if "/../" in value + "/":
+        raise SpecError(field, f"{value!r} may not contain '..'")
+    if must_exist and not os.path.exists(value):
+        raise SpecError(field, f"{value!r} does not exist")
+    return value
+
+
+def host_path(field, value, must_exist=False):
+    """A path in the caller's view: a relative one is resolved against the
+    caller's working directory ("r.json" -> "/home/alice/r.json")."""
+    value = string(field, value)
+    if value and not value.startswith("/"):
+        if "/../" in "/" + value + "/":
+            raise SpecError(field, f"{value!r} may not contain '..'")
+        try:
+            cwd = os.getcwd()
+        except OSError:
+            raise SpecError(field, f"{value!r} is relative and the current directory is gone",
+                            "give an absolute path") from None
+        value = os.path.normpath(os.path.join(cwd, value))
+    return path(field, value, must_exist)
+
+
+def filename(field, value):
+    """One path component, as a name inside a directory."""
+    value = string(field, value)
+    if value in ("", ".", "..") or "/" in value or len(value.encode("utf-8", "surrogateescape")) > MAX_FILENAME:
+        raise SpecError(field, f"{value!r} is not a plain file name",
+                        "no '/', not empty, '.' or '..', at most 255 bytes")
+    return value
+
+
+def env_name(field, value):
+    value = string(field, value)
+    if not value or value[0] not in _ENV_FIRST or set(value) - _ENV_CHARS:
+        raise SpecError(field, f"{value!r} is not a valid variable name")
+    return value
+
+
+def cidr(field, value):
+    import ipaddress
+
+    value = string(field, value)
+    if not value.isascii():
+        raise SpecError(field, f"{value!r} is not a network (ASCII, like 10.0.0.0/8)")
+    try:
+        return str(ipaddress.ip_network(value, strict=True))
+    except ValueError as e:
+        raise SpecError(field, str(e)) from None
+
+
+def ip_address(field, value):
+    import ipaddress
+
+    value = string(field, value)
+    if not value.isascii():
+        raise SpecError(field, f"{value!r} is not an IP address")
+    try:
+        return str(ipaddress.ip_address(value))
+    except ValueError as e:
+        raise SpecError(field, str(e)) from None
+
+
+def hex_digest(field, value, length=64):
+    value = string(field, value).lower()
+    if len(value) != length or set(value) - set("0123456789abcdef"):
+        raise SpecError(field, f"must be {length} hex digits (SHA-256)")
+    return value

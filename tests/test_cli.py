@@ -1,0 +1,408 @@
+"""The command line as admins meet it: one validator per value class, one line
+on stderr and exit 125 for every error (never a traceback), --help on every
+subcommand, relative paths, the job's default working directory; and a fuzz
+of the job-file parser and the run options.
+
+The fuzz runs cli.main() in-process with job.run replaced by a stub (a dry
+run: spec building is all that is fuzzed), seeded, so it is fast and the
+same on every run.  The cases that need the real process (tracebacks at
+interpreter level, state directories, non-root) run the real CLI.
+"""
+
+import json
+import os
+import random
+import subprocess
+import tempfile
+
+import pytest
+
+from conftest import STARTER
+from starter import cli, values
+from starter.errors import SpecError
+
+NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
+
+
+def one_error_line(p):
+    """A failed command: exactly one line on stderr, no traceback."""
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and "Traceback" not in p.stderr, p.stderr
+    return lines[0]
+
+
+# ------------------------------------------------------------ value classes
+
+@pytest.mark.parametrize("good", ["a", "job-1", "cluster42.proc7", "A_b.c-d", "x" * 64])
+def test_job_id_accepted(good):
+    assert values.job_id("id", good) == good
+
+
+@pytest.mark.parametrize("bad", ["", ".", "..", "a..b", "-x", ".x", "a/b", "../x", "$(id)", "a b",
+                                 "x" * 65, "é", "a\nb", "a\0b", None, 5, ["a"]])
+def test_job_id_refused(bad):
+    with pytest.raises(SpecError):
+        values.job_id("id", bad)
+
+
+def test_the_other_modules_use_the_same_job_id_rule():
+    from starter import scratch
+    from starter.cgroups import check_job_id
+    from starter.net import netd
+
+    for bad in ("../x", "a/b", "$(id)", "x" * 65, "-x", "a..b"):
+        for check in (check_job_id, lambda j: scratch.create_in("/nonexistent-x", j, 0, 0),
+                      netd._check_job_id):
+            with pytest.raises(SpecError):
+                check(bad)
+    assert check_job_id("x" * 64) == "x" * 64
+
+
+@pytest.mark.parametrize("bad", ["²", "١", "١٢", "+1", " 1", "1_0", "0x10", "4294967295", "-1", ""])
+def test_numeric_ids_are_ascii_digits(bad):
+    assert not values.is_numeric_id(bad) or int(bad) > values.MAX_NUMERIC_ID
+    with pytest.raises(SpecError):
+        values.numeric_id("user", bad)
+
+
+def test_numeric_id_range():
+    assert values.numeric_id("user", "0") == 0
+    assert values.numeric_id("user", "4294967294") == 4294967294
+
+
+@pytest.mark.parametrize("text,want", [("512M", 512 << 20), ("2G", 2 << 30), ("1.5g", 3 << 29),
+                                       ("64MiB", 64 << 20), ("1048576", 1 << 20), (4096, 4096),
+                                       ("1P", None), ("1e3", 1000)])
+def test_size(text, want):
+    if want is None:
+        with pytest.raises(SpecError):
+            values.size("memory", text)
+    else:
+        assert values.size("memory", text) == want
+
+
+@pytest.mark.parametrize("bad", ["inf", "-inf", "nan", "1e400", "Infinity", "0", "-1", "", "M", "１G",
+                                 "²", "1 G G", True, float("inf"), float("nan"), 10**400, [1]])
+def test_size_refused(bad):
+    with pytest.raises(SpecError):
+        values.size("memory", bad)
+
+
+@pytest.mark.parametrize("bad", ["inf", "nan", "1e400", "١", "1_0", "0x10", float("nan"), float("inf"),
+                                 True, None, [], "", 10**400])
+def test_number_refused(bad):
+    with pytest.raises(SpecError):
+        values.number("cpus", bad, 0.01, 4096)
+
+
+def test_paths(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert values.host_path("report", "r.json") == str(tmp_path / "r.json")
+    assert values.host_path("report", "./sub/r.json") == str(tmp_path / "sub/r.json")
+    assert values.host_path("report", "/abs") == "/abs"
+    for bad in ("../r.json", "a/../../b", "a\0b", "/x/../y"):
+        with pytest.raises(SpecError):
+            values.host_path("report", bad)
+    with pytest.raises(SpecError):
+        values.path("cwd", "relative")
+
+
+# ------------------------------------------------------------ never a traceback
+
+@pytest.mark.parametrize("args", [
+    ["--memory", "inf"], ["--memory", "nan"], ["--memory", "1e400"], ["--user", "²"], ["--user", "١"],
+    ["--group", "١"], ["--cpus", "inf"], ["--pids", "1e400"], ["--wall-time", "nan"], ["--id", "../x"],
+    ["--id", "$(id)"], ["--user", "a/b"], ["--hostname", "a\nb"], ["--uplink", "x" * 16, "--net", "nat"],
+    ["--lan", "١٠.0.0.0/8", "--net", "nat"], ["--bind", "/nonexistent-src:/x"], ["--nope"],
+])
+def test_bad_run_options_are_one_line(starter, args):
+    p = starter("run", *args, "--", "true")
+    assert p.returncode == 125
+    one_error_line(p)
+
+
+def test_user_digits_are_not_uids(starter):
+    for u in ("²", "١"):
+        line = one_error_line(starter("run", "--user", u, "--", "true", check=125))
+        assert "user" in line
+
+
+def test_deeply_nested_job_file(starter, tmp_path):
+    for name, text in (("deep.json", '{"env": ' + "[" * 200000 + "]" * 200000 + "}"),
+                       ("deep.toml", "x = " + "[" * 5000 + "]" * 5000 + "\n")):
+        f = tmp_path / name
+        f.write_text(text)
+        line = one_error_line(starter("run", "--job", str(f), check=125))
+        assert "job" in line
+
+
+def test_unusable_state_directory(starter, tmp_path):
+    f = tmp_path / "a-file"
+    f.write_text("")
+    line = one_error_line(starter("run", "--user", "nobody", "--state-dir", str(f), "--", "true", check=125))
+    assert str(f) in line
+
+
+@pytest.mark.parametrize("how", ["ro", "full"])
+def test_state_directory_read_only_or_full(tmp_path, how):
+    """A tmpfs in a private mount namespace (nothing reaches the host's mounts)."""
+    d = tmp_path / "mnt"
+    d.mkdir()
+    prep = (f"mount -t tmpfs -o size=64k,ro none {d}" if how == "ro" else
+            f"mount -t tmpfs -o size=64k none {d} && mkdir {d}/state && "
+            f"(dd if=/dev/zero of={d}/fill bs=4k 2>/dev/null || true)")
+    p = subprocess.run(["unshare", "-m", "sh", "-c",
+                        f'{prep} && exec "$0" run --user nobody --state-dir {d}/state -- true', STARTER],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 125, p
+    line = one_error_line(p)
+    assert "state" in line and ("Read-only" in line or "No space" in line), line
+
+
+@pytest.mark.parametrize("cmd", [["ps"], ["ps", "--json"], ["status", "x"], ["gc"], ["vacate", "x"],
+                                 ["enter", "x"], ["run", "--", "true"]])
+def test_admin_commands_as_non_root(cmd, state_dir):
+    p = subprocess.run([*NOBODY, STARTER, *cmd], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, STARTER_STATE_DIR=state_dir))
+    assert p.returncode == 125, p
+    assert "root" in one_error_line(p)
+
+
+def test_internal_error_is_one_line(tmp_path, monkeypatch, capsys):
+    """A bug inside job.run: one line (the traceback only with STARTER_DEBUG)."""
+    from starter import cgroups
+
+    def broken(*a, **kw):
+        raise RuntimeError("planted bug\nsecond line")
+
+    monkeypatch.setattr(cgroups, "open_backend", broken)
+    monkeypatch.delenv("STARTER_DEBUG", raising=False)
+    rc = cli.main(["run", "--user", "nobody", "--state-dir", str(tmp_path / "st"), "--", "true"])
+    err = capsys.readouterr().err
+    assert rc == 125 and err.count("\n") == 1 and "internal error" in err and "planted bug" in err, err
+    monkeypatch.setenv("STARTER_DEBUG", "1")
+    cli.main(["run", "--user", "nobody", "--state-dir", str(tmp_path / "st"), "--", "true"])
+    assert "Traceback" in capsys.readouterr().err
+
+
+def test_oserror_in_a_subcommand_is_one_line(monkeypatch, capsys):
+    from starter import admin
+
+    def broken(*a, **kw):
+        raise OSError(28, "No space left on device", "/run/starter/x.json")
+
+    monkeypatch.setattr(admin, "ps", broken)
+    assert cli.main(["ps"]) == 125
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "ENOSPC" in err and "/run/starter/x.json" in err, err
+
+
+def test_control_characters_are_escaped(starter):
+    line = one_error_line(starter("run", "--id", "a\x1b[2Jb\nc", "--", "true", check=125))
+    assert "\x1b" not in line and "\\x1b" in line
+
+
+# ------------------------------------------------------------ --help
+
+HELP = [["run"], ["ns-exec"], ["enter"], ["ps"], ["status"], ["vacate"], ["suspend"], ["resume"],
+        ["kill"], ["gc"], ["netd"], ["spool"], ["spool", "add"], ["spool", "lookup"], ["spool", "store"],
+        ["spool", "link"], ["spool", "release"], ["spool", "ls"], ["spool", "gc"]]
+
+
+@pytest.mark.parametrize("cmd", HELP, ids=" ".join)
+@pytest.mark.parametrize("flag", ["--help", "-h"])
+def test_help_everywhere(starter, cmd, flag):
+    p = starter(*cmd, flag, check=0)
+    assert p.stdout.startswith("usage: starter " + cmd[0]) and not p.stderr, p
+    if len(cmd) > 1:
+        assert p.stdout.startswith(f"usage: starter spool [--spool DIR] {cmd[1]}"), p.stdout
+
+
+# ------------------------------------------------------------ relative paths, cwd
+
+def test_relative_paths_resolve_against_the_callers_cwd(tmp_path, monkeypatch):
+    from starter import spec
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").mkdir()
+    (tmp_path / "in").mkdir()
+    (tmp_path / "sig.sha256").write_text("")
+    js = spec.build({"command": ["true"], "user": "nobody", "report": "r.json", "events": "ev/e.jsonl",
+                     "manifest": "sig.sha256", "manifest-digest": "0" * 64, "inputs": "in",
+                     "scratch": "s", "state-dir": "st", "mounts": [("ro-bind", "data:/srv/data"),
+                                                                   ("bind", "data")],
+                     "cwd": "/srv"})
+    t = str(tmp_path)
+    assert (js.report, js.events, js.manifest, js.inputs, js.scratch, js.state_dir) == (
+        t + "/r.json", t + "/ev/e.jsonl", t + "/sig.sha256", t + "/in", t + "/s", t + "/st")
+    assert [(m.src, m.dst) for m in js.mounts] == [(t + "/data", "/srv/data"), (t + "/data", t + "/data")]
+    assert js.cwd == "/srv"
+    assert spec.build({"command": ["true"], "user": "nobody", "events": "fd:3"}).events == "fd:3"
+    with pytest.raises(SpecError):
+        spec.build({"command": ["true"], "user": "nobody", "cwd": "relative"})   # the job's view
+
+
+def test_default_cwd(starter, tmp_path):
+    """The caller's cwd if the job's user can reach it there, else home, else /."""
+    d = tempfile.mkdtemp(prefix="starter-cwd-", dir="/var/lib")
+    try:
+        os.chmod(d, 0o755)
+        with open(os.path.join(d, "analysis"), "w") as f:
+            f.write("#!/bin/sh\npwd\n")
+        os.chmod(os.path.join(d, "analysis"), 0o755)
+        assert starter("run", "--user", "nobody", "--", "./analysis", cwd=d, check=0).stdout == d + "\n"
+        os.chmod(d, 0o700)             # nobody cannot reach it: home (/nonexistent), then /
+        assert starter("run", "--user", "nobody", "--", "pwd", cwd=d, check=0).stdout == "/\n"
+        assert starter("run", "--user", "root", "--", "pwd", cwd=d, check=0).stdout == d + "\n"
+        assert starter("run", "--user", "nobody", "--init", "--", "pwd", cwd=d, check=0).stdout == "/\n"
+        # An explicit --cwd is the only candidate: failing it is an error.
+        p = starter("run", "--user", "nobody", "--cwd", d, "--", "pwd", cwd=d, check=125)
+        assert "chdir" in one_error_line(p)
+    finally:
+        subprocess.run(["rm", "-rf", d], check=True)
+    # The caller's /tmp/x is not in the job's private /tmp.
+    assert starter("run", "--user", "root", "--", "pwd", cwd=str(tmp_path), check=0).stdout == "/root\n"
+
+
+def test_scratch_is_the_default_cwd(starter, tmp_path):
+    parent = tempfile.mkdtemp(prefix="starter-exec-", dir="/var/lib")
+    try:
+        os.chmod(parent, 0o755)
+        p = starter("run", "--user", "nobody", "--execute-dir", parent, "--id", "cwdjob", "--", "pwd",
+                    cwd="/", check=0)
+        assert p.stdout == os.path.join(parent, "job-cwdjob") + "\n"
+    finally:
+        subprocess.run(["rm", "-rf", parent], check=True)
+
+
+# ------------------------------------------------------------ fuzz
+
+HOSTILE = ["", " ", "../x", "a/b", "$(id)", "`id`", "x;rm -rf /", "a\0b", "a\nb", "\x1b[2J", "²", "١",
+           "١٢٣", "１２", "-1", "0", "1e400", "inf", "nan", "Infinity", "-", "--", "..", ".", "x" * 5000,
+           "/", "/etc/passwd", "/x/../y", "fd:", "fd:-1", "fd:99999999999", "tcp:0", "udp:70000",
+           "10.0.0.0/33", "::1/129", "USR1=explode", "K", "=v", "1=2", "é", "\udcff", "512M", "2G",
+           "nobody", "root", "none", "nat", "host", "bind", "tmpfs"]
+NUMBERS = [0, -1, 1, 2**31, 2**63, 10**400, 1.5, 1e308, float("inf"), float("-inf"), float("nan"),
+           True, False, None]
+
+FILE_KEYS = ["id", "command", "user", "group", "cwd", "env", "hostname", "init", "limits", "network",
+             "mounts", "report", "events", "grace", "on_signal", "state_dir", "cgroup_parent",
+             "scratch", "execute_dir", "keep_scratch", "manifest", "manifest_digest", "inputs",
+             "bogus", "", "\0"]
+SUB_KEYS = {"limits": ["memory", "cpus", "cpu_weight", "pids", "wall_time", "swap"],
+            "network": ["mode", "lan", "pool", "uplink", "allow_host_ports", "resolver", "x"]}
+
+
+def _value(rng, depth=0):
+    r = rng.random()
+    if r < 0.35:
+        return rng.choice(HOSTILE)
+    if r < 0.55:
+        return rng.choice(NUMBERS)
+    if r < 0.7 or depth > 3:
+        return [rng.choice(HOSTILE + NUMBERS) for _ in range(rng.randrange(4))]
+    if r < 0.85:
+        keys = rng.choice([FILE_KEYS, SUB_KEYS["limits"], SUB_KEYS["network"], ["type", "src", "dst", "options"]])
+        return {rng.choice(keys): _value(rng, depth + 1) for _ in range(rng.randrange(4))}
+    return [_value(rng, depth + 1)]
+
+
+def _job(rng):
+    doc = {"command": ["true"]} if rng.random() < 0.7 else {}
+    for _ in range(rng.randrange(1, 5)):
+        key = rng.choice(FILE_KEYS)
+        if key in SUB_KEYS and rng.random() < 0.7:
+            doc[key] = {rng.choice(SUB_KEYS[key]): _value(rng) for _ in range(rng.randrange(1, 4))}
+        elif key == "mounts" and rng.random() < 0.7:
+            doc[key] = [{"type": rng.choice(["bind", "ro-bind", "tmpfs", "x"]), "src": rng.choice(HOSTILE),
+                         "dst": rng.choice(HOSTILE), **({"options": rng.choice(HOSTILE)} if rng.random() < .3 else {})}]
+        else:
+            doc[key] = _value(rng)
+    return doc
+
+
+def _text(rng, doc):
+    r = rng.random()
+    text = json.dumps(doc, ensure_ascii=rng.random() < 0.5, allow_nan=True) if r < 0.8 else None
+    if text is None:                       # structurally broken input
+        text = rng.choice(['{"id": ', "[" * 3000, "{" * 3000, '{"id": "a", "id": "b"}', "\ufeff{}",
+                           '{"command": ["true"]}' + "x", "null", "1e400", '"x"', "[]"])
+    if rng.random() < 0.05:
+        return text.encode("utf-8", "surrogatepass")[: rng.randrange(1, 20)] + b"\xff\xfe"
+    return text.encode("utf-8", "surrogatepass")
+
+
+@pytest.fixture
+def dry_run(monkeypatch, capsys, tmp_path):
+    """cli.main with job.run stubbed: -> (rc, stdout, stderr)."""
+    import starter.job
+
+    monkeypatch.setattr(starter.job, "run", lambda spec: 0)
+    monkeypatch.chdir(tmp_path)
+
+    def call(argv):
+        rc = cli.main(argv)
+        out, err = capsys.readouterr()
+        return rc, out, err
+
+    return call
+
+
+def _check(rc, err, what):
+    assert rc in (0, 125), (rc, what, err)
+    if rc == 0:
+        assert err == "", (what, err)
+    else:
+        assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, (what, err)
+
+
+def test_fuzz_job_file(dry_run, tmp_path):
+    rng = random.Random(12)
+    seen = {0: 0, 125: 0}
+    for i in range(1500):
+        doc = _job(rng)
+        f = tmp_path / ("job.toml" if rng.random() < 0.05 else "job.json")
+        f.write_bytes(_text(rng, doc))
+        rc, _, err = dry_run(["run", "--job", str(f)])
+        _check(rc, err, (i, f.read_bytes()[:300]))
+        seen[rc] += 1
+    assert seen[0] > 20 and seen[125] > 500, seen      # both paths are exercised
+
+
+def test_fuzz_run_options(dry_run):
+    rng = random.Random(7)
+    opts = [o for o in cli.RUN_OPTIONS if o != "--job"]
+    seen = {0: 0, 125: 0}
+    for i in range(1500):
+        argv = ["run"]
+        for _ in range(rng.randrange(1, 4)):
+            o = rng.choice(opts)
+            if cli.RUN_OPTIONS[o][1] == "flag":
+                argv.append(o if rng.random() < 0.9 else o + "=" + rng.choice(HOSTILE))
+            else:
+                v = rng.choice(HOSTILE + [str(n) for n in NUMBERS])
+                argv += [o, v] if rng.random() < 0.5 else [f"{o}={v}"]
+        if rng.random() < 0.9:
+            argv += ["--"] + [rng.choice(HOSTILE) or "true" for _ in range(rng.randrange(1, 3))]
+        argv = [a.replace("\0", "") for a in argv]      # execve cannot pass a NUL
+        rc, _, err = dry_run(argv)
+        _check(rc, err, argv)
+        seen[rc] += 1
+    assert seen[0] > 20 and seen[125] > 500, seen
+
+
+def test_fuzz_admin_commands(dry_run, tmp_path, state_dir):
+    rng = random.Random(3)
+    cmds = ["ps", "status", "vacate", "suspend", "resume", "kill", "enter", "spool", "ns-exec", "netd"]
+    for i in range(300):
+        argv = [rng.choice(cmds)] + [rng.choice(HOSTILE + ["--json", "--user", "ls", "gc", "add", "--owner",
+                                                           "-x", "-p", "--help", "-h"])
+                                     for _ in range(rng.randrange(0, 4))]
+        if argv[0] in ("ns-exec", "netd", "enter") and not {"--help", "-h"} & set(argv):
+            continue   # would really spawn, or serve forever
+        if argv[0] == "spool":
+            argv[1:1] = ["--spool", str(tmp_path / "spool")]
+        rc, out, err = dry_run(argv)
+        assert rc in (0, 1, 2, 125), (argv, rc, err)
+        if rc in (2, 125) and not (rc == 2 and not err and out.startswith("usage:")):
+            assert err.count("\n") == 1 and "Traceback" not in err, (argv, err)
