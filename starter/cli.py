@@ -31,7 +31,8 @@ commands:
   spool [--spool DIR] add|ls|gc|link|release ...
                                 shared executables, stored once per owner and hash
 
-common options: --state-dir DIR (default /run/starter, or $STARTER_STATE_DIR)
+common options: --state-dir DIR (default /run/starter, or $STARTER_STATE_DIR),
+--help on every command.  Relative paths are relative to the current directory.
 exit codes of run: the job's code, 128+N for signal N, 125 starter failed,
 126 not executable, 127 not found.
 """
@@ -42,7 +43,7 @@ RUN_OPTIONS = {
     "--id": ("id", "value", "ID  job id (default: random); [A-Za-z0-9_.-], at most 64"),
     "--user": ("user", "value", "USER  run as this user (name or uid)"),
     "--group": ("group", "value", "GROUP  primary group (default: the user's)"),
-    "--cwd": ("cwd", "value", "DIR  working directory inside the job"),
+    "--cwd": ("cwd", "value", "DIR  working directory inside the job (default: the scratch, else the caller's if the job can enter it, else home, else /)"),
     "--env": ("env", "multi", "K=V  set a variable (repeatable); the job gets only these plus HOME/USER/PATH"),
     "--net": ("net", "value", "MODE  none (default: own namespace, loopback only), host, nat"),
     "--hostname": ("hostname", "value", "NAME  host name inside the job (own UTS namespace)"),

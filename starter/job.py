@@ -139,8 +139,9 @@ def _run(spec, job_state, signals, events, undo, report):
                 spec.manifest, spec.manifest_digest, spec.inputs or os.path.dirname(spec.manifest),
                 sc.fd, spec.uid, spec.gid)
             # Run the verified copy, never the path that was checked.
-            if argv[0] in staged:
-                argv[0] = staged[argv[0]]
+            name = argv[0][2:] if argv[0].startswith("./") else argv[0]
+            if name in staged:
+                argv[0] = staged[name]
     elif spec.manifest:
         raise StarterError("--manifest needs a scratch directory to stage into",
                            "add --scratch DIR or --execute-dir DIR")
