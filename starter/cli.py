@@ -170,7 +170,12 @@ NS_FLAGS = {"p": "pid", "n": "net", "m": "mnt", "u": "uts", "i": "ipc"}
 
 def cmd_ns_exec(argv):
     """ns_exec from the seed: `starter ns-exec -nm -- /bin/bash`."""
-    if not argv or argv[0] in ("-h", "--help"):
+    flags = []
+    for a in argv:
+        if a == "--" or not a.startswith("-"):
+            break
+        flags.append(a)
+    if not argv or "-h" in flags or "--help" in flags:
         sys.stdout.write(
             "usage: starter ns-exec [-p] [-n] [-m] [-u] [-i] [--] CMD [ARGS]\n\n"
             "Run CMD as root (capabilities kept) in fresh namespaces: -p pid, -n net,\n"

@@ -39,7 +39,7 @@ class Undo:
             try:
                 fn(*args)
             except Exception as e:  # keep unwinding; report the first failure
-                sys.stderr.write(f"starter: teardown {getattr(fn, '__qualname__', fn)} failed: {e}\n")
+                sys.stderr.write(f"starter: teardown {getattr(fn, '__qualname__', fn)} failed: {one_line(e)}\n")
                 err = err or e
         return err
 
