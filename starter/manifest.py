@@ -48,14 +48,15 @@ def parse_digest(text, field="manifest-digest"):
 
 
 def check_name(name, where="manifest"):
-    if (
-        not name
-        or name in (".", "..")
-        or "/" in name
-        or "\0" in name
-        or name.startswith("-")
-        or len(name.encode("utf-8", "surrogateescape")) > 255
-    ):
+    """A plain file name (values.filename) that does not look like an option."""
+    from starter import values
+
+    try:
+        values.filename(where, name)
+        bad = name.startswith("-")
+    except SpecError:
+        bad = True
+    if bad:
         raise StagingError(
             f"{where}: {name!r} is not a plain file name",
             hint="list plain names relative to the source directory: no '/', '.', '..', NUL or leading '-'",

@@ -761,10 +761,9 @@ def _run_command(s, cmd, values, pos):
     if cmd == "ls":
         return s.ls()
     if cmd == "gc":
-        try:
-            min_age = float(values.get("min-age", DEFAULT_GC_MIN_AGE))
-        except ValueError:
-            raise SpecError("min-age", f"{values['min-age']!r} is not a number of seconds") from None
+        from starter import values as V
+
+        min_age = V.duration("min-age", values.get("min-age", DEFAULT_GC_MIN_AGE), 0, 10 * 366 * 86400)
         return s.gc(min_age=min_age)
     raise AssertionError(cmd)
 

@@ -114,7 +114,12 @@ def numeric_id(field, value):
 def user_or_id(field, value):
     """A user or group given by name or number: -> the name, or the id as int."""
     value = string(field, value)
-    return numeric_id(field, value) if is_numeric_id(value) else name(field, value)
+    if is_numeric_id(value):
+        return numeric_id(field, value)
+    try:
+        return name(field, value)
+    except SpecError as e:
+        raise SpecError(field, e.detail, "give a name of [A-Za-z0-9_.-] or a numeric id in ASCII digits") from None
 
 
 def _ascii_number(field, value, what):

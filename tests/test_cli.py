@@ -197,6 +197,12 @@ def test_oserror_in_a_subcommand_is_one_line(monkeypatch, capsys):
     assert err.count("\n") == 1 and "ENOSPC" in err and "/run/starter/x.json" in err, err
 
 
+@pytest.mark.parametrize("bad", ["nan", "inf", "١", "-5", "1e400"])
+def test_spool_min_age(starter, tmp_path, bad):
+    p = starter("spool", "--spool", str(tmp_path / "spool"), "gc", "--min-age", bad, check=125)
+    assert "min-age" in one_error_line(p)
+
+
 def test_control_characters_are_escaped(starter):
     line = one_error_line(starter("run", "--id", "a\x1b[2Jb\nc", "--", "true", check=125))
     assert "\x1b" not in line and "\\x1b" in line
