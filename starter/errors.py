@@ -29,6 +29,7 @@ class SpecError(StarterError):
     """A job description or command line that cannot be accepted."""
 
     def __init__(self, field, message, hint=None):
+        field = str(field) if len(str(field)) <= 60 else str(field)[:55] + "..."  # a hostile key
         super().__init__(f"{field}: {message}", hint)
         self.field = field
         self.detail = message

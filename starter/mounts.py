@@ -13,7 +13,7 @@ A plain class rather than a dataclass: `import dataclasses` costs every job
 import os
 
 from starter.errors import SpecError
-from starter.values import host_path as _host_path, path as _check_path
+from starter.values import host_path as _host_path, path as _check_path, show as _show
 
 KINDS = ("bind", "ro-bind", "tmpfs")
 _KIND_CODE = {"bind": 1, "ro-bind": 2, "tmpfs": 3}  # SHIM_MOUNT_* in shim.h
@@ -33,19 +33,19 @@ class Mount:
 
     def _validate(self):
         if self.kind not in KINDS:
-            raise SpecError("mount.kind", f"{self.kind!r} is not one of {', '.join(KINDS)}")
+            raise SpecError("mount.kind", f"{_show(self.kind)} is not one of {', '.join(KINDS)}")
         _check_path("mount.dst", self.dst)
         if self.kind == "tmpfs":
             if self.src is not None:
-                raise SpecError("mount.src", f"a tmpfs on {self.dst} takes no source")
+                raise SpecError("mount.src", f"a tmpfs on {_show(self.dst)} takes no source")
             if not isinstance(self.options, str) or "\0" in self.options:
-                raise SpecError("mount.options", f"bad tmpfs options for {self.dst}")
+                raise SpecError("mount.options", f"bad tmpfs options for {_show(self.dst)}")
         else:
             if self.src is None:
-                raise SpecError("mount.src", f"a {self.kind} on {self.dst} needs a source")
+                raise SpecError("mount.src", f"a {self.kind} on {_show(self.dst)} needs a source")
             _check_path("mount.src", self.src)
             if self.options:
-                raise SpecError("mount.options", f"{self.kind} takes no options (got {self.options!r})")
+                raise SpecError("mount.options", f"{self.kind} takes no options (got {_show(self.options)})")
 
     @classmethod
     def parse(cls, kind, text):

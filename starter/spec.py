@@ -118,7 +118,7 @@ def parse_env(field, items):
             item = _str(field, item)
             k, sep, v = item.partition("=")
             if not sep:
-                raise SpecError(field, f"{item!r} must be KEY=VALUE")
+                raise SpecError(field, f"{V.show(item)} must be KEY=VALUE")
         env[V.env_name(field, k)] = _str(field, v)
     if len(env) > MAX_ENV:
         raise SpecError(field, "too many variables")
@@ -131,7 +131,7 @@ def parse_mount(field, kind, value):
     from starter.mounts import Mount
 
     if kind not in MOUNT_KINDS:
-        raise SpecError(field, f"unknown mount type {kind!r} (one of {', '.join(MOUNT_KINDS)})")
+        raise SpecError(field, f"unknown mount type {V.show(kind)} (one of {', '.join(MOUNT_KINDS)})")
     try:
         m = Mount.parse(kind, _str(field, value))
     except SpecError as e:
@@ -139,9 +139,9 @@ def parse_mount(field, kind, value):
     if kind == "tmpfs":
         for opt in filter(None, m.options.split(",")):
             if opt.partition("=")[0] not in ("size", "mode", "nr_inodes"):
-                raise SpecError(field, f"tmpfs option {opt!r} not allowed (size, mode, nr_inodes)")
+                raise SpecError(field, f"tmpfs option {V.show(opt)} not allowed (size, mode, nr_inodes)")
     elif not os.path.exists(m.src):
-        raise SpecError(field, f"{m.src!r} does not exist")
+        raise SpecError(field, f"{V.show(m.src)} does not exist")
     return m
 
 
@@ -153,13 +153,13 @@ def parse_on_signal(field, items):
     for item in items:
         name, sep, action = _str(field, item).partition("=")
         if not sep or action not in ACTIONS:
-            raise SpecError(field, f"{item!r} must be SIGNAL=ACTION, ACTION one of {', '.join(ACTIONS)}")
+            raise SpecError(field, f"{V.show(item)} must be SIGNAL=ACTION, ACTION one of {', '.join(ACTIONS)}")
         name = name.upper()
         if not name.startswith("SIG"):
             name = "SIG" + name
         num = getattr(_signal, name, None)
         if not isinstance(num, int) or name in ("SIGKILL", "SIGSTOP", "SIGCHLD"):
-            raise SpecError(field, f"{item!r}: {name} cannot be used")
+            raise SpecError(field, f"{V.show(item)}: {V.show(name)} cannot be used")
         out.append((num, action))
     return tuple(out)
 
@@ -167,7 +167,7 @@ def parse_on_signal(field, items):
 def parse_host_port(field, value):
     proto, sep, port = _str(field, value).partition(":")
     if not sep or proto not in ("tcp", "udp"):
-        raise SpecError(field, f"{value!r} must be tcp:PORT or udp:PORT")
+        raise SpecError(field, f"{V.show(value)} must be tcp:PORT or udp:PORT")
     return (proto, parse_number(field, port, 1, 65535, integer=True))
 
 
@@ -193,7 +193,7 @@ def resolve_user(user, group):
                 uid, gid, name, home, groups = int(user), int(user), None, "/", ()
                 pw = None
             else:
-                raise SpecError("user", f"no such user {user!r}") from None
+                raise SpecError("user", f"no such user {V.show(user)}") from None
         if pw is not None:
             uid, gid, name, home = pw.pw_uid, pw.pw_gid, pw.pw_name, pw.pw_dir
             groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
@@ -201,7 +201,7 @@ def resolve_user(user, group):
         try:
             gid = V.numeric_id("group", group) if V.is_numeric_id(group) else grp.getgrnam(check_name("group", group)).gr_gid
         except KeyError:
-            raise SpecError("group", f"no such group {group!r}") from None
+            raise SpecError("group", f"no such group {V.show(group)}") from None
         groups = ()
     return uid, gid, groups, home, name
 
@@ -264,7 +264,7 @@ def _flatten_file(doc):
                     raise SpecError(f, "must be {type, src, dst[, options]}")
                 kind = m["type"]
                 if kind not in MOUNT_KINDS:
-                    raise SpecError(f + ".type", f"{kind!r} is not one of {', '.join(MOUNT_KINDS)}")
+                    raise SpecError(f + ".type", f"{V.show(kind)} is not one of {', '.join(MOUNT_KINDS)}")
                 if kind == "tmpfs":
                     mounts.append((kind, _str(f, m.get("dst", "")) + (":" + _str(f, m["options"]) if m.get("options") else "")))
                 else:
@@ -342,7 +342,7 @@ def _make(raw):
 
     mode = _str("net", raw.get("net", "none"))
     if mode not in NET_MODES:
-        raise SpecError("net", f"{mode!r} is not one of {', '.join(NET_MODES)}")
+        raise SpecError("net", f"{V.show(mode)} is not one of {', '.join(NET_MODES)}")
     if mode != "nat":
         for k in ("lan", "pool", "uplink", "allow-host-port", "resolver"):
             if raw.get(k):

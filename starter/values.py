@@ -53,6 +53,14 @@ _NUMBER_CHARS = frozenset("0123456789+-.eE")
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
+def show(value, limit=60):
+    """repr() for a message: short, so a 1 MiB hostile value makes a short line."""
+    if isinstance(value, int) and not isinstance(value, bool) and value.bit_length() > 64:
+        return "a huge number"
+    text = repr(value) if isinstance(value, (str, int, float, bool)) or value is None else type(value).__name__
+    return text if len(text) <= limit else text[: limit - 5] + "...'"
+
+
 def string(field, value):
     """A str without NUL bytes (NUL would cut it short in C)."""
     if not isinstance(value, str):
@@ -68,9 +76,9 @@ def _token(field, value, max_len, what, leading="-."):
         raise SpecError(field, f"{what} must be 1..{max_len} characters, got {len(value)}")
     bad = set(value) - NAME_CHARS
     if bad:
-        raise SpecError(field, f"{value!r} has characters outside [A-Za-z0-9_.-]: {''.join(sorted(bad))!r}")
+        raise SpecError(field, f"{show(value)} has characters outside [A-Za-z0-9_.-]: {show(''.join(sorted(bad)))}")
     if value[0] in leading or ".." in value:
-        raise SpecError(field, f"{value!r} may not start with {' or '.join(map(repr, leading))} or contain '..'")
+        raise SpecError(field, f"{show(value)} may not start with {' or '.join(map(repr, leading))} or contain '..'")
     return value
 
 
@@ -105,9 +113,9 @@ def numeric_id(field, value):
     elif is_numeric_id(value):
         n = int(value)
     else:
-        raise SpecError(field, f"{value!r} is not a numeric id (ASCII digits)")
+        raise SpecError(field, f"{show(value)} is not a numeric id (ASCII digits)")
     if not 0 <= n <= MAX_NUMERIC_ID:
-        raise SpecError(field, f"{value!r} is out of range (0 .. {MAX_NUMERIC_ID})")
+        raise SpecError(field, f"{show(value)} is out of range (0 .. {MAX_NUMERIC_ID})")
     return n
 
 
@@ -125,13 +133,13 @@ def user_or_id(field, value):
 def _ascii_number(field, value, what):
     value = string(field, value).strip()
     if not value or not value.isascii() or set(value) - _NUMBER_CHARS:
-        raise SpecError(field, f"{value!r} is not {what}")
+        raise SpecError(field, f"{show(value)} is not {what}")
     return value
 
 
 def _finite(field, f, shown):
     if f != f or f in (float("inf"), float("-inf")):
-        raise SpecError(field, f"{shown!r} is not a finite number")
+        raise SpecError(field, f"{show(shown)} is not a finite number")
     return f
 
 
@@ -146,7 +154,7 @@ def size(field, value, max_bytes=MAX_SIZE):
     else:
         s = string(field, value).strip().lower()
         if not s.isascii():
-            raise SpecError(field, f"{value!r} is not a size (e.g. 512M, 2G)")
+            raise SpecError(field, f"{show(value)} is not a size (e.g. 512M, 2G)")
         if s.endswith("ib"):
             s = s[:-2]
         elif s.endswith("b") and len(s) > 1 and not s[-2].isdigit():
@@ -154,16 +162,16 @@ def size(field, value, max_bytes=MAX_SIZE):
         unit = s[-1:] if s[-1:] in _SIZE_UNITS and not s[-1:].isdigit() else ""
         num = s[: len(s) - len(unit)]
         if not num or set(num) - _NUMBER_CHARS:
-            raise SpecError(field, f"{value!r} is not a size (e.g. 512M, 2G)")
+            raise SpecError(field, f"{show(value)} is not a size (e.g. 512M, 2G)")
         try:
             f = float(num)
         except ValueError:
-            raise SpecError(field, f"{value!r} is not a size (e.g. 512M, 2G)") from None
+            raise SpecError(field, f"{show(value)} is not a size (e.g. 512M, 2G)") from None
         if f != f or f > max_bytes:     # nan, inf, 1e400, or just too big
-            raise SpecError(field, f"{value!r} is out of range (1 byte .. {_bytes(max_bytes)})")
+            raise SpecError(field, f"{show(value)} is out of range (1 byte .. {_bytes(max_bytes)})")
         n = int(f * _SIZE_UNITS[unit])
     if not 0 < n <= max_bytes:
-        raise SpecError(field, f"{value!r} is out of range (1 byte .. {_bytes(max_bytes)})")
+        raise SpecError(field, f"{show(value)} is out of range (1 byte .. {_bytes(max_bytes)})")
     return n
 
 
@@ -184,16 +192,15 @@ def number(field, value, lo, hi, integer=False):
         try:
             value = int(s) if integer else float(s)
         except ValueError:
-            raise SpecError(field, f"{s!r} is not {what}") from None
-    if integer and not isinstance(value, int):
-        raise SpecError(field, f"{value!r} must be an integer")
+            raise SpecError(field, f"{show(s)} is not {what}") from None
     if not isinstance(value, (int, float)):
         raise SpecError(field, f"must be {what}, got {type(value).__name__}")
+    if integer and not isinstance(value, int):
+        raise SpecError(field, f"{show(value)} must be an integer")
     if isinstance(value, float):
         _finite(field, value, value)
     if not lo <= value <= hi:
-        shown = value if not isinstance(value, int) or value.bit_length() < 64 else "a huge number"
-        raise SpecError(field, f"{shown!r} is out of range ({lo} .. {hi})")
+        raise SpecError(field, f"{show(value)} is out of range ({lo} .. {hi})")
     return value
 
 
@@ -206,13 +213,13 @@ def path(field, value, must_exist=False):
     """An absolute path without '..' components."""
     value = string(field, value)
     if not value.startswith("/"):
-        raise SpecError(field, f"{value!r} must be an absolute path")
+        raise SpecError(field, f"{show(value)} must be an absolute path")
     if len(value) > MAX_PATH:
         raise SpecError(field, "path too long")
     if "/../" in value + "/":
-        raise SpecError(field, f"{value!r} may not contain '..'")
+        raise SpecError(field, f"{show(value)} may not contain '..'")
     if must_exist and not os.path.exists(value):
-        raise SpecError(field, f"{value!r} does not exist")
+        raise SpecError(field, f"{show(value)} does not exist")
     return value
 
 
@@ -222,11 +229,11 @@ def host_path(field, value, must_exist=False):
     value = string(field, value)
     if value and not value.startswith("/"):
         if "/../" in "/" + value + "/":
-            raise SpecError(field, f"{value!r} may not contain '..'")
+            raise SpecError(field, f"{show(value)} may not contain '..'")
         try:
             cwd = os.getcwd()
         except OSError:
-            raise SpecError(field, f"{value!r} is relative and the current directory is gone",
+            raise SpecError(field, f"{show(value)} is relative and the current directory is gone",
                             "give an absolute path") from None
         value = os.path.normpath(os.path.join(cwd, value))
     return path(field, value, must_exist)
@@ -236,7 +243,7 @@ def filename(field, value):
     """One path component, as a name inside a directory."""
     value = string(field, value)
     if value in ("", ".", "..") or "/" in value or len(value.encode("utf-8", "surrogateescape")) > MAX_FILENAME:
-        raise SpecError(field, f"{value!r} is not a plain file name",
+        raise SpecError(field, f"{show(value)} is not a plain file name",
                         "no '/', not empty, '.' or '..', at most 255 bytes")
     return value
 
@@ -244,7 +251,7 @@ def filename(field, value):
 def env_name(field, value):
     value = string(field, value)
     if not value or value[0] not in _ENV_FIRST or set(value) - _ENV_CHARS:
-        raise SpecError(field, f"{value!r} is not a valid variable name")
+        raise SpecError(field, f"{show(value)} is not a valid variable name")
     return value
 
 
@@ -252,8 +259,8 @@ def cidr(field, value):
     import ipaddress
 
     value = string(field, value)
-    if not value.isascii():
-        raise SpecError(field, f"{value!r} is not a network (ASCII, like 10.0.0.0/8)")
+    if not value.isascii() or len(value) > 64:
+        raise SpecError(field, f"{show(value)} is not a network (ASCII, like 10.0.0.0/8)")
     try:
         return str(ipaddress.ip_network(value, strict=True))
     except ValueError as e:
@@ -264,8 +271,8 @@ def ip_address(field, value):
     import ipaddress
 
     value = string(field, value)
-    if not value.isascii():
-        raise SpecError(field, f"{value!r} is not an IP address")
+    if not value.isascii() or len(value) > 64:
+        raise SpecError(field, f"{show(value)} is not an IP address")
     try:
         return str(ipaddress.ip_address(value))
     except ValueError as e:

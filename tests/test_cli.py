@@ -360,6 +360,7 @@ def _check(rc, err, what):
         assert err == "", (what, err)
     else:
         assert err.count("\n") == 1 and err.endswith("\n") and "Traceback" not in err, (what, err)
+        assert len(err) < 600, (what, err)        # a huge hostile value makes a short line
 
 
 def test_fuzz_job_file(dry_run, tmp_path):
