@@ -310,6 +310,17 @@ COMMANDS = {
 
 
 def main(argv=None):
+    try:
+        code = _main(argv)
+        sys.stdout.flush()
+        return code
+    except BrokenPipeError:
+        # The reader went away (`starter ps | head -1`): nothing to report.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 128 + 13   # as if killed by SIGPIPE, like other tools
+
+
+def _main(argv):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help", "help"):
         sys.stdout.write(USAGE)
@@ -340,6 +351,8 @@ def main(argv=None):
     except RecursionError:
         _error(f"starter {argv[0]}: input nested too deeply")
         return EXIT_STARTER_FAILED
+    except BrokenPipeError:
+        raise
     except OSError as e:
         from starter.errors import from_oserror
 

@@ -203,6 +203,17 @@ def test_spool_min_age(starter, tmp_path, bad):
     assert "min-age" in one_error_line(p)
 
 
+def test_reader_gone_is_quiet():
+    """`starter ps | head -1`: a closed pipe ends the command without a message."""
+    r, w = os.pipe()
+    os.close(r)
+    try:
+        p = subprocess.run([STARTER, "run", "--help"], stdout=w, stderr=subprocess.PIPE, text=True, timeout=30)
+    finally:
+        os.close(w)
+    assert p.returncode == 141 and p.stderr == "", p
+
+
 def test_control_characters_are_escaped(starter):
     line = one_error_line(starter("run", "--id", "a\x1b[2Jb\nc", "--", "true", check=125))
     assert "\x1b" not in line and "\\x1b" in line
