@@ -11,6 +11,8 @@
  *
  *   starter (Python)                         child (C only)
  *   ----------------                         --------------
+ *   bind trees: open_tree(src_fd) (detached copies; the caller resolved
+ *               each source to an O_PATH fd without following links)
  *   pipes: sync, err (+status in init mode), all O_CLOEXEC
  *   block all signals
  *   clone3(NEWPID|NEWNET|NEWNS, PIDFD,  ───► signals to SIG_DFL
@@ -18,9 +20,10 @@
  *   restore signal mask                      read(sync) ........ blocks
  *   attach v1 cgroups, wire network          :   EOF (starter died) -> _exit(125)
  *   release(): write(sync, 1 byte) ───sync──►:
- *                                            / rslave, grab bind sources,
- *                                            /proc, /sys, lo up, hostname,
- *                                            /tmp, binds, tmpfs, stdio,
+ *                                            / rslave, grab bind sources
+ *                                            given by path, /proc, /sys, lo
+ *                                            up, hostname, /tmp, binds (each
+ *                                            made a slave), tmpfs, stdio,
  *                                            setsid, setresgid, setgroups,
  *                                            cap bounding drop, setresuid,
  *                                            capset(0), NO_NEW_PRIVS,
@@ -140,6 +143,7 @@ struct child_ctx {
     int sync_rd;   /* release byte, or EOF when the starter is gone */
     int err_wr;    /* struct shim_report */
     int status_wr; /* init mode: job's wait status, else -1 */
+    const int *trees; /* per mount: bind tree cloned before clone(), or -1; or NULL */
 };
 
 /* ---- async-signal-safe helpers (child side) ---------------------------- */
@@ -353,7 +357,8 @@ static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m
             int last = m->dst[i] == 0;
             int file = 0;
             if (last && m->kind != SHIM_MOUNT_TMPFS &&
-                (tree >= 0 ? fstat(tree, &st) : stat(m->src, &st)) == 0 && !S_ISDIR(st.st_mode))
+                (tree >= 0 ? fstat(tree, &st) : m->src_fd >= 0 ? fstat(m->src_fd, &st) : stat(m->src, &st)) == 0 &&
+                !S_ISDIR(st.st_mode))
                 file = 1;
             if (file) {
                 int fd = open(buf, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -396,6 +401,19 @@ static int grab_source(const struct child_ctx *c, const struct shim_mount *m)
     return fd;
 }
 
+/* No open_tree (before 5.2): the source was mounted by path.  It must be the
+ * inode the starter resolved without links; else a link was swapped in. */
+static void check_same_source(const struct child_ctx *c, const struct shim_mount *m)
+{
+    struct stat want, got;
+    if (m->src_fd < 0)
+        return;
+    if (fstat(m->src_fd, &want) < 0 || stat(m->dst, &got) < 0)
+        fail(c, "stat bind source", m->src);
+    if (want.st_dev != got.st_dev || want.st_ino != got.st_ino)
+        fail_err(c, ELOOP, EXIT_STARTER, "bind source changed while resolving", m->src);
+}
+
 static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree)
 {
     const char *what = m->kind == SHIM_MOUNT_BIND ? "bind" : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind" : "tmpfs";
@@ -405,6 +423,10 @@ static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int 
         if (syscall(SYS_move_mount, tree, "", AT_FDCWD, m->dst, MOVE_MOUNT_F_EMPTY_PATH) < 0)
             fail(c, what, m->dst);
         close(tree);
+        /* A tree cloned in the starter's namespace is a peer of its source
+         * (shared, on systemd hosts): nothing may propagate back. */
+        if (mount(NULL, m->dst, NULL, MS_REC | MS_SLAVE, NULL) < 0)
+            fail(c, "make slave", m->dst);
         return;
     }
     switch (m->kind) {
@@ -412,6 +434,7 @@ static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int 
     case SHIM_MOUNT_RO_BIND:
         if (mount(m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
             fail(c, what, m->dst);
+        check_same_source(c, m);
         if (m->kind == SHIM_MOUNT_RO_BIND && make_readonly(m->dst) < 0)
             fail(c, "remount read-only", m->dst);
         break;
@@ -497,7 +520,9 @@ static void setup_namespaces(const struct child_ctx *c)
         if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0)
             fail(c, "make / a slave mount", NULL);
         for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
-            trees[i] = grab_source(c, &s->mounts[i]);
+            trees[i] = c->trees && c->trees[i] >= 0 ? c->trees[i]
+                       : s->mounts[i].src_fd >= 0 ? -1 /* mount by path, then check */
+                       : grab_source(c, &s->mounts[i]);
         if (ns & SHIM_NEWPID) {
             if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
                 fail(c, "mount", "/proc");
@@ -843,6 +868,7 @@ static void child_ctx_init(struct child_ctx *c, const struct shim_spec *s, struc
     c->sync_rd = p->sync[0];
     c->err_wr = p->err[1];
     c->status_wr = p->status[1];
+    c->trees = NULL;
 }
 
 /* In the child: drop the starter's ends of the pipes. */
@@ -899,12 +925,78 @@ void shim_test_no_clone3(int on)
     clone3_state = on ? -1 : 0;
 }
 
+static void close_trees(const struct shim_spec *s, int *trees)
+{
+    for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
+        if (trees[i] >= 0) {
+            close(trees[i]);
+            trees[i] = -1;
+        }
+}
+
+/* Bind sources given as fds are cloned here, in the starter, before clone():
+ * open_tree() clones only mounts of the caller's own mount namespace, so the
+ * child could not use an fd the starter opened, and it must not walk the path
+ * again (a link could have been swapped in).  A detached tree can be attached
+ * in any namespace.  Read-only is set while it is still detached.  -1 where
+ * the kernel lacks open_tree or mount_setattr: the child mounts by path and
+ * checks the inode (check_same_source). */
+static int no_open_tree = 0; /* tests: as on a kernel without open_tree */
+
+void shim_test_no_open_tree(int on)
+{
+    no_open_tree = on;
+}
+
+static int take_trees(const struct shim_spec *s, int *trees)
+{
+    for (int i = 0; i < SHIM_MAX_MOUNTS; i++)
+        trees[i] = -1;
+    if (no_open_tree)
+        return 0;
+    for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++) {
+        const struct shim_mount *m = &s->mounts[i];
+        if ((m->kind != SHIM_MOUNT_BIND && m->kind != SHIM_MOUNT_RO_BIND) || m->src_fd < 0)
+            continue;
+        int fd = (int)syscall(SYS_open_tree, m->src_fd, "",
+                              AT_EMPTY_PATH | OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+        if (fd < 0) {
+            if (errno == ENOSYS)
+                continue;
+            goto fail;
+        }
+        if (m->kind == SHIM_MOUNT_RO_BIND) {
+            struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+            if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) < 0) {
+                int e = errno;
+                close(fd);
+                if (e == ENOSYS)
+                    continue;
+                errno = e;
+                goto fail;
+            }
+        }
+        trees[i] = fd;
+    }
+    return 0;
+fail:;
+    int e = errno;
+    close_trees(s, trees);
+    return -e;
+}
+
 int shim_spawn(const struct shim_spec *s, struct shim_child *out)
 {
     struct pipes p;
-    int r = open_pipes(&p, s->init);
+    int trees[SHIM_MAX_MOUNTS];
+    int r = take_trees(s, trees);
     if (r < 0)
         return r;
+    r = open_pipes(&p, s->init);
+    if (r < 0) {
+        close_trees(s, trees);
+        return r;
+    }
     sigset_t all, old;
     sigfillset(&all);
     /* No signal may run the caller's (Python) handlers in the child before
@@ -916,10 +1008,12 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
         struct child_ctx c;
         child_close_parent_ends(&p);
         child_ctx_init(&c, s, &p);
+        c.trees = trees;
         child_main(&c);
     }
     int e = errno;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    close_trees(s, trees); /* the child has its copies */
     close(p.sync[0]);
     close(p.err[1]);
     if (p.status[1] >= 0)

@@ -216,8 +216,13 @@ def parse_mount(field, kind, value):
         for opt in filter(None, m.options.split(",")):
             if opt.partition("=")[0] not in ("size", "mode", "nr_inodes"):
                 raise SpecError(field, f"tmpfs option {opt!r} not allowed (size, mode, nr_inodes)")
-    elif not os.path.exists(m.src):
-        raise SpecError(field, f"{m.src!r} does not exist")
+    else:  # the starter mounts it as root: no link of anyone's is followed
+        from starter import paths
+
+        try:
+            os.close(paths.open_path(m.src, "source")[0])
+        except paths.LinkError as e:
+            raise SpecError(field, e.args[0], e.hint) from None
     return m
 
 
