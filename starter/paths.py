@@ -50,10 +50,11 @@ def split(path):
     return [c for c in path.split("/") if c not in ("", ".")]
 
 
-def open_dir(path, what="path", create=None, full=None):
-    """An O_PATH fd of directory `path`, every component resolved without
-    following links.  `create` (a mode) makes a missing last component.
-    `full`: the path to name in messages (a file in this directory)."""
+def open_dir(path, what="path", create=None, full=None, readable=False):
+    """An O_PATH fd of directory `path` (`readable`: an O_RDONLY one), every
+    component resolved without following links.  `create` (a mode) makes a
+    missing last component.  `full`: the path to name in messages (a file in
+    this directory)."""
     parts = split(path)
     shown = full or path
     fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -78,6 +79,10 @@ def open_dir(path, what="path", create=None, full=None):
                 raise _link_error(what, shown, sofar)
             if not stat.S_ISDIR(mode):
                 raise LinkError(f"{what} {shown}: {sofar} is {kind(mode)}, not a directory")
+        if readable:
+            rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = rfd
         return fd
     except FileNotFoundError:
         os.close(fd)
