@@ -401,22 +401,28 @@ static int grab_source(const struct child_ctx *c, const struct shim_mount *m)
     return fd;
 }
 
-/* No open_tree (before 5.2): the source was mounted by path.  It must be the
- * inode the starter resolved without links; else a link was swapped in. */
-static void check_same_source(const struct child_ctx *c, const struct shim_mount *m)
+/* No open_tree (before 5.2): open the source by path in our own namespace,
+ * before anything covers it (the private /tmp), and check it is the inode the
+ * starter resolved without links (else a link was swapped in).  It is then
+ * mounted from /proc/self/fd/N: the starter's fd itself would not do, as
+ * mount(2) binds only mounts of the caller's namespace. */
+static int pin_source(const struct child_ctx *c, const struct shim_mount *m)
 {
     struct stat want, got;
-    if (m->src_fd < 0)
-        return;
-    if (fstat(m->src_fd, &want) < 0 || stat(m->dst, &got) < 0)
+    int fd = open(m->src, O_PATH | O_CLOEXEC);
+    if (fd < 0)
+        fail(c, "bind source", m->src);
+    if (fstat(m->src_fd, &want) < 0 || fstat(fd, &got) < 0)
         fail(c, "stat bind source", m->src);
     if (want.st_dev != got.st_dev || want.st_ino != got.st_ino)
         fail_err(c, ELOOP, EXIT_STARTER, "bind source changed while resolving", m->src);
+    return fd;
 }
 
-static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree)
+static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree, int pinned)
 {
     const char *what = m->kind == SHIM_MOUNT_BIND ? "bind" : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind" : "tmpfs";
+    char fdpath[48];
     if (make_mountpoint(c, m, tree) < 0)
         fail(c, "mkdir", m->dst);
     if (tree >= 0) {
@@ -432,9 +438,13 @@ static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int 
     switch (m->kind) {
     case SHIM_MOUNT_BIND:
     case SHIM_MOUNT_RO_BIND:
-        if (mount(m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
+        if (pinned >= 0) {
+            char num[16];
+            s_int(num, sizeof num, pinned);
+            s_cat(fdpath, s_cat(fdpath, 0, sizeof fdpath, "/proc/self/fd/"), sizeof fdpath, num);
+        }
+        if (mount(pinned >= 0 ? fdpath : m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
             fail(c, what, m->dst);
-        check_same_source(c, m);
         if (m->kind == SHIM_MOUNT_RO_BIND && make_readonly(m->dst) < 0)
             fail(c, "remount read-only", m->dst);
         break;
@@ -513,16 +523,24 @@ static void setup_namespaces(const struct child_ctx *c)
     const struct shim_spec *s = c->s;
     int ns = s->nsflags;
     int harden = s->drop_privileges && s->uid == 0;
-    int trees[SHIM_MAX_MOUNTS];
+    int trees[SHIM_MAX_MOUNTS], pinned[SHIM_MAX_MOUNTS];
 
     if (ns & SHIM_NEWNS) {
         /* Before any mount, or the mounts below propagate to the host. */
         if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0)
             fail(c, "make / a slave mount", NULL);
-        for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
-            trees[i] = c->trees && c->trees[i] >= 0 ? c->trees[i]
-                       : s->mounts[i].src_fd >= 0 ? -1 /* mount by path, then check */
-                       : grab_source(c, &s->mounts[i]);
+        for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++) {
+            const struct shim_mount *m = &s->mounts[i];
+            int bind = m->kind == SHIM_MOUNT_BIND || m->kind == SHIM_MOUNT_RO_BIND;
+            pinned[i] = -1;
+            if (c->trees && c->trees[i] >= 0)
+                trees[i] = c->trees[i];
+            else if (bind && m->src_fd >= 0) {
+                trees[i] = -1;
+                pinned[i] = pin_source(c, m);
+            } else
+                trees[i] = grab_source(c, m);
+        }
         if (ns & SHIM_NEWPID) {
             if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
                 fail(c, "mount", "/proc");
@@ -544,7 +562,7 @@ static void setup_namespaces(const struct child_ctx *c)
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") < 0)
         fail(c, "mount", "/tmp");
     for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
-        do_mount(c, &s->mounts[i], trees[i]);
+        do_mount(c, &s->mounts[i], trees[i], pinned[i]);
 }
 
 /* ---- credentials -------------------------------------------------------- */
