@@ -46,8 +46,11 @@ def _link_error(what, path, prefix):
 
 
 def split(path):
-    """'/a//b/./c' -> ['a', 'b', 'c']; the caller checked it is absolute and has no '..'."""
-    return [c for c in path.split("/") if c not in ("", ".")]
+    """'/a//b/./c' -> ['a', 'b', 'c']; relative paths and '..' are refused."""
+    parts = [c for c in path.split("/") if c not in ("", ".")]
+    if not path.startswith("/") or ".." in parts:
+        raise LinkError(f"{path}: must be an absolute path without '..'")
+    return parts
 
 
 def open_dir(path, what="path", create=None, full=None, readable=False):

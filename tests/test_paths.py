@@ -252,3 +252,27 @@ def test_bind_by_path_fallback_refuses_a_source_that_changed(tmp_path, no_open_t
     with pytest.raises(SpawnError) as e:
         _spawn_cat((Mount("bind", "/mnt", str(tmp_path)),), "/mnt/f")
     assert e.value.step == f"bind source changed while resolving {tmp_path}" and e.value.exit_code == 125
+
+
+# ---------------------------------------------------------------- the walk itself
+
+def test_walk_refuses_links_fifos_relative_and_dotdot(tmp_path):
+    from starter import paths
+
+    (tmp_path / "d").mkdir()
+    (tmp_path / "l").symlink_to(tmp_path / "d")
+    os.mkfifo(tmp_path / "d" / "fifo")
+    os.close(paths.open_dir(str(tmp_path / "d")))
+    for bad, msg in ((f"{tmp_path}/l", "is a symlink"), ("rel/path", "absolute"),
+                     (f"{tmp_path}/d/../d", "'..'"), (f"{tmp_path}/d/fifo", "is a FIFO, not a directory")):
+        with pytest.raises(paths.LinkError, match=msg):
+            paths.open_dir(bad)
+    t0 = time.monotonic()
+    with pytest.raises(paths.LinkError, match="is a FIFO, not a regular file"):
+        paths.open_file(f"{tmp_path}/d/fifo")
+    assert time.monotonic() - t0 < 1
+    fd = paths.open_dir(str(tmp_path / "new"), create=0o755, readable=True)
+    try:
+        assert os.listdir(fd) == []
+    finally:
+        os.close(fd)
