@@ -952,13 +952,6 @@ static void close_trees(const struct shim_spec *s, int *trees)
         }
 }
 
-/* Bind sources given as fds are cloned here, in the starter, before clone():
- * open_tree() clones only mounts of the caller's own mount namespace, so the
- * child could not use an fd the starter opened, and it must not walk the path
- * again (a link could have been swapped in).  A detached tree can be attached
- * in any namespace.  Read-only is set while it is still detached.  -1 where
- * the kernel lacks open_tree or mount_setattr: the child mounts by path and
- * checks the inode (check_same_source). */
 static int no_open_tree = 0; /* tests: as on a kernel without open_tree */
 
 void shim_test_no_open_tree(int on)
@@ -966,6 +959,13 @@ void shim_test_no_open_tree(int on)
     no_open_tree = on;
 }
 
+/* Bind sources given as fds are cloned here, in the starter, before clone():
+ * open_tree() clones only mounts of the caller's own mount namespace, so the
+ * child could not use an fd the starter opened, and it must not walk the path
+ * again (a link could have been swapped in).  A detached tree can be attached
+ * in any namespace.  Read-only is set while it is still detached.  -1 where
+ * the kernel lacks open_tree or mount_setattr: the child then pins the source
+ * by path and checks its inode (pin_source). */
 static int take_trees(const struct shim_spec *s, int *trees)
 {
     for (int i = 0; i < SHIM_MAX_MOUNTS; i++)
