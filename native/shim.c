@@ -11,6 +11,8 @@
  *
  *   starter (Python)                         child (C only)
  *   ----------------                         --------------
+ *   bind trees: open_tree(src_fd) (detached copies; the caller resolved
+ *               each source to an O_PATH fd without following links)
  *   pipes: sync, err (+status in init mode), all O_CLOEXEC
  *   block all signals
  *   clone3(NEWPID|NEWNET|NEWNS, PIDFD,  ───► signals to SIG_DFL
@@ -18,9 +20,10 @@
  *   restore signal mask                      read(sync) ........ blocks
  *   attach v1 cgroups, wire network          :   EOF (starter died) -> _exit(125)
  *   release(): write(sync, 1 byte) ───sync──►:
- *                                            / rslave, grab bind sources,
- *                                            /proc, /sys, lo up, hostname,
- *                                            /tmp, binds, tmpfs, stdio,
+ *                                            / rslave, grab bind sources
+ *                                            given by path, /proc, /sys, lo
+ *                                            up, hostname, /tmp, binds (each
+ *                                            made a slave), tmpfs, stdio,
  *                                            setsid, setresgid, setgroups,
  *                                            cap bounding drop, setresuid,
  *                                            capset(0), NO_NEW_PRIVS,
@@ -140,6 +143,7 @@ struct child_ctx {
     int sync_rd;   /* release byte, or EOF when the starter is gone */
     int err_wr;    /* struct shim_report */
     int status_wr; /* init mode: job's wait status, else -1 */
+    const int *trees; /* per mount: bind tree cloned before clone(), or -1; or NULL */
 };
 
 /* ---- async-signal-safe helpers (child side) ---------------------------- */
@@ -353,7 +357,8 @@ static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m
             int last = m->dst[i] == 0;
             int file = 0;
             if (last && m->kind != SHIM_MOUNT_TMPFS &&
-                (tree >= 0 ? fstat(tree, &st) : stat(m->src, &st)) == 0 && !S_ISDIR(st.st_mode))
+                (tree >= 0 ? fstat(tree, &st) : m->src_fd >= 0 ? fstat(m->src_fd, &st) : stat(m->src, &st)) == 0 &&
+                !S_ISDIR(st.st_mode))
                 file = 1;
             if (file) {
                 int fd = open(buf, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
@@ -396,21 +401,49 @@ static int grab_source(const struct child_ctx *c, const struct shim_mount *m)
     return fd;
 }
 
-static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree)
+/* No open_tree (before 5.2): open the source by path in our own namespace,
+ * before anything covers it (the private /tmp), and check it is the inode the
+ * starter resolved without links (else a link was swapped in).  It is then
+ * mounted from /proc/self/fd/N: the starter's fd itself would not do, as
+ * mount(2) binds only mounts of the caller's namespace. */
+static int pin_source(const struct child_ctx *c, const struct shim_mount *m)
+{
+    struct stat want, got;
+    int fd = open(m->src, O_PATH | O_CLOEXEC);
+    if (fd < 0)
+        fail(c, "bind source", m->src);
+    if (fstat(m->src_fd, &want) < 0 || fstat(fd, &got) < 0)
+        fail(c, "stat bind source", m->src);
+    if (want.st_dev != got.st_dev || want.st_ino != got.st_ino)
+        fail_err(c, ELOOP, EXIT_STARTER, "bind source changed while resolving", m->src);
+    return fd;
+}
+
+static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree, int pinned)
 {
     const char *what = m->kind == SHIM_MOUNT_BIND ? "bind" : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind" : "tmpfs";
+    char fdpath[48];
     if (make_mountpoint(c, m, tree) < 0)
         fail(c, "mkdir", m->dst);
     if (tree >= 0) {
         if (syscall(SYS_move_mount, tree, "", AT_FDCWD, m->dst, MOVE_MOUNT_F_EMPTY_PATH) < 0)
             fail(c, what, m->dst);
         close(tree);
+        /* A tree cloned in the starter's namespace is a peer of its source
+         * (shared, on systemd hosts): nothing may propagate back. */
+        if (mount(NULL, m->dst, NULL, MS_REC | MS_SLAVE, NULL) < 0)
+            fail(c, "make slave", m->dst);
         return;
     }
     switch (m->kind) {
     case SHIM_MOUNT_BIND:
     case SHIM_MOUNT_RO_BIND:
-        if (mount(m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
+        if (pinned >= 0) {
+            char num[16];
+            s_int(num, sizeof num, pinned);
+            s_cat(fdpath, s_cat(fdpath, 0, sizeof fdpath, "/proc/self/fd/"), sizeof fdpath, num);
+        }
+        if (mount(pinned >= 0 ? fdpath : m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
             fail(c, what, m->dst);
         if (m->kind == SHIM_MOUNT_RO_BIND && make_readonly(m->dst) < 0)
             fail(c, "remount read-only", m->dst);
@@ -490,14 +523,24 @@ static void setup_namespaces(const struct child_ctx *c)
     const struct shim_spec *s = c->s;
     int ns = s->nsflags;
     int harden = s->drop_privileges && s->uid == 0;
-    int trees[SHIM_MAX_MOUNTS];
+    int trees[SHIM_MAX_MOUNTS], pinned[SHIM_MAX_MOUNTS];
 
     if (ns & SHIM_NEWNS) {
         /* Before any mount, or the mounts below propagate to the host. */
         if (mount(NULL, "/", NULL, MS_REC | MS_SLAVE, NULL) < 0)
             fail(c, "make / a slave mount", NULL);
-        for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
-            trees[i] = grab_source(c, &s->mounts[i]);
+        for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++) {
+            const struct shim_mount *m = &s->mounts[i];
+            int bind = m->kind == SHIM_MOUNT_BIND || m->kind == SHIM_MOUNT_RO_BIND;
+            pinned[i] = -1;
+            if (c->trees && c->trees[i] >= 0)
+                trees[i] = c->trees[i];
+            else if (bind && m->src_fd >= 0) {
+                trees[i] = -1;
+                pinned[i] = pin_source(c, m);
+            } else
+                trees[i] = grab_source(c, m);
+        }
         if (ns & SHIM_NEWPID) {
             if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
                 fail(c, "mount", "/proc");
@@ -519,7 +562,7 @@ static void setup_namespaces(const struct child_ctx *c)
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") < 0)
         fail(c, "mount", "/tmp");
     for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
-        do_mount(c, &s->mounts[i], trees[i]);
+        do_mount(c, &s->mounts[i], trees[i], pinned[i]);
 }
 
 /* ---- credentials -------------------------------------------------------- */
@@ -851,6 +894,7 @@ static void child_ctx_init(struct child_ctx *c, const struct shim_spec *s, struc
     c->sync_rd = p->sync[0];
     c->err_wr = p->err[1];
     c->status_wr = p->status[1];
+    c->trees = NULL;
 }
 
 /* In the child: drop the starter's ends of the pipes. */
@@ -907,12 +951,78 @@ void shim_test_no_clone3(int on)
     clone3_state = on ? -1 : 0;
 }
 
+static void close_trees(const struct shim_spec *s, int *trees)
+{
+    for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
+        if (trees[i] >= 0) {
+            close(trees[i]);
+            trees[i] = -1;
+        }
+}
+
+static int no_open_tree = 0; /* tests: as on a kernel without open_tree */
+
+void shim_test_no_open_tree(int on)
+{
+    no_open_tree = on;
+}
+
+/* Bind sources given as fds are cloned here, in the starter, before clone():
+ * open_tree() clones only mounts of the caller's own mount namespace, so the
+ * child could not use an fd the starter opened, and it must not walk the path
+ * again (a link could have been swapped in).  A detached tree can be attached
+ * in any namespace.  Read-only is set while it is still detached.  -1 where
+ * the kernel lacks open_tree or mount_setattr: the child then pins the source
+ * by path and checks its inode (pin_source). */
+static int take_trees(const struct shim_spec *s, int *trees)
+{
+    for (int i = 0; i < SHIM_MAX_MOUNTS; i++)
+        trees[i] = -1;
+    if (no_open_tree)
+        return 0;
+    for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++) {
+        const struct shim_mount *m = &s->mounts[i];
+        if ((m->kind != SHIM_MOUNT_BIND && m->kind != SHIM_MOUNT_RO_BIND) || m->src_fd < 0)
+            continue;
+        int fd = (int)syscall(SYS_open_tree, m->src_fd, "",
+                              AT_EMPTY_PATH | OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
+        if (fd < 0) {
+            if (errno == ENOSYS)
+                continue;
+            goto fail;
+        }
+        if (m->kind == SHIM_MOUNT_RO_BIND) {
+            struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+            if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) < 0) {
+                int e = errno;
+                close(fd);
+                if (e == ENOSYS)
+                    continue;
+                errno = e;
+                goto fail;
+            }
+        }
+        trees[i] = fd;
+    }
+    return 0;
+fail:;
+    int e = errno;
+    close_trees(s, trees);
+    return -e;
+}
+
 int shim_spawn(const struct shim_spec *s, struct shim_child *out)
 {
     struct pipes p;
-    int r = open_pipes(&p, s->init);
+    int trees[SHIM_MAX_MOUNTS];
+    int r = take_trees(s, trees);
     if (r < 0)
         return r;
+    r = open_pipes(&p, s->init);
+    if (r < 0) {
+        close_trees(s, trees);
+        return r;
+    }
     sigset_t all, old;
     sigfillset(&all);
     /* No signal may run the caller's (Python) handlers in the child before
@@ -924,10 +1034,12 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
         struct child_ctx c;
         child_close_parent_ends(&p);
         child_ctx_init(&c, s, &p);
+        c.trees = trees;
         child_main(&c);
     }
     int e = errno;
     pthread_sigmask(SIG_SETMASK, &old, NULL);
+    close_trees(s, trees); /* the child has its copies */
     close(p.sync[0]);
     close(p.err[1]);
     if (p.status[1] >= 0)

@@ -35,6 +35,12 @@ struct shim_mount {
     const char *src;          /* binds: source path in the starter's view */
     const char *dst;          /* absolute path in the job's view */
     const char *data;         /* tmpfs options ("size=64m,mode=1777") or NULL */
+    /* binds: O_PATH fd of src, resolved by the caller without following
+     * links, or -1 to take src by path.  The shim clones the tree from this
+     * fd (open_tree, before clone) and never walks src again, except on
+     * kernels without open_tree, where it mounts src by path and checks that
+     * the mounted root is this fd's inode. */
+    int src_fd;
 };
 
 struct shim_spec {
@@ -85,6 +91,9 @@ int shim_pidfd_open(int pid);
 int shim_clone3_supported(void);
 /* Tests: force the clone() fallback (1) or go back to probing clone3 (0). */
 void shim_test_no_clone3(int on);
+/* Tests: bind sources given as fds are mounted by path and checked (1), as
+ * on kernels without open_tree, or cloned with open_tree again (0). */
+void shim_test_no_open_tree(int on);
 /* cffi-end */
 
 #endif

@@ -46,7 +46,7 @@ class Undo:
 
 def run(spec):
     """Run the job described by a checked JobSpec; -> the starter's exit code."""
-    from starter.report import Events, write_report
+    from starter.report import Dest, Events, write_report
     from starter.supervisor import Signals
 
     t0 = time.time()
@@ -56,7 +56,12 @@ def run(spec):
     events = Events(None, spec.id)
     report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
               "signal": None, "started_at": round(t0, 6)}
+    report_dest = None
     try:
+        # Both resolved (without following links) before anything runs; the
+        # report's directory fd is held until the end.
+        if spec.report:
+            report_dest = Dest(spec.report, "report")
         try:
             events = Events(spec.events, spec.id)
         except OSError as e:
@@ -99,11 +104,12 @@ def run(spec):
         if err is not None and report.get("reason") != "starter_error":
             report["teardown_error"] = str(err)
         report["ended_at"] = round(time.time(), 6)
-        if spec.report:
+        if report_dest is not None:
             try:
-                write_report(spec.report, report)
+                write_report(report_dest, report)
             except OSError as e:
                 sys.stderr.write(f"starter: cannot write report {spec.report}: {e.strerror}\n")
+            report_dest.close()
         events.emit("exited", report=report)
         events.close()
     return code

@@ -95,13 +95,13 @@ def parse(data, source="manifest"):
 def read_sigfile(sigfile, trusted_digest):
     """Read the signature file once and check it against the trusted digest -> its bytes."""
     want = parse_digest(trusted_digest)
+    from starter import paths
+
+    try:  # no link followed, a FIFO or device refused without blocking
+        fd = paths.open_file(sigfile, "manifest: signature file")
+    except paths.LinkError as e:
+        raise StagingError(e.args[0], e.hint) from None
     try:
-        fd = os.open(sigfile, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise StagingError(f"manifest: cannot open signature file {sigfile}: {e.strerror}") from None
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise StagingError(f"manifest: signature file {sigfile} is not a regular file")
         chunks, size = [], 0
         while True:
             buf = os.read(fd, _CHUNK)
@@ -130,10 +130,12 @@ def verify_and_stage(sigfile, trusted_digest, src_dir, dest_dir, uid, gid):
     {name: staged path}.  On any failure nothing listed is left in `dest_dir`.
     """
     entries = parse(read_sigfile(sigfile, trusted_digest), source=f"manifest {sigfile}")
+    from starter import paths
+
     try:
-        sfd = os.open(src_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    except OSError as e:
-        raise StagingError(f"manifest: cannot open source directory {src_dir}: {e.strerror}") from None
+        sfd = paths.open_dir(src_dir, "manifest: source directory", readable=True)
+    except paths.LinkError as e:
+        raise StagingError(e.args[0], e.hint) from None
     own_dfd = not isinstance(dest_dir, int)
     try:
         dfd = os.open(dest_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC) if own_dfd else dest_dir

@@ -75,15 +75,19 @@ class Mount:
         return f"Mount(kind={self.kind!r}, dst={self.dst!r}, src={self.src!r}, options={self.options!r})"
 
 
-def to_c(ffi, mounts, keep):
+def to_c(ffi, mounts, keep, fds=None):
     """A `struct shim_mount[]` for the shim.  Every buffer it points to is
-    appended to `keep`, which must outlive the clone."""
+    appended to `keep`, which must outlive the clone.  With `fds` (a list),
+    each bind source is opened (O_PATH) here, resolved without following
+    links (paths.open_path; a link is refused), and the fd, which the caller
+    closes after the clone, goes to the shim as src_fd."""
     arr = ffi.new("struct shim_mount[]", max(len(mounts), 1))
     for i, m in enumerate(mounts):
         if not isinstance(m, Mount):
             raise SpecError("mounts", f"{m!r} is not a Mount")
         c = arr[i]
         c.kind = _KIND_CODE[m.kind]
+        c.src_fd = -1
         dst = ffi.new("char[]", os.fsencode(os.path.normpath(m.dst)))
         keep.append(dst)
         c.dst = dst
@@ -91,6 +95,12 @@ def to_c(ffi, mounts, keep):
             src = ffi.new("char[]", os.fsencode(m.src))
             keep.append(src)
             c.src = src
+            if fds is not None:
+                from starter.paths import open_path
+
+                fd, _st = open_path(m.src, "bind source")
+                fds.append(fd)
+                c.src_fd = fd
         if m.options:
             data = ffi.new("char[]", m.options.encode())
             keep.append(data)

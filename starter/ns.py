@@ -220,13 +220,18 @@ class Child:
 def spawn(spec):
     """Clone a child for `spec`; it waits for Child.release()."""
     keep = []
-    c = _build(spec, keep)
-    ns = c.nsflags
-    out = ffi.new("struct shim_child *")
+    src_fds = []  # bind sources, opened without following links
     try:
-        check(lib.shim_spawn(c, out), "clone3")
-    except OSError as e:
-        raise StarterError(str(e), _clone_hint(e.errno, ns, spec.cgroup_fd)) from None
+        c = _build(spec, keep, src_fds=src_fds)
+        ns = c.nsflags
+        out = ffi.new("struct shim_child *")
+        try:
+            check(lib.shim_spawn(c, out), "clone3")
+        except OSError as e:
+            raise StarterError(str(e), _clone_hint(e.errno, ns, spec.cgroup_fd)) from None
+    finally:
+        for fd in src_fds:
+            _close(fd)
     child = Child(out.pid, out.pidfd, out.sync_fd, out.err_fd, out.status_fd, spec.init, spec)
     if out.status_fd >= 0:
         os.set_blocking(out.status_fd, False)
@@ -278,7 +283,7 @@ def setns(fd, nstype=0):
 
 # ---- building the C spec ----------------------------------------------------
 
-def _build(spec, keep, entering=False):
+def _build(spec, keep, entering=False, src_fds=None):
     """A `struct shim_spec` for `spec`; every buffer goes to `keep`."""
     argv = spec.argv
     if not argv or not isinstance(argv, (list, tuple)):
@@ -345,7 +350,7 @@ def _build(spec, keep, entering=False):
     c.hostname = _cstr("hostname", spec.hostname, keep) if spec.hostname is not None else ffi.NULL
     if not entering and "mnt" in names:
         c.private_tmp = 1 if spec.private_tmp else 0
-        c.mounts = _mounts.to_c(ffi, spec.mounts, keep)
+        c.mounts = _mounts.to_c(ffi, spec.mounts, keep, src_fds)
         c.nmounts = len(spec.mounts)
     c.stdio = [-1 if fd is None else fd for fd in stdio]
     kf = ffi.new("int[]", kfds or [0])

@@ -6,6 +6,7 @@ JSON lines, one per state change.  Schema: README, "The report".
 """
 
 import os
+import stat
 import time
 
 from starter.state import dumps
@@ -13,72 +14,143 @@ from starter.state import dumps
 REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "starter_error")
 
 
-def open_dest(dest):
-    """FILE or fd:N -> an fd to append to (ours to close)."""
-    if dest.startswith("fd:"):
-        return os.dup(int(dest[3:]))
-    if dest.startswith("/dev/") or dest.startswith("/proc/"):  # /dev/stdout is a link
-        return os.open(dest, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC)
-    # No link followed, never truncated.
-    return os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
+# Paths that are links by nature, taken as the starter's own fds instead.
+STD_PATHS = {"/dev/stdout": 1, "/dev/stderr": 2}
+
+
+class Dest:
+    """Where the report or the events go, resolved once before the job runs.
+
+    fd:N and /dev/stdout, /dev/stderr (as fd 1, 2; never opened by path) are
+    written in place.  A FILE's directory is opened now, every component
+    resolved without following links, and held: a job that later swaps a
+    directory component for a link cannot redirect the write.  A FIFO,
+    device, socket or directory at FILE itself is refused now (exit 125) and
+    left alone at the end (the report is then not written); a symlink there
+    is replaced by the report (rename does not follow it), and refused for
+    the events (appending would follow it).
+    """
+
+    def __init__(self, dest, what):
+        self.dest = dest
+        self.what = what
+        self.fd = None       # fd:N, /dev/stdout: the fd to write (not ours)
+        self.dir_fd = None   # FILE: its directory (ours)
+        self.name = None
+        if dest.startswith("fd:"):
+            self.fd = int(dest[3:])
+        elif dest in STD_PATHS:
+            self.fd = STD_PATHS[dest]
+        else:
+            from starter import paths
+
+            parent, self.name = os.path.split(dest)
+            if not self.name or self.name in (".", ".."):
+                raise paths.LinkError(f"{what} {dest}: not a file name")
+            self.dir_fd = paths.open_dir(parent, what, full=dest)
+            try:
+                st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+            except FileNotFoundError:
+                st = None
+            except OSError as e:
+                self.close()
+                raise paths.LinkError(f"{what} {dest}: {e.strerror}") from None
+            if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+                self.close()
+                raise paths.LinkError(f"{what} {dest}: is {paths.kind(st.st_mode)}, not a regular file",
+                                      "use a regular file, or fd:N for a pipe")
+
+    def open_append(self):
+        """-> an fd to append to (ours to close): the events stream."""
+        if self.fd is not None:
+            return os.dup(self.fd)
+        from starter import paths
+
+        fd, st = paths.open_beneath(self.dir_fd, self.name, os.O_WRONLY | os.O_APPEND | os.O_CREAT,
+                                    self.what, self.dest)
+        if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+            os.close(fd)
+            why = f"is {paths.kind(st.st_mode)}" if not stat.S_ISREG(st.st_mode) else "has other hard links"
+            raise paths.LinkError(f"{self.what} {self.dest}: {why}, not a plain regular file")
+        os.set_blocking(fd, True)
+        return fd
+
+    def write_atomic(self, data):
+        """The whole of `data`, at once: a temp file (O_EXCL) in the held
+        directory, then renamed over the name; a reader never sees half."""
+        if self.fd is not None:
+            _write_all(self.fd, data)
+            return
+        from starter import paths
+
+        try:
+            st = os.stat(self.name, dir_fd=self.dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            st = None
+        if st is not None and not (stat.S_ISREG(st.st_mode) or stat.S_ISLNK(st.st_mode)):
+            raise OSError(0, f"{paths.kind(st.st_mode)} is there, not a regular file (left alone)")
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+        for _ in range(8):  # a planted or left-over temp name: pick another
+            tmp = f".{self.name}.{os.urandom(4).hex()}.tmp"
+            try:
+                fd = os.open(tmp, flags, 0o644, dir_fd=self.dir_fd)
+                break
+            except FileExistsError:
+                continue
+        else:
+            raise OSError(17, "no free temp name")
+        try:
+            try:
+                _write_all(fd, data)
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            os.rename(tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
+        except BaseException:
+            try:
+                os.unlink(tmp, dir_fd=self.dir_fd)
+            except OSError:
+                pass
+            raise
+
+    def close(self):
+        if self.dir_fd is not None:
+            os.close(self.dir_fd)
+            self.dir_fd = None
+
+
+def _write_all(fd, data):
+    mv = memoryview(data)
+    while mv:
+        mv = mv[os.write(fd, mv):]
 
 
 def write_report(dest, report):
-    """The report goes where the node daemon said, written as root, often
-    into a directory the job can write (its scratch, say).  So: never write
-    through a link the job could have planted, never truncate a file we did
-    not create.
-
-    - fd:N, and /dev/... or /proc/... paths (/dev/stdout): written in place;
-    - a fifo or character device at the path itself: written in place, no
-      link followed;
-    - otherwise a fresh temp file (O_EXCL) renamed over the path: a reader
-      never sees half a report, and a symlink there is replaced, not followed.
-    """
+    """Write the report to a Dest (or a destination string, resolved now)."""
     if dest is None:
         return
-    text = (dumps(report) + "\n").encode()
-    if dest.startswith("fd:") or dest.startswith("/dev/") or dest.startswith("/proc/"):
-        fd = open_dest(dest)
-        try:
-            os.write(fd, text)
-        finally:
-            os.close(fd)
-        return
-    import stat
-
+    own = not isinstance(dest, Dest)
+    if own:
+        dest = Dest(dest, "report")
     try:
-        mode = os.lstat(dest).st_mode
-    except FileNotFoundError:
-        mode = 0
-    if stat.S_ISFIFO(mode) or stat.S_ISCHR(mode):
-        fd = os.open(dest, os.O_WRONLY | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW)
-        try:
-            os.write(fd, text)
-        finally:
-            os.close(fd)
-        return
-    tmp = f"{dest}.{os.getpid()}.tmp"
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
-    try:
-        fd = os.open(tmp, flags, 0o644)
-    except FileExistsError:  # left by a crash, or planted: drop the name, make our own
-        os.unlink(tmp)
-        fd = os.open(tmp, flags, 0o644)
-    try:
-        os.write(fd, text)
-        os.fsync(fd)
+        dest.write_atomic((dumps(report) + "\n").encode())
     finally:
-        os.close(fd)
-    os.replace(tmp, dest)
+        if own:
+            dest.close()
 
 
 class Events:
-    """JSON lines to --events; a no-op without it."""
+    """JSON lines to --events (FILE or fd:N, see Dest); a no-op without it."""
 
     def __init__(self, dest, job_id):
-        self.fd = open_dest(dest) if dest else None
+        self.fd = None
         self.job_id = job_id
+        if dest:
+            d = Dest(dest, "events")
+            try:
+                self.fd = d.open_append()
+            finally:
+                d.close()
 
     def emit(self, event, **fields):
         if self.fd is None:

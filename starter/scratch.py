@@ -92,10 +92,7 @@ def create(path, uid, gid, *, keep=False):
     parent, name = os.path.split(path)
     if not name or name in (".", ".."):
         raise SpecError("scratch", f"{path!r} is not a usable directory name")
-    try:
-        pfd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
-    except OSError as e:
-        raise StagingError(f"scratch: cannot open parent directory {parent}: {e.strerror}") from None
+    pfd = _open_dir(parent, "scratch: parent directory")
     try:
         _check_parent(pfd, parent, uid, gid)
         try:
@@ -134,12 +131,7 @@ def create_in(execute_dir, job_id, uid, gid, *, keep=False):
 
     values.job_id("job_id", job_id)
     execute_dir = os.path.abspath(execute_dir)
-    try:
-        os.mkdir(execute_dir, 0o755)
-    except FileExistsError:
-        pass
-    except OSError as e:
-        raise StagingError(f"scratch: cannot create execute dir {execute_dir}: {e.strerror}") from None
+    os.close(_open_dir(execute_dir, "scratch: execute dir", create=0o755))
     return create(os.path.join(execute_dir, f"job-{job_id}"), uid, gid, keep=keep)
 
 
@@ -160,6 +152,17 @@ def remove_path(path, expect=None):
         return remove_tree(pfd, name, expect=expect, path=path)
     finally:
         os.close(pfd)
+
+
+def _open_dir(path, what, create=None):
+    """A directory fd of `path`, no component a link (paths.open_dir): root
+    makes a job-owned directory here, which a link must not put elsewhere."""
+    from starter import paths
+
+    try:
+        return paths.open_dir(path, what, create=create, readable=True)
+    except paths.LinkError as e:
+        raise StagingError(e.args[0], e.hint) from None
 
 
 def _check_parent(pfd, parent, uid, gid):

@@ -104,6 +104,22 @@ parse_cidr = V.cidr
 _str = V.string
 
 
+# /proc and /sys hold magic links (/proc/self/cwd, /proc/1/root, /proc/PID/fd/N)
+# that lead to directories of other processes and namespaces without any
+# path to them; /dev/fd is a link into /proc.  No job starts there.
+_MAGIC_DIRS = ("/proc", "/sys", "/dev/fd")
+
+
+def check_cwd(field, value):
+    value = check_path(field, value)
+    norm = "/" + "/".join(c for c in value.split("/") if c not in ("", "."))
+    for d in _MAGIC_DIRS:
+        if norm == d or norm.startswith(d + "/"):
+            raise SpecError(field, f"{value!r} is under {d}, whose magic links lead outside the job",
+                            "give a real directory, e.g. the job's scratch")
+    return value
+
+
 def state_dir(value=None):
     """--state-dir, else $STARTER_STATE_DIR, else /run/starter."""
     return V.host_path("state-dir", value or os.environ.get("STARTER_STATE_DIR") or "/run/starter")
@@ -140,8 +156,15 @@ def parse_mount(field, kind, value):
         for opt in filter(None, m.options.split(",")):
             if opt.partition("=")[0] not in ("size", "mode", "nr_inodes"):
                 raise SpecError(field, f"tmpfs option {V.show(opt)} not allowed (size, mode, nr_inodes)")
-    elif not os.path.exists(m.src):
-        raise SpecError(field, f"{V.show(m.src)} does not exist")
+    else:  # the starter mounts it as root: no link of anyone's is followed
+        from starter import paths
+
+        try:
+            os.close(paths.open_path(m.src, "source")[0])
+        except paths.LinkError as e:
+            raise SpecError(field, e.args[0], e.hint) from None
+        except FileNotFoundError:
+            raise SpecError(field, f"{V.show(m.src)} does not exist") from None
     return m
 
 
@@ -389,7 +412,7 @@ def _make(raw):
         id=job_id,
         argv=argv,
         user=user, group=group, uid=uid, gid=gid, groups=groups, home=home,
-        cwd=check_path("cwd", cwd) if cwd is not None else None,
+        cwd=check_cwd("cwd", cwd) if cwd is not None else None,
         env=env,
         hostname=hostname,
         init=_bool("init", raw.get("init", False)),

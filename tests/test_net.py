@@ -533,3 +533,30 @@ def test_netd_roundtrip(site, cfg, monkeypatch):
     assert netd.returncode == 0, netd.stderr.read()
     assert not os.path.exists(sock)
     assert cfg.table not in _tables()
+
+
+def test_netd_refuses_a_peer_in_a_job_cgroup():
+    """A process in netd's PID namespace but inside a job's cgroup (a job
+    escaped into the host's namespace somehow) is still refused."""
+    from starter import cgroups
+    from starter.net import netd
+
+    backend = cgroups.open_backend()
+    cg = backend.create(f"netdpeer-{secrets.token_hex(3)}")
+    proc = subprocess.Popen(["sleep", "30"])
+    pidfd = os.pidfd_open(proc.pid)
+    try:
+        assert netd._why_refused(proc.pid, 0, pidfd) is None  # a plain host process may
+        cg.add_pid(proc.pid)
+        why = netd._why_refused(proc.pid, 0, pidfd)
+        assert why is not None and "job cgroup" in why, why
+        assert netd._why_refused(proc.pid, 1000, pidfd) == "netd serves root only"
+        proc.kill()
+        proc.wait()
+        assert netd._why_refused(proc.pid, 0, pidfd) is not None  # gone: never "fine"
+    finally:
+        os.close(pidfd)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        cg.destroy()

@@ -15,7 +15,7 @@ import time
 import pytest
 
 from starter import ns
-from starter.errors import SpawnError, SpecError
+from starter.errors import SpawnError, SpecError, StarterError
 from starter.mounts import Mount
 
 PY = "/usr/bin/python3"
@@ -299,21 +299,23 @@ def test_path_search_uses_the_jobs_path_not_ours(tmp_path):
 
 
 def test_setup_failure_is_125_and_names_the_step(tmp_path):
+    # A missing bind source is found before clone, when it is opened
+    # (without following links) for the shim.
     missing = str(tmp_path / "missing")
-    child = ns.spawn(ns.ChildSpec(["true"], ENV, mounts=(Mount("bind", "/mnt", missing),)))
+    with pytest.raises(StarterError) as e:
+        ns.spawn(ns.ChildSpec(["true"], ENV, mounts=(Mount("bind", "/mnt", missing),)))
+    assert e.value.exit_code == 125
+    assert str(e.value) == f"bind source {missing}: does not exist"
+    # A missing mount point (outside any tmpfs the job made) names the target.
+    child = ns.spawn(ns.ChildSpec(["true"], ENV, mounts=(Mount("bind", "/no-such-mountpoint", "/etc"),)))
     with child:
         child.release()
         with pytest.raises(SpawnError) as e:
             child.wait_started()
         assert os.WEXITSTATUS(child.wait()) == 125
-    assert e.value.exit_code == 125
-    assert e.value.step == f"bind source {missing}"
-    assert str(e.value).startswith(f"bind source {missing} failed: ENOENT")
-    assert len(str(e.value).splitlines()) == 1
-    # A missing mount point (outside any tmpfs the job made) names the target.
-    with pytest.raises(SpawnError) as e:
-        run(["true"], mounts=(Mount("bind", "/no-such-mountpoint", "/etc"),))
     assert e.value.step == "bind /no-such-mountpoint" and e.value.exit_code == 125
+    assert str(e.value).startswith("bind /no-such-mountpoint failed: ENOENT")
+    assert len(str(e.value).splitlines()) == 1
 
 
 def test_chdir_failure_names_the_directory():

@@ -30,6 +30,15 @@ def netmode(request, state_dir):
     if request.param == "in-process":
         yield None
         return
+    yield from _netd(state_dir)
+
+
+@pytest.fixture
+def netd(state_dir):
+    yield from _netd(state_dir)
+
+
+def _netd(state_dir):
     os.makedirs(state_dir, exist_ok=True)
     proc = subprocess.Popen([STARTER, "netd", "--state-dir", state_dir], stderr=subprocess.PIPE, text=True)
     sock = os.path.join(state_dir, "netd.sock")
@@ -127,3 +136,33 @@ def test_kill9_of_a_nat_job_then_gc_leaves_the_node_as_before(starter, site, sta
     out = starter("gc", check=0).stdout
     assert "natcrash" in out
     assert node() == before, out
+
+
+# A job's process that reaches netd's socket (here it is bound in on purpose,
+# so the check holds even where the job's view hides the state directory).
+PEER = """
+import json, socket, sys
+s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+s.connect("/mnt/netd.sock")
+s.send(json.dumps({"op": "ping", "cfg": {"state_dir": sys.argv[1]}}).encode())
+print(s.recv(65536).decode())
+"""
+
+
+@pytest.mark.net
+def test_netd_refuses_a_root_job_and_still_serves_the_starter(starter, site, state_dir, tmp_path, netd):
+    (tmp_path / "peer.py").write_text(PEER)
+    p = starter("run", "--user", "root", "--net", "host", "--bind", f"{state_dir}:/mnt",
+                "--ro-bind", f"{tmp_path}:/srv", "--", "/usr/bin/python3", "/srv/peer.py", state_dir)
+    assert p.returncode == 0, p.stderr
+    reply = json.loads(p.stdout)
+    assert reply["ok"] is False and "netd refused this client" in reply["error"], reply
+    # The starter itself still gets its NAT network through netd.
+    report = tmp_path / "r.json"
+    p = starter("run", "--user", "nobody", *_nat_args(site), "--report", str(report), "--",
+                "sh", "-c", "ip -4 -o addr show dev eth0", timeout=120)
+    assert p.returncode == 0, p.stderr
+    assert "inet " + POOL.split(".0.0/")[0] + "." in p.stdout, p.stdout
+    netd.send_signal(signal.SIGTERM)
+    netd.wait(30)
+    assert "refused peer" in netd.stderr.read()

@@ -8,7 +8,10 @@ once; a starter then needs only a unix socket round trip per operation.
     --------------                          -------------------------
     clone() -> child waits
     open /proc/<child>/ns/net
-    connect(<state_dir>/netd.sock)   --->   accept; SO_PEERCRED: uid 0 only
+    connect(<state_dir>/netd.sock)   --->   accept; the peer must be uid 0,
+                                            in netd's pid namespace and in
+                                            no job cgroup (SO_PEERPIDFD, else
+                                            SO_PEERCRED): never a job's process
     send {"op":"setup",job_id,cfg}
          + SCM_RIGHTS [netns fd]     --->   lease, veth (peer born in the
                                             job's netns), addresses, route,
@@ -77,9 +80,68 @@ def call(path, request, fds=()):
 
 
 # -- server -----------------------------------------------------------------
+# SO_PEERPIDFD (Linux 6.5+): a pidfd of the peer, so a pid reused between the
+# check and the reply cannot pass for it.  77 in asm-generic/socket.h (these
+# architectures); Python 3.11's socket module does not name it.
+SO_PEERPIDFD = getattr(socket, "SO_PEERPIDFD", 77 if os.uname().machine in ("x86_64", "aarch64", "riscv64") else None)
+JOB_CGROUP_PREFIX = "job-"  # starter.cgroups.base.JOB_PREFIX, without importing the cgroup code
+
+
 def _peer(conn):
+    """-> (pid, uid, pidfd or None): SO_PEERCRED, plus SO_PEERPIDFD where the
+    kernel has it."""
     pid, uid, _gid = struct.unpack("3i", conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12))
-    return pid, uid
+    pidfd = None
+    if SO_PEERPIDFD is not None:
+        try:
+            pidfd = struct.unpack("i", conn.getsockopt(socket.SOL_SOCKET, SO_PEERPIDFD, 4))[0]
+        except OSError:
+            pidfd = None  # before 6.5: ENOPROTOOPT
+    return pid, uid, pidfd
+
+
+def _pid_of_pidfd(pidfd):
+    with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
+        for line in f:
+            if line.startswith(b"Pid:"):
+                return int(line.split()[1])
+    return -1
+
+
+def _why_refused(pid, uid, pidfd):
+    """None if the peer may use netd, else why not.  Only the starter, which
+    runs as root in netd's own PID namespace outside every job cgroup, may:
+    a job's process is refused whatever its uid (a uid-0 job can open a
+    root-only socket it can reach)."""
+    if uid != 0:
+        return "netd serves root only"
+    if pidfd is not None:
+        pid = _pid_of_pidfd(pidfd)  # the peer's pid now, in our namespace (-1: gone)
+    if pid <= 0:
+        return "the peer is not in netd's PID namespace, or is gone"
+    try:
+        mine = os.stat("/proc/self/ns/pid")
+        theirs = os.stat(f"/proc/{pid}/ns/pid")
+        with open(f"/proc/{pid}/cgroup", "rb") as f:
+            cgroups = f.read().decode(errors="replace")
+    except OSError:
+        return "the peer is gone"
+    if (mine.st_dev, mine.st_ino) != (theirs.st_dev, theirs.st_ino):
+        return "the peer is in another PID namespace (inside a job?)"
+    for line in cgroups.splitlines():
+        path = line.split(":", 2)[-1]
+        if any(c.startswith(JOB_CGROUP_PREFIX) for c in path.split("/")):
+            return f"the peer is in a job cgroup ({path})"
+    # What we read was about the peer only if it still runs now (else the pid
+    # may have been reused): a pidfd says so without a race.
+    if pidfd is not None:
+        import select
+
+        p = select.poll()
+        p.register(pidfd, select.POLLIN)
+        if p.poll(0):
+            return "the peer is gone"
+    return None
 
 
 def _check_job_id(job_id):
@@ -105,9 +167,18 @@ class Server:
         try:
             conn.settimeout(5.0)
             data, fds, _flags, _addr = socket.recv_fds(conn, MAX_MSG, 4)
-            pid, uid = _peer(conn)
-            if uid != 0:
-                return {"ok": False, "error": "netd serves root only", "hint": "run the starter as root"}
+            pid, uid, pidfd = _peer(conn)
+            try:
+                why = _why_refused(pid, uid, pidfd)
+            finally:
+                if pidfd is not None:
+                    os.close(pidfd)
+            if why is not None:
+                import sys
+
+                sys.stderr.write(f"netd: refused peer pid {pid} uid {uid}: {why}\n")
+                return {"ok": False, "error": f"netd refused this client: {why}",
+                        "hint": "only the starter, as root on the host, may use netd"}
             req = json.loads(data)
             op = req.get("op")
             cfg = NetConfig.from_dict(req.get("cfg") or {})

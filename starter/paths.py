@@ -1,0 +1,159 @@
+"""Open a path as root without following anyone's links.
+
+The starter runs as root and opens paths that a job may be able to change:
+the report and events files (often in the job's scratch), bind sources, the
+manifest and its inputs, the scratch's parent.  A symlink (or a /proc magic
+link) planted at any component would make root read, write or mount
+something the job chose.  So every path is walked one component at a time
+from "/", each component opened with O_PATH|O_NOFOLLOW relative to the fd of
+the one before, and fstat()ed: a link anywhere is refused with a message
+naming it, never followed (the pattern of systemd's chase() and of
+libpathrs).  Mount points are crossed; ".." never appears (spec.check_path
+refuses it).
+
+A plain walk works on every kernel; openat2(RESOLVE_NO_SYMLINKS) would do the
+same in one call but is 5.6+ and not in Python's os module.
+"""
+
+import errno
+import os
+import stat
+
+from starter.errors import StarterError
+
+_PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+class LinkError(StarterError):
+    """A component of a path is a symlink, or the path is not what was asked for."""
+
+
+def kind(mode):
+    """'a FIFO', 'a directory', ... for messages."""
+    for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"),
+                       (stat.S_ISREG, "a regular file"), (stat.S_ISFIFO, "a FIFO"),
+                       (stat.S_ISCHR, "a character device"), (stat.S_ISBLK, "a block device"),
+                       (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def _link_error(what, path, prefix):
+    target = os.path.realpath(path)
+    return LinkError(f"{what} {path}: {prefix} is a symlink (not followed)",
+                     f"give the resolved path, {target}" if target != path else "give a path without symlinks")
+
+
+def split(path):
+    """'/a//b/./c' -> ['a', 'b', 'c']; relative paths and '..' are refused."""
+    parts = [c for c in path.split("/") if c not in ("", ".")]
+    if not path.startswith("/") or ".." in parts:
+        raise LinkError(f"{path}: must be an absolute path without '..'")
+    return parts
+
+
+def open_dir(path, what="path", create=None, full=None, readable=False):
+    """An O_PATH fd of directory `path` (`readable`: an O_RDONLY one), every
+    component resolved without following links.  `create` (a mode) makes a
+    missing last component.  `full`: the path to name in messages (a file in
+    this directory)."""
+    parts = split(path)
+    shown = full or path
+    fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        for i, name in enumerate(parts):
+            last = i == len(parts) - 1
+            try:
+                nfd = os.open(name, _PATH_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if not (last and create is not None):
+                    raise
+                try:
+                    os.mkdir(name, create, dir_fd=fd)
+                except FileExistsError:
+                    pass
+                nfd = os.open(name, _PATH_FLAGS, dir_fd=fd)
+            os.close(fd)
+            fd = nfd
+            mode = os.fstat(fd).st_mode
+            sofar = "/" + "/".join(parts[: i + 1])
+            if stat.S_ISLNK(mode):
+                raise _link_error(what, shown, sofar)
+            if not stat.S_ISDIR(mode):
+                raise LinkError(f"{what} {shown}: {sofar} is {kind(mode)}, not a directory")
+        if readable:
+            rfd = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=fd)
+            os.close(fd)
+            fd = rfd
+        return fd
+    except FileNotFoundError:
+        os.close(fd)
+        raise LinkError(f"{what} {shown}: no such directory {path}") from None
+    except OSError as e:
+        os.close(fd)
+        raise LinkError(f"{what} {shown}: {e.strerror}") from None
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def open_beneath(dir_fd, name, flags, what, path, mode=0o644):
+    """open(name, flags) in `dir_fd` (one component), never through a link and
+    never blocking on a FIFO; a device there is refused before it is opened
+    (only root makes those, but opening one can have effects); -> (fd, stat)."""
+    try:
+        st = os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
+    except FileNotFoundError:
+        st = None
+    if st is not None and (stat.S_ISCHR(st.st_mode) or stat.S_ISBLK(st.st_mode)):
+        raise LinkError(f"{what} {path}: is {kind(st.st_mode)}, not a regular file")
+    try:
+        fd = os.open(name, flags | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, mode, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise _link_error(what, path, path) from None
+        raise
+    return fd, os.fstat(fd)
+
+
+def open_path(path, what="path"):
+    """An O_PATH fd of `path` (any type but a link), every component resolved
+    without following links; -> (fd, stat)."""
+    parent, name = os.path.split(path.rstrip("/") or "/")
+    if not name:
+        fd = os.open("/", os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+        return fd, os.fstat(fd)
+    dfd = open_dir(parent, what, full=path)
+    try:
+        try:
+            fd = os.open(name, _PATH_FLAGS, dir_fd=dfd)
+        except FileNotFoundError:
+            raise LinkError(f"{what} {path}: does not exist") from None
+        st = os.fstat(fd)
+        if stat.S_ISLNK(st.st_mode):
+            os.close(fd)
+            raise _link_error(what, path, path)
+        return fd, st
+    finally:
+        os.close(dfd)
+
+
+def open_file(path, what="file"):
+    """A regular file for reading (O_RDONLY, not O_PATH), resolved without
+    links; a FIFO or device there is refused without blocking."""
+    parent, name = os.path.split(path)
+    dfd = open_dir(parent, what, full=path)
+    try:
+        try:
+            fd, st = open_beneath(dfd, name, os.O_RDONLY, what, path)
+        except FileNotFoundError:
+            raise LinkError(f"{what} {path}: does not exist") from None
+        except OSError as e:
+            raise LinkError(f"{what} {path}: {e.strerror}") from None
+    finally:
+        os.close(dfd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise LinkError(f"{what} {path}: is {kind(st.st_mode)}, not a regular file")
+    return fd
