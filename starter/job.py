@@ -57,6 +57,10 @@ def run(spec):
     report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
               "signal": None, "started_at": round(t0, 6)}
     try:
+        # The syscall filter first: a bad profile must create nothing.
+        from starter import seccomp
+
+        sc_filter = seccomp.load(spec.seccomp, spec.allow_userns, spec.state_dir)
         try:
             events = Events(spec.events, spec.id)
         except OSError as e:
@@ -66,10 +70,11 @@ def run(spec):
         admin.gc_quick(spec.state_dir)
         job_state = JobState(spec.state_dir, spec.id).create(
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
-            argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
+            argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
+            seccomp=spec.seccomp, allow_userns=spec.allow_userns)
         undo.push(job_state.remove)
         events.emit("starting", argv=spec.argv, user=spec.uid)
-        code = _run(spec, job_state, signals, events, undo, report)
+        code = _run(spec, job_state, signals, events, undo, report, sc_filter)
     except StarterError as e:
         sys.stderr.write(f"starter: {e}\n")
         report.update(error=str(e), exit_code=e.exit_code)
@@ -97,7 +102,7 @@ def run(spec):
     return code
 
 
-def _run(spec, job_state, signals, events, undo, report):
+def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     from starter import cgroups, ns
     from starter.mounts import Mount
     from starter.supervisor import Supervisor, classify
@@ -159,7 +164,7 @@ def _run(spec, job_state, signals, events, undo, report):
     child_spec = ns.ChildSpec(
         argv=argv, env=spec.env, cwd=cwd or "/", uid=spec.uid, gid=spec.gid,
         groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
-        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd())
+        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter)
     child = ns.spawn(child_spec)
     undo.push(child.close)
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).

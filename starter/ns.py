@@ -56,12 +56,12 @@ class ChildSpec:
 
     __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
                  "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
-                 "die_with_parent", "drop_privileges", "stdio")
+                 "die_with_parent", "drop_privileges", "stdio", "seccomp")
 
     def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
                  namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
                  keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
-                 drop_privileges=True, stdio=(None, None, None)):
+                 drop_privileges=True, stdio=(None, None, None), seccomp=None):
         self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
         self.env = env                # dict[str, str]: exactly the job's environment
         self.cwd = cwd
@@ -78,6 +78,7 @@ class ChildSpec:
         self.die_with_parent = die_with_parent
         self.drop_privileges = drop_privileges  # False: keep uid 0 and caps (ns-exec)
         self.stdio = stdio            # fds to become the job's 0, 1, 2 (None: inherit)
+        self.seccomp = seccomp        # starter.seccomp.Filter installed before execve, or None
 
     def __repr__(self):
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
@@ -235,7 +236,8 @@ def spawn(spec):
 
 
 def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=None,
-          *, released=True, drop_privileges=True, keep_fds=(), stdio=(None, None, None)):
+          *, released=True, drop_privileges=True, keep_fds=(), stdio=(None, None, None),
+          seccomp=None):
     """Run argv inside a running job: join the namespaces of the job's PID 1
     (given by its pidfd) in a short-lived helper, and clone the process into
     `cgroup_fd`.  Returns a Child, already released unless released=False
@@ -243,7 +245,7 @@ def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup
     spec = ChildSpec(argv, env, cwd=cwd, uid=uid, gid=gid, groups=groups,
                      namespaces=frozenset(namespaces), mounts=(), private_tmp=False,
                      keep_fds=keep_fds, cgroup_fd=cgroup_fd, drop_privileges=drop_privileges,
-                     stdio=stdio)
+                     stdio=stdio, seccomp=seccomp)
     keep = []
     c = _build(spec, keep, entering=True)
     c.enter_pidfd = pidfd
@@ -358,6 +360,12 @@ def _build(spec, keep, entering=False):
     c.cap_last_cap = cap_last_cap()
     c.enter_pidfd = -1
     c.enter_pid = -1
+    if spec.seccomp is not None:  # the job's process installs it last, before execve
+        bpf = ffi.from_buffer(spec.seccomp.bpf)
+        keep.append(bpf)
+        c.seccomp_filter = bpf
+        c.seccomp_len = len(spec.seccomp.bpf)
+        c.seccomp_flags = spec.seccomp.flags
     return c
 
 
