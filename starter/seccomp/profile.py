@@ -139,7 +139,7 @@ def parse(data, source, resolve=None):
     syscalls = doc.get("syscalls", [])
     if not isinstance(syscalls, list):
         raise bad("syscalls", "must be a list")
-    rules, count = [], 0
+    rules, count, unconditional = [], 0, {}
     for i, r in enumerate(syscalls):
         where = f"syscalls[{i}]"
         if not isinstance(r, dict):
@@ -183,6 +183,13 @@ def parse(data, source, resolve=None):
             if "value" not in a:
                 raise bad(aw + ".value", "missing")
             conds.append((index, OPS[op], vals[0], vals[1]))
+        if not conds:
+            # libseccomp keeps the first and ignores the rest: say so instead.
+            for j, (n, _nr) in enumerate(resolved):
+                if n in unconditional:
+                    raise bad(f"{where}.names[{j}]", f"{n!r} already has a rule without conditions "
+                              f"in {unconditional[n]}")
+                unconditional[n] = where
         count += len(resolved)
         if count > MAX_RULES:
             raise bad("syscalls", f"more than {MAX_RULES} syscall rules")
@@ -215,6 +222,14 @@ def loads(text, object_pairs_hook, parse_constant):
         obj, end = scan(text, start)
     except StopIteration as e:
         raise ValueError(f"expecting a value at character {e.value}") from None
+    except SpecError:
+        raise  # from a hook
+    except Exception:
+        # Malformed: _json raises json.decoder's error class, but finds it
+        # only if json is imported (else a SystemError): let json say it.
+        import json
+
+        return json.loads(text, object_pairs_hook=object_pairs_hook, parse_constant=parse_constant)
     if text[end:].strip(ws):
         raise ValueError(f"extra data after the value at character {end}")
     return obj
