@@ -361,6 +361,9 @@ def _build(spec, keep, entering=False):
     c.enter_pidfd = -1
     c.enter_pid = -1
     if spec.seccomp is not None:  # the job's process installs it last, before execve
+        n = len(spec.seccomp.bpf)
+        if not 0 < n <= lib.SHIM_SECCOMP_MAX_BYTES or n % 8:
+            raise SpecError("seccomp", f"a BPF program of {n} bytes is not 1..4096 instructions")
         bpf = ffi.from_buffer(spec.seccomp.bpf)
         keep.append(bpf)
         c.seccomp_filter = bpf

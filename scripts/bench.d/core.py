@@ -73,6 +73,54 @@ def bench_seccomp_compile(runs):
     return statistics.median(times)
 
 
+def bench_spawn_pairs(runs, filt):
+    """ns.spawn of /bin/true with and without the filter, alternately: median
+    of the per-round difference (the shim's install + the kernel's checks)."""
+    specs = (ns.ChildSpec(["/bin/true"], ENV, seccomp=filt), ns.ChildSpec(["/bin/true"], ENV))
+    diffs = []
+    for i in range(runs + 5):
+        t = []
+        for spec in specs if i % 2 == 0 else specs[::-1]:
+            t0 = time.perf_counter()
+            with ns.spawn(spec) as child:
+                child.release()
+                child.wait_started()
+                child.wait()
+            t.append((spec.seccomp is not None, time.perf_counter() - t0))
+        if i >= 5:
+            d = dict(t)
+            diffs.append(d[True] - d[False])
+    return statistics.median(diffs)
+
+
+LOAD_SCRIPT = """
+import sys, time
+sys.path[:0] = [{root!r}, {site!r}]
+from starter import _native
+t = time.perf_counter()
+from starter import seccomp
+seccomp.load("default", False, {state!r})
+print(time.perf_counter() - t)
+"""
+
+
+def bench_load_fresh(runs):
+    """What a job start pays on the Python side with a cached profile: import
+    starter.seccomp, read and hash the profile, read the cache file; in a
+    fresh interpreter each time, as `starter run` is."""
+    import sysconfig
+
+    state = os.environ.get("STARTER_STATE_DIR") or "/run/starter"
+    code = LOAD_SCRIPT.format(root=ROOT, site=sysconfig.get_paths()["purelib"], state=state)
+    py = os.path.join(ROOT, ".venv", "bin", "python")
+    times = []
+    for i in range(runs + 2):
+        out = subprocess.run([py, "-IS", "-c", code], check=True, capture_output=True, text=True).stdout
+        if i >= 2:  # the first fills the cache
+            times.append(float(out))
+    return statistics.median(times)
+
+
 def bench_pairs(a, b, runs):
     """Run argv a and b alternately (order flipped every round, so drift and
     noise on this shared machine hit both alike): medians of a, of b, and of
@@ -248,7 +296,11 @@ def main():
     filt = seccomp.load("default")
     rows.append(("ns.spawn + default filter (in process)", bench_spawn(args.runs, seccomp=filt), ""))
     sc_rows = [("seccomp: read+parse+compile default", bench_seccomp_compile(args.runs),
-                f"{len(filt.bpf) // 8} BPF instructions")]
+                f"{len(filt.bpf) // 8} BPF instructions; only on a cache miss"),
+               ("seccomp: load, cached, fresh process", bench_load_fresh(min(args.runs, 50)),
+                "import + read + hash + cache file"),
+               ("ns.spawn + filter - ns.spawn (paired)", bench_spawn_pairs(args.runs, filt),
+                "install in the child + filtered exec")]
     if os.access(STARTER, os.X_OK):
         run_off = [STARTER, "run", "--net", "none", "--seccomp", "off", "--", "/bin/true"]
         run_on = [STARTER, "run", "--net", "none", "--", "/bin/true"]
