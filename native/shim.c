@@ -27,7 +27,8 @@
  *                                            setsid, setresgid, setgroups,
  *                                            cap bounding drop, setresuid,
  *                                            capset(0), NO_NEW_PRIVS,
- *                                            re-arm PDEATHSIG, close fds, chdir
+ *                                            re-arm PDEATHSIG, close fds, chdir,
+ *                                            seccomp filter (compiled by the starter)
  *   wait_started(): read(err) ◄────err────── on failure: {errno, exit, step}
  *     EOF, 0 bytes  -> job runs               then _exit(125|126|127)
  *     a report      -> reap, SpawnError      execve (CLOEXEC closes err: EOF)
@@ -738,6 +739,29 @@ static _Noreturn void exec_job(const struct child_ctx *c)
     fail_err(c, last, code, "execve", file);
 }
 
+/* The syscall filter compiled by the starter (native/seccomp.c), last of
+ * all: after the privilege drop and NO_NEW_PRIVS, so nothing the shim does
+ * is filtered, and before the execve, which the filter must allow.  Without
+ * drop_privileges (ns-exec) the kernel accepts it because we hold
+ * CAP_SYS_ADMIN. */
+#ifndef SYS_seccomp
+#define SYS_seccomp 317
+#endif
+struct sock_fprog_v0 {
+    unsigned short len;
+    const void *filter;
+};
+
+static void install_seccomp(const struct child_ctx *c)
+{
+    const struct shim_spec *s = c->s;
+    if (!s->seccomp_filter)
+        return;
+    struct sock_fprog_v0 prog = {.len = (unsigned short)(s->seccomp_len / 8), .filter = s->seccomp_filter};
+    if (syscall(SYS_seccomp, 1 /* SECCOMP_SET_MODE_FILTER */, s->seccomp_flags, &prog) < 0)
+        fail(c, "seccomp", "filter");
+}
+
 /* From here on only the job's own setup: creds, fds, cwd, exec. */
 static _Noreturn void become_job(const struct child_ctx *c, int creds)
 {
@@ -758,6 +782,7 @@ static _Noreturn void become_job(const struct child_ctx *c, int creds)
                 fail(c, "chdir", s->cwd_fallbacks[i - 1]);
     }
     unblock_signals();
+    install_seccomp(c);
     exec_job(c);
 }
 

@@ -72,6 +72,12 @@ struct shim_spec {
      * working is the "chdir" failure of the last one. */
     const char *const *cwd_fallbacks;
     int ncwd_fallbacks;
+    /* seccomp (native/seccomp.c): a BPF program (struct sock_filter[]) the
+     * job's process installs as its very last step before execve (not the
+     * init in init mode); NULL: none. */
+    const void *seccomp_filter;
+    int seccomp_len;          /* bytes, a multiple of 8 */
+    unsigned int seccomp_flags; /* SECCOMP_FILTER_FLAG_* (LOG, SPEC_ALLOW) */
 };
 
 struct shim_child {
@@ -94,6 +100,40 @@ void shim_test_no_clone3(int on);
 /* Tests: bind sources given as fds are mounted by path and checked (1), as
  * on kernels without open_tree, or cloned with open_tree again (0). */
 void shim_test_no_open_tree(int on);
+
+/* native/seccomp.c: profile -> BPF, in the parent (libseccomp). */
+#define SHIM_CMP_NE 1
+#define SHIM_CMP_LT 2
+#define SHIM_CMP_LE 3
+#define SHIM_CMP_EQ 4
+#define SHIM_CMP_GE 5
+#define SHIM_CMP_GT 6
+#define SHIM_CMP_MASKED_EQ 7
+#define SHIM_SECCOMP_MAX_BYTES 32768  /* BPF_MAXINSNS (4096) * 8 */
+
+struct shim_seccomp_arg {
+    unsigned int index;       /* 0..5 */
+    int op;                   /* SHIM_CMP_* */
+    unsigned long long value;
+    unsigned long long value2; /* MASKED_EQ: (arg & value) == value2 */
+};
+
+struct shim_seccomp_rule {
+    int nr;                   /* from shim_seccomp_resolve (native number or pseudo) */
+    unsigned int action;      /* SECCOMP_RET_* value, errno in the low 16 bits */
+    int nargs;                /* all must match (AND) */
+    struct shim_seccomp_arg args[6];
+};
+
+/* Native number of a syscall name (negative pseudo number if only other
+ * ABIs have it), -1 if libseccomp does not know the name. */
+int shim_seccomp_resolve(const char *name);
+void shim_seccomp_version(unsigned int out[3]);
+unsigned int shim_seccomp_native_arch(void);
+/* -> bytes written to buf, or -errno (*failed_rule: index of the rule the
+ * library refused, else -1). */
+int shim_seccomp_compile(unsigned int default_action, const struct shim_seccomp_rule *rules,
+                         int nrules, int *failed_rule, unsigned char *buf, int cap);
 /* cffi-end */
 
 #endif

@@ -248,6 +248,11 @@ def enter(state_dir, job_id, argv, user=None):
     else:
         uid, gid, groups = st.get("uid", 0), st.get("gid", 0), tuple(st.get("groups") or ())
         home, name = "/", st.get("user")
+    # The job's own filter: an unfiltered process in the job could be
+    # ptraced by the job and used to make the calls the filter denies.
+    from starter import seccomp
+
+    sc_filter = seccomp.load(st.get("seccomp", "default"), bool(st.get("allow_userns")), state_dir)
     pid = st["pid"]
     pidfd = os.pidfd_open(pid)
     try:
@@ -258,7 +263,7 @@ def enter(state_dir, job_id, argv, user=None):
             env["USER"] = name
         namespaces = {"pid", "mnt"} | ({"net"} if st.get("net") != "host" else set())
         child = ns.enter(pidfd, frozenset(namespaces), list(argv), env, cwd="/", uid=uid, gid=gid,
-                         groups=groups, cgroup_fd=cg.clone_fd(), released=False)
+                         groups=groups, cgroup_fd=cg.clone_fd(), released=False, seccomp=sc_filter)
         try:
             cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything
             child.release()

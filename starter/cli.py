@@ -51,6 +51,8 @@ RUN_OPTIONS = {
     "--ro-bind": ("ro-bind", "mount", "SRC[:DST]  read-only bind mount (repeatable)"),
     "--tmpfs": ("tmpfs", "mount", "DST[:OPTS]  a tmpfs (size=,mode=,nr_inodes=)"),
     "--init": ("init", "flag", "keep a tiny init as PID 1 (reaps orphans, forwards signals)"),
+    "--seccomp": ("seccomp", "value", "default|off|FILE  syscall filter (default: the built-in profile)"),
+    "--allow-userns": ("allow-userns", "flag", "let the job create user namespaces (unprivileged container runtimes)"),
     "--memory": ("memory", "value", "SIZE  memory limit, no swap beyond it (e.g. 512M)"),
     "--cpus": ("cpus", "value", "N  cpu quota in cores (e.g. 1.5)"),
     "--cpu-weight": ("cpu-weight", "value", "N  cpu weight 1..10000 (default 100)"),

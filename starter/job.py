@@ -58,6 +58,10 @@ def run(spec):
               "signal": None, "started_at": round(t0, 6)}
     report_dest = None
     try:
+        # The syscall filter first: a bad profile must create nothing.
+        from starter import seccomp
+
+        sc_filter = seccomp.load(spec.seccomp, spec.allow_userns, spec.state_dir)
         # Both resolved (without following links) before anything runs; the
         # report's directory fd is held until the end.
         if spec.report:
@@ -72,13 +76,14 @@ def run(spec):
             admin.gc_quick(spec.state_dir)
             job_state = JobState(spec.state_dir, spec.id).create(
                 state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
-                argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
+                argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
+                seccomp=spec.seccomp, allow_userns=spec.allow_userns)
         except OSError as e:
             raise StarterError(f"state directory {spec.state_dir} is unusable: {e.strerror or e}",
                                "set --state-dir or STARTER_STATE_DIR to a writable local directory") from None
         undo.push(job_state.remove)
         events.emit("starting", argv=spec.argv, user=spec.uid)
-        code = _run(spec, job_state, signals, events, undo, report)
+        code = _run(spec, job_state, signals, events, undo, report, sc_filter)
     except StarterError as e:
         sys.stderr.write(f"starter: {one_line(e)}\n")
         report.update(error=str(e), exit_code=e.exit_code)
@@ -115,7 +120,7 @@ def run(spec):
     return code
 
 
-def _run(spec, job_state, signals, events, undo, report):
+def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     from starter import cgroups, ns
     from starter.mounts import Mount
     from starter.supervisor import Supervisor, classify
@@ -179,7 +184,7 @@ def _run(spec, job_state, signals, events, undo, report):
         argv=argv, env=spec.env, cwd=cwd, cwd_fallbacks=() if cwd else default_cwds(spec),
         uid=spec.uid, gid=spec.gid,
         groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
-        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd())
+        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter)
     child = ns.spawn(child_spec)
     undo.push(child.close)
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).

@@ -56,12 +56,12 @@ class ChildSpec:
 
     __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
                  "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
-                 "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks")
+                 "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks", "seccomp")
 
     def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
                  namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
                  keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
-                 drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=()):
+                 drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=(), seccomp=None):
         self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
         self.env = env                # dict[str, str]: exactly the job's environment
         self.cwd = cwd
@@ -79,6 +79,7 @@ class ChildSpec:
         self.drop_privileges = drop_privileges  # False: keep uid 0 and caps (ns-exec)
         self.stdio = stdio            # fds to become the job's 0, 1, 2 (None: inherit)
         self.cwd_fallbacks = cwd_fallbacks  # cwd=None: the first of these the job can chdir to
+        self.seccomp = seccomp        # starter.seccomp.Filter installed before execve, or None
 
     def __repr__(self):
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
@@ -241,7 +242,8 @@ def spawn(spec):
 
 
 def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=None,
-          *, released=True, drop_privileges=True, keep_fds=(), stdio=(None, None, None)):
+          *, released=True, drop_privileges=True, keep_fds=(), stdio=(None, None, None),
+          seccomp=None):
     """Run argv inside a running job: join the namespaces of the job's PID 1
     (given by its pidfd) in a short-lived helper, and clone the process into
     `cgroup_fd`.  Returns a Child, already released unless released=False
@@ -249,7 +251,7 @@ def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup
     spec = ChildSpec(argv, env, cwd=cwd, uid=uid, gid=gid, groups=groups,
                      namespaces=frozenset(namespaces), mounts=(), private_tmp=False,
                      keep_fds=keep_fds, cgroup_fd=cgroup_fd, drop_privileges=drop_privileges,
-                     stdio=stdio)
+                     stdio=stdio, seccomp=seccomp)
     keep = []
     c = _build(spec, keep, entering=True)
     c.enter_pidfd = pidfd
@@ -367,6 +369,15 @@ def _build(spec, keep, entering=False, src_fds=None):
     if not spec.cwd and spec.cwd_fallbacks:
         c.cwd_fallbacks = _strv("cwd", list(spec.cwd_fallbacks), keep)
         c.ncwd_fallbacks = len(spec.cwd_fallbacks)
+    if spec.seccomp is not None:  # the job's process installs it last, before execve
+        n = len(spec.seccomp.bpf)
+        if not 0 < n <= lib.SHIM_SECCOMP_MAX_BYTES or n % 8:
+            raise SpecError("seccomp", f"a BPF program of {n} bytes is not 1..4096 instructions")
+        bpf = ffi.from_buffer(spec.seccomp.bpf)
+        keep.append(bpf)
+        c.seccomp_filter = bpf
+        c.seccomp_len = len(spec.seccomp.bpf)
+        c.seccomp_flags = spec.seccomp.flags
     return c
 
 

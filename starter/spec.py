@@ -85,10 +85,12 @@ class JobSpec(Spec):
         "events", "grace", "on_signal", "state_dir", "cgroup_parent",
         "scratch", "execute_dir", "keep_scratch", "manifest",
         "manifest_digest", "inputs",
+        "seccomp", "allow_userns",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
         "on_signal": (), "keep_scratch": False,
+        "seccomp": "default", "allow_userns": False,
     }
 
 
@@ -253,6 +255,7 @@ _FILE_KEYS = {
     "scratch": "scratch", "execute_dir": "execute-dir",
     "keep_scratch": "keep-scratch", "manifest": "manifest",
     "manifest_digest": "manifest-digest", "inputs": "inputs",
+    "seccomp": "seccomp", "allow_userns": "allow-userns",
 }
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "pids": "pids", "wall_time": "wall-time"}
@@ -431,7 +434,20 @@ def _make(raw):
         manifest=opt_path("manifest", must_exist=True),
         manifest_digest=digest,
         inputs=opt_path("inputs", must_exist=True),
+        seccomp=_seccomp_choice(raw.get("seccomp", "default")),
+        allow_userns=_bool("allow-userns", raw.get("allow-userns", False)),
     )
+
+
+def _seccomp_choice(value):
+    """default, off, or an absolute path to a profile (read and compiled by
+    starter/seccomp before the job's resources are made)."""
+    value = _str("seccomp", value)
+    if value in ("default", "off"):
+        return value
+    if not value.startswith("/"):
+        raise SpecError("seccomp", f"{value!r} is not default, off or an absolute path to a profile")
+    return check_path("seccomp", value)
 
 
 def load_job_file(path):

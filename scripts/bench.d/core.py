@@ -5,6 +5,10 @@ the starter keeps beside a running job.
   ns.spawn (in process)   spawn + release + wait_started + wait of /bin/true,
                           measured inside one Python process (the shim's cost)
   starter run             the whole command: `starter run --net none -- /bin/true`
+  seccomp filter          its cost per job: the profile read, parsed and compiled
+                          (in process), ns.spawn with and without it, and
+                          `starter run` with the default filter and with
+                          `--seccomp off`, run alternately in pairs
   unshare                 unshare -pnm --fork --mount-proc true      (the reference)
   bwrap                   bwrap --unshare-pid --unshare-net --dev-bind / / --proc /proc true
   crun / runc             an OCI bundle (tiny rootfs: /usr bound read-only), pid+net+mnt
@@ -53,6 +57,84 @@ def bench_spawn(runs, **kw):
         if i >= 5:  # warm-up
             times.append(dt)
     return statistics.median(times)
+
+
+def bench_seccomp_compile(runs):
+    """Median seconds to read, parse and compile the default profile, as every
+    job does (no memo)."""
+    from starter import seccomp
+
+    times = []
+    for i in range(runs + 5):
+        t = time.perf_counter()
+        seccomp.compile_bytes(seccomp._read_profile(seccomp.DEFAULT), "default")
+        if i >= 5:
+            times.append(time.perf_counter() - t)
+    return statistics.median(times)
+
+
+def bench_spawn_pairs(runs, filt):
+    """ns.spawn of /bin/true with and without the filter, alternately: median
+    of the per-round difference (the shim's install + the kernel's checks)."""
+    specs = (ns.ChildSpec(["/bin/true"], ENV, seccomp=filt), ns.ChildSpec(["/bin/true"], ENV))
+    diffs = []
+    for i in range(runs + 5):
+        t = []
+        for spec in specs if i % 2 == 0 else specs[::-1]:
+            t0 = time.perf_counter()
+            with ns.spawn(spec) as child:
+                child.release()
+                child.wait_started()
+                child.wait()
+            t.append((spec.seccomp is not None, time.perf_counter() - t0))
+        if i >= 5:
+            d = dict(t)
+            diffs.append(d[True] - d[False])
+    return statistics.median(diffs)
+
+
+LOAD_SCRIPT = """
+import sys, time
+sys.path[:0] = [{root!r}, {site!r}]
+from starter import _native
+t = time.perf_counter()
+from starter import seccomp
+seccomp.load("default", False, {state!r})
+print(time.perf_counter() - t)
+"""
+
+
+def bench_load_fresh(runs):
+    """What a job start pays on the Python side with a cached profile: import
+    starter.seccomp, read and hash the profile, read the cache file; in a
+    fresh interpreter each time, as `starter run` is."""
+    import sysconfig
+
+    state = os.environ.get("STARTER_STATE_DIR") or "/run/starter"
+    code = LOAD_SCRIPT.format(root=ROOT, site=sysconfig.get_paths()["purelib"], state=state)
+    py = os.path.join(ROOT, ".venv", "bin", "python")
+    times = []
+    for i in range(runs + 2):
+        out = subprocess.run([py, "-IS", "-c", code], check=True, capture_output=True, text=True).stdout
+        if i >= 2:  # the first fills the cache
+            times.append(float(out))
+    return statistics.median(times)
+
+
+def bench_pairs(a, b, runs):
+    """Run argv a and b alternately (order flipped every round, so drift and
+    noise on this shared machine hit both alike): medians of a, of b, and of
+    the per-round difference a - b."""
+    ta, tb = [], []
+    for i in range(runs + 5):
+        order = ((a, ta), (b, tb)) if i % 2 == 0 else ((b, tb), (a, ta))
+        for argv, out in order:
+            t = time.perf_counter()
+            subprocess.run(argv, check=True, stdout=subprocess.DEVNULL)
+            if i >= 5:
+                out.append(time.perf_counter() - t)
+    diff = statistics.median(x - y for x, y in zip(ta, tb))
+    return statistics.median(ta), statistics.median(tb), diff
 
 
 def bench_cmd(argv, runs, hide_unified=False, env=None):
@@ -209,6 +291,23 @@ def main():
 
     rows.append(("ns.spawn /bin/true (in process)", bench_spawn(args.runs), ""))
     rows.append(("ns.spawn, init mode (in process)", bench_spawn(args.runs, init=True), ""))
+    from starter import seccomp
+
+    filt = seccomp.load("default")
+    rows.append(("ns.spawn + default filter (in process)", bench_spawn(args.runs, seccomp=filt), ""))
+    sc_rows = [("seccomp: read+parse+compile default", bench_seccomp_compile(args.runs),
+                f"{len(filt.bpf) // 8} BPF instructions; only on a cache miss"),
+               ("seccomp: load, cached, fresh process", bench_load_fresh(min(args.runs, 50)),
+                "import + read + hash + cache file"),
+               ("ns.spawn + filter - ns.spawn (paired)", bench_spawn_pairs(args.runs, filt),
+                "install in the child + filtered exec")]
+    if os.access(STARTER, os.X_OK):
+        run_off = [STARTER, "run", "--net", "none", "--seccomp", "off", "--", "/bin/true"]
+        run_on = [STARTER, "run", "--net", "none", "--", "/bin/true"]
+        on, off, diff = bench_pairs(run_on, run_off, args.runs)
+        sc_rows += [("starter run (default filter), paired", on, ""),
+                    ("starter run --seccomp off, paired", off, ""),
+                    ("  filter cost per job (paired diff)", diff, "target: at most 1 ms")]
 
     tmp = tempfile.mkdtemp(prefix="starter-bench-core-")
     try:
@@ -260,6 +359,10 @@ def main():
         ratio = f"{t / ref:.2f}" if ref else "-"
         print(f"{name:36} {t * 1000:10.2f} {ratio:>10}  {note}")
     print("target: starter run at or under 15 ms")
+    print()
+    print("syscall filter (rows run alternately, in pairs)")
+    for name, t, note in sc_rows:
+        print(f"{name:36} {t * 1000:10.2f} {'':>10}  {note}")
 
     if os.access(STARTER, os.X_OK):
         pss, err = pss_beside_sleep()

@@ -1,0 +1,324 @@
+"""The syscall filter (starter/seccomp, native/seccomp.c): each denied call
+returns its documented errno through the real CLI, for --user nobody and
+--user root, through every ABI; what jobs need keeps working; --seccomp off,
+FILE and --allow-userns; bad profiles fail before anything is made; the
+profile parser on fixture text."""
+
+import errno
+import json
+import os
+import shutil
+import stat
+import subprocess
+
+import pytest
+
+from conftest import REPO, STARTER
+
+PROBE_SRC = os.path.join(REPO, "tests", "fixtures", "seccomp", "probe.c")
+DEFAULT = os.path.join(REPO, "starter", "seccomp", "default.json")
+
+# The default profile's denials (README, "Syscall filter").
+DENIED = {
+    "kexec_load": errno.EPERM, "kexec_file_load": errno.EPERM, "init_module": errno.EPERM,
+    "finit_module": errno.EPERM, "delete_module": errno.EPERM, "open_by_handle_at": errno.EPERM,
+    "bpf": errno.EPERM, "keyctl": errno.EPERM, "add_key": errno.EPERM, "request_key": errno.EPERM,
+    "unshare_newuser": errno.EPERM, "clone_newuser": errno.EPERM, "setns": errno.EPERM,
+    "clone3": errno.ENOSYS, "reboot": errno.EPERM, "swapon": errno.EPERM, "swapoff": errno.EPERM,
+    "acct": errno.EPERM, "iopl": errno.EPERM, "ioperm": errno.EPERM,
+    "lookup_dcookie": errno.EPERM, "uselib": errno.EPERM, "userfaultfd": errno.EPERM,
+    # the same through the i386 (int 0x80) and x32 ABIs
+    "i386_keyctl": errno.EPERM, "i386_unshare_newuser": errno.EPERM, "i386_bpf": errno.EPERM,
+    "x32_keyctl": errno.EPERM, "x32_unshare_newuser": errno.EPERM,
+}
+KEPT = ("fork", "thread", "ptrace", "perf_event_open", "unshare_newnet")
+USERS = ("nobody", "root")
+
+
+@pytest.fixture(scope="session")
+def probe_dir(tmp_path_factory):
+    if shutil.which("gcc") is None:
+        pytest.skip("gcc is needed to build the syscall probe (scripts/setup installs it)")
+    d = tmp_path_factory.mktemp("seccomp-probe")
+    subprocess.run(["gcc", "-O1", "-pthread", "-o", str(d / "probe"), PROBE_SRC], check=True)
+    os.chmod(d, 0o755)
+    return str(d)
+
+
+def probe(starter, probe_dir, *opts, names=(), user="nobody"):
+    """Run the probe as a job -> {call: int errno or 'sig:N'}."""
+    p = starter("run", "--user", user, "--ro-bind", f"{probe_dir}:/tmp/probe", *opts, "--",
+                "/tmp/probe/probe", *names)
+    assert p.returncode == 0, (p.returncode, p.stdout, p.stderr)
+    out = {}
+    for line in p.stdout.splitlines():
+        name, res = line.split()
+        out[name] = int(res) if res.lstrip("-").isdigit() else res
+    return out
+
+
+def userns_possible():
+    try:
+        with open("/proc/sys/user/max_user_namespaces") as f:
+            return int(f.read()) > 0
+    except OSError:
+        return True
+
+
+# ---------------------------------------------------------------- through the CLI
+
+@pytest.mark.parametrize("user", USERS)
+def test_default_profile_denies_with_documented_errno(starter, probe_dir, user):
+    got = probe(starter, probe_dir, user=user)
+    off = probe(starter, probe_dir, "--seccomp", "off", user=user)
+    wrong = {n: (got.get(n), e) for n, e in DENIED.items() if got.get(n) != e}
+    assert not wrong, f"call: (got, documented) {wrong}"
+    # What jobs need: processes, threads, a debugger on their own children,
+    # perf counters as far as kernel.perf_event_paranoid allows.
+    assert {n: got[n] for n in KEPT} == {n: off[n] for n in KEPT}
+    assert got["fork"] == got["thread"] == got["ptrace"] == 0
+
+
+def test_every_rule_is_the_filter_not_the_kernel(starter, probe_dir, tmp_path):
+    """Many denied calls fail with EPERM anyway for a job without
+    capabilities: the default profile with distinctive errnos shows that
+    each rule, through each ABI, is what answers."""
+    prof = json.loads(open(DEFAULT).read())
+    for rule in prof["syscalls"]:
+        rule["errnoRet"] = 222 if rule["errnoRet"] == errno.EPERM else 223
+    path = tmp_path / "marked.json"
+    path.write_text(json.dumps(prof))
+    got = probe(starter, probe_dir, "--seccomp", str(path))
+    expect = {n: 223 if e == errno.ENOSYS else 222 for n, e in DENIED.items()}
+    assert {n: got.get(n) for n in expect} == expect
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_off_lifts_everything(starter, probe_dir, user):
+    got = probe(starter, probe_dir, "--seccomp", "off", user=user,
+                names=("keyctl", "add_key", "clone3", "setns", "i386_keyctl", "unshare_newuser"))
+    assert got["keyctl"] == got["add_key"] == got["clone3"] == got["i386_keyctl"] == 0, got
+    assert got["setns"] == errno.EBADF
+    if userns_possible():
+        assert got["unshare_newuser"] == 0
+
+
+@pytest.mark.parametrize("user", USERS)
+def test_allow_userns(starter, probe_dir, user):
+    if not userns_possible():
+        pytest.skip("user.max_user_namespaces is 0 on this host")
+    # `unshare -Ur` (map uid 0) for nobody; a uid 0 without CAP_SETFCAP may
+    # not map uid 0 (kernel >= 5.12), so root gets the overflow uid.
+    argv = ["unshare", "-Ur", "id", "-u"] if user == "nobody" else ["unshare", "-U", "id", "-u"]
+    p = starter("run", "--user", user, "--", *argv)
+    assert p.returncode != 0 and "Operation not permitted" in p.stderr, (p.returncode, p.stderr)
+    p = starter("run", "--user", user, "--allow-userns", "--", *argv, check=0)
+    assert p.stdout.strip() == ("0" if user == "nobody" else "65534")
+    # Only the user-namespace rules go.
+    got = probe(starter, probe_dir, "--allow-userns", user=user,
+                names=("unshare_newuser", "clone_newuser", "i386_unshare_newuser", "keyctl", "clone3", "bpf"))
+    assert got == {"unshare_newuser": 0, "clone_newuser": 0, "i386_unshare_newuser": 0,
+                   "keyctl": errno.EPERM, "clone3": errno.ENOSYS, "bpf": errno.EPERM}
+
+
+def test_job_file_keys(starter, probe_dir, tmp_path):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"user": "nobody", "seccomp": "off", "allow_userns": True,
+                               "mounts": [{"type": "ro-bind", "src": probe_dir, "dst": "/tmp/probe"}],
+                               "command": ["/tmp/probe/probe", "keyctl"]}))
+    assert starter("run", "--job", str(job), check=0).stdout.split() == ["keyctl", "0"]
+    # the command line overrides the file
+    assert starter("run", "--job", str(job), "--seccomp", "default", check=0).stdout.split() == ["keyctl", "1"]
+
+
+def test_file_profile_is_honoured(starter, probe_dir, tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(json.dumps({
+        "defaultAction": "SCMP_ACT_ALLOW",
+        "syscalls": [{"names": ["mkdir", "mkdirat"], "action": "SCMP_ACT_ERRNO", "errnoRet": errno.ENOSPC}],
+    }))
+    p = starter("run", "--user", "nobody", "--seccomp", str(path), "--", "mkdir", "/tmp/d")
+    assert p.returncode == 1 and "No space left on device" in p.stderr, p.stderr
+    # only that profile: the default's rules are not added to it
+    assert probe(starter, probe_dir, "--seccomp", str(path), names=("keyctl", "clone3")) == {"keyctl": 0, "clone3": 0}
+
+
+def test_threads_shell_and_init_mode(starter, probe_dir):
+    code = "import threading as t; x = t.Thread(target=print, args=('thread ok',)); x.start(); x.join()"
+    p = starter("run", "--user", "nobody", "--", "sh", "-c", f"python3 -c \"{code}\" && sh -c 'exit 3'")
+    assert p.returncode == 3 and p.stdout == "thread ok\n", (p.returncode, p.stdout, p.stderr)
+    # --init: the job (PID 2) is filtered, the init forwards its exit code
+    p = starter("run", "--user", "nobody", "--init", "--ro-bind", f"{probe_dir}:/tmp/probe", "--",
+                "sh", "-c", "/tmp/probe/probe keyctl fork; exit 5")
+    assert p.returncode == 5 and p.stdout.split() == ["keyctl", "1", "fork", "0"], (p.stdout, p.stderr)
+
+
+@pytest.mark.parametrize("mode", ["default", "off"])
+def test_enter_gets_the_jobs_filter(starter, probe_dir, state_dir, mode):
+    """A process entered into the job is as filtered as the job (else the job
+    could ptrace it into making the denied calls)."""
+    r, w = os.pipe()
+    proc = subprocess.Popen([STARTER, "run", "--user", "nobody", "--id", f"sc-enter-{mode}",
+                             "--seccomp", mode, "--events", f"fd:{w}",
+                             "--ro-bind", f"{probe_dir}:/tmp/probe", "--", "sleep", "300"],
+                            pass_fds=(w,), stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    os.close(w)
+    try:
+        with os.fdopen(r) as events:
+            for line in events:
+                if json.loads(line).get("event") == "running":
+                    break
+            else:
+                pytest.fail(f"the job did not start: {proc.stderr.read()}")
+            p = starter("enter", f"sc-enter-{mode}", "--", "/tmp/probe/probe", "keyctl", "clone3")
+            assert p.returncode == 0, p.stderr
+            want = "keyctl 1\nclone3 38\n" if mode == "default" else "keyctl 0\nclone3 0\n"
+            assert p.stdout == want
+    finally:
+        proc.terminate()
+        proc.wait(30)
+        proc.stderr.close()
+
+
+BAD_PROFILES = [
+    ("{", "not valid JSON"),
+    ("[]", "must be a JSON object"),
+    ('{"syscalls": []}', "defaultAction: missing"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "bogus": 1}', "bogus: unknown key"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "defaultAction": "SCMP_ACT_ALLOW"}', "duplicate key"),
+    ('{"defaultAction": "ALLOW"}', "defaultAction: 'ALLOW' is not one of"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["kexec_lod"], "action": "SCMP_ACT_ERRNO"}]}',
+     "syscalls[0].names[0]: unknown syscall 'kexec_lod'"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_NOTIFY"}]}',
+     "SCMP_ACT_NOTIFY is not supported"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_ERRNO", "errnoRet": 0}]}',
+     "errnoRet: 0 is not an errno"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_ERRNO", '
+     '"args": [{"index": 7, "value": 1, "op": "SCMP_CMP_EQ"}]}]}', "args[0].index: 7 is not an argument index"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_ERRNO"}, '
+     '{"names": ["bpf"], "action": "SCMP_ACT_KILL_PROCESS"}]}',
+     "syscalls[1].names[0]: 'bpf' already has a rule without conditions in syscalls[0]"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "x": "' + "a" * (1 << 20) + '"}', "larger than 1 MiB"),
+]
+
+
+@pytest.mark.parametrize("text,message", BAD_PROFILES, ids=range(len(BAD_PROFILES)))
+def test_bad_profile_one_line_and_nothing_made(starter, tmp_path, text, message):
+    path = tmp_path / "bad.json"
+    path.write_text(text)
+    events = tmp_path / "events"
+    p = starter("run", "--user", "nobody", "--seccomp", str(path), "--events", str(events), "--", "true")
+    assert p.returncode == 125
+    assert p.stderr.count("\n") == 1 and p.stderr.startswith("starter: seccomp: "), p.stderr
+    assert message in p.stderr, p.stderr
+    assert not events.exists()  # nothing was made; the leak check sees the rest
+
+
+def test_profile_path_must_be_a_plain_file(starter, tmp_path):
+    real = tmp_path / "real.json"
+    real.write_text('{"defaultAction": "SCMP_ACT_ALLOW"}')
+    (tmp_path / "link.json").symlink_to(real)
+    os.mkfifo(tmp_path / "fifo.json")
+    cases = {str(tmp_path / "link.json"): "symbolic link", str(tmp_path / "fifo.json"): "not a regular file",
+             str(tmp_path / "missing.json"): "No such file", "rel.json": "absolute path"}
+    for arg, message in cases.items():
+        p = starter("run", "--user", "nobody", "--seccomp", arg, "--", "true", timeout=20)
+        assert p.returncode == 125 and p.stderr.count("\n") == 1 and message in p.stderr, (arg, p.stderr)
+    starter("run", "--user", "nobody", "--seccomp", str(real), "--", "true", check=0)
+
+
+def test_cache_is_root_only_and_a_foreign_file_is_ignored(starter, probe_dir, state_dir):
+    probe(starter, probe_dir, names=("keyctl",))
+    cache = state_dir.rstrip("/") + ".seccomp"
+    st = os.stat(cache)
+    assert st.st_uid == 0 and stat.S_IMODE(st.st_mode) == 0o700
+    files = os.listdir(cache)
+    assert files and all(stat.S_IMODE(os.stat(os.path.join(cache, f)).st_mode) == 0o600 for f in files)
+    # A cache file that is not root's own is not trusted: the job is still filtered.
+    for f in files:
+        path = os.path.join(cache, f)
+        with open(path, "r+b") as fh:
+            data = fh.read()
+            body_at = data.index(b"\n") + 1 + 4
+            # one instruction: return ALLOW
+            fh.seek(0)
+            fh.write(data[:body_at] + bytes.fromhex("060000000000ff7f"))
+            fh.truncate()
+        os.chown(path, 65534, 65534)
+    try:
+        assert probe(starter, probe_dir, names=("keyctl",)) == {"keyctl": errno.EPERM}
+    finally:
+        for f in os.listdir(cache):
+            os.unlink(os.path.join(cache, f))
+
+
+# ---------------------------------------------------------------- the parser, on fixture text
+
+from starter.seccomp import profile as P  # noqa: E402
+
+NUMBERS = {"keyctl": 250, "unshare": 272, "clone": 56, "setns": 308, "bpf": 321, "vm86": -10001}
+
+
+def parse(text):
+    return P.parse(text.encode(), "t.json", resolve=lambda n: NUMBERS.get(n, -1))
+
+
+def test_parse_default_profile_shape():
+    prof = P.parse(open(DEFAULT, "rb").read(), "default")
+    assert prof.default_action == P.ACT_ALLOW and prof.flags == 0
+    actions = {n: r.action for r in prof.rules for n, _ in r.names}
+    assert actions["clone3"] == P.ACT_ERRNO | errno.ENOSYS
+    assert actions["keyctl"] == P.ACT_ERRNO | errno.EPERM
+    (newuser,) = [r for r in prof.rules if ("unshare", 272) in r.names]
+    assert newuser.args == ((0, P.OPS["SCMP_CMP_MASKED_EQ"], P.CLONE_NEWUSER, P.CLONE_NEWUSER),)
+
+
+def test_parse_actions_flags_and_pseudo_syscalls():
+    prof = parse('''{"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 38,
+        "flags": ["SECCOMP_FILTER_FLAG_LOG"], "architectures": ["SCMP_ARCH_X86_64"],
+        "syscalls": [{"names": ["keyctl", "vm86"], "action": "SCMP_ACT_ALLOW", "comment": "x"},
+                     {"names": ["bpf"], "action": "SCMP_ACT_KILL_PROCESS"},
+                     {"names": ["setns"], "action": "SCMP_ACT_LOG",
+                      "args": [{"index": 1, "value": 18446744073709551615, "op": "SCMP_CMP_NE"}]}]}''')
+    assert prof.default_action == P.ACT_ERRNO | 38 and prof.flags == 2
+    assert [r.names for r in prof.rules] == [(("keyctl", 250), ("vm86", -10001)), (("bpf", 321),), (("setns", 308),)]
+    assert [r.action for r in prof.rules] == [P.ACT_ALLOW, 0x80000000, 0x7FFC0000]
+    assert prof.rules[2].args == ((1, 1, 2**64 - 1, 0),)
+
+
+@pytest.mark.parametrize("text,message", [
+    ('{"defaultAction": "SCMP_ACT_ALLOW"} x', "extra data"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_ERRNO", '
+     '"args": [{"index": 0, "value": NaN, "op": "SCMP_CMP_EQ"}]}]}', "NaN is not a number"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": [], "action": "SCMP_ACT_ERRNO"}]}',
+     "syscalls[0].names: must be a non-empty list"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"]}]}', "syscalls[0].action: missing"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_TRAP", "errnoRet": 1}]}',
+     "errnoRet: only applies to SCMP_ACT_ERRNO"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_ERRNO", '
+     '"args": [{"index": 0, "value": -1, "op": "SCMP_CMP_EQ"}]}]}', "value: -1 is not an integer"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_ERRNO", '
+     '"args": [{"index": 0, "value": 1, "op": "EQ"}]}]}', "op: 'EQ' is not one of"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_ERRNO", '
+     '"includes": {}}]}', "syscalls[0].includes: unknown key"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "flags": ["SECCOMP_FILTER_FLAG_TSYNC"]}', "flags[0]"),
+    ('{"defaultAction": "SCMP_ACT_TRACE"}', "SCMP_ACT_TRACE is not supported"),
+    (b'{"defaultAction": "\xff"}', "not UTF-8"),
+])
+def test_parse_errors(text, message):
+    data = text if isinstance(text, bytes) else text.encode()
+    with pytest.raises(P.SpecError) as e:
+        P.parse(data, "t.json", resolve=lambda n: NUMBERS.get(n, -1))
+    assert str(e.value).startswith("seccomp: t.json: ") and message in str(e.value), str(e.value)
+
+
+def test_without_userns_drops_only_user_namespace_rules():
+    prof = parse('''{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [
+        {"names": ["unshare", "clone"], "action": "SCMP_ACT_ERRNO",
+         "args": [{"index": 0, "value": 268435456, "valueTwo": 268435456, "op": "SCMP_CMP_MASKED_EQ"}]},
+        {"names": ["setns", "keyctl"], "action": "SCMP_ACT_ERRNO"},
+        {"names": ["clone"], "action": "SCMP_ACT_ERRNO",
+         "args": [{"index": 0, "value": 1073741824, "valueTwo": 1073741824, "op": "SCMP_CMP_MASKED_EQ"}]},
+        {"names": ["unshare"], "action": "SCMP_ACT_ALLOW"}]}''')
+    out = P.without_userns(prof)
+    assert [[n for n, _ in r.names] for r in out.rules] == [["keyctl"], ["clone"], ["unshare"]]
