@@ -89,7 +89,7 @@ def run(spec):
         report["ended_at"] = round(time.time(), 6)
         if spec.report:
             try:
-                write_report(spec.report, report)
+                write_report(spec.report, report, spec.report_format)
             except OSError as e:
                 sys.stderr.write(f"starter: cannot write report {spec.report}: {e.strerror}\n")
         events.emit("exited", report=report)

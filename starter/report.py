@@ -2,7 +2,8 @@
 
 Both go to a file or an inherited fd ("fd:N"), as JSON.  The report is one
 document written when the job is over and its cgroup is empty; events are
-JSON lines, one per state change.  Schema: README, "The report".
+JSON lines, one per state change.  Schemas: README, "The report";
+docs/events.md.
 """
 
 import os
@@ -10,6 +11,9 @@ import time
 
 from starter.state import dumps
 
+# Version of the event schema (docs/events.md): bumped when a field changes
+# meaning or goes away; new fields and events may appear without a bump.
+EVENTS_VERSION = 1
 REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "starter_error")
 
 
@@ -23,7 +27,7 @@ def open_dest(dest):
     return os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC | os.O_NOFOLLOW, 0o644)
 
 
-def write_report(dest, report):
+def write_report(dest, report, fmt="json"):
     """The report goes where the node daemon said, written as root, often
     into a directory the job can write (its scratch, say).  So: never write
     through a link the job could have planted, never truncate a file we did
@@ -37,7 +41,12 @@ def write_report(dest, report):
     """
     if dest is None:
         return
-    text = (dumps(report) + "\n").encode()
+    if fmt == "classad":
+        from starter.classad import render
+
+        text = render(report).encode()
+    else:
+        text = (dumps(report) + "\n").encode()
     if dest.startswith("fd:") or dest.startswith("/dev/") or dest.startswith("/proc/"):
         fd = open_dest(dest)
         try:
@@ -83,7 +92,8 @@ class Events:
     def emit(self, event, **fields):
         if self.fd is None:
             return
-        line = dumps({"event": event, "job_id": self.job_id, "time": round(time.time(), 6), **fields}) + "\n"
+        line = dumps({"v": EVENTS_VERSION, "event": event, "job_id": self.job_id, "time": round(time.time(), 6),
+                      **fields}) + "\n"
         try:
             os.write(self.fd, line.encode())
         except OSError:

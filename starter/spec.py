@@ -25,6 +25,7 @@ MAX_WALL = 366 * 86400
 MAX_GRACE = 3600
 
 NET_MODES = ("none", "host", "nat")
+REPORT_FORMATS = ("json", "classad")
 ACTIONS = ("vacate", "suspend", "resume", "kill")
 MOUNT_KINDS = ("bind", "ro-bind", "tmpfs")
 
@@ -88,13 +89,13 @@ class JobSpec(Spec):
     __slots__ = (
         "id", "argv", "user", "group", "uid", "gid", "groups", "home", "cwd",
         "env", "hostname", "init", "mounts", "limits", "network", "report",
-        "events", "grace", "on_signal", "state_dir", "cgroup_parent",
+        "report_format", "events", "grace", "on_signal", "state_dir", "cgroup_parent",
         "scratch", "execute_dir", "keep_scratch", "manifest",
         "manifest_digest", "inputs",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
-        "on_signal": (), "keep_scratch": False,
+        "on_signal": (), "keep_scratch": False, "report_format": "json",
     }
 
 
@@ -317,6 +318,7 @@ _FILE_KEYS = {
     "id": "id", "command": "command", "user": "user", "group": "group",
     "cwd": "cwd", "env": "env", "hostname": "hostname", "init": "init",
     "limits": None, "network": None, "mounts": None, "report": "report",
+    "report_format": "report-format",
     "events": "events", "grace": "grace", "on_signal": "on-signal",
     "state_dir": "state-dir", "cgroup_parent": "cgroup-parent",
     "scratch": "scratch", "execute_dir": "execute-dir",
@@ -491,6 +493,10 @@ def _make(raw):
     if raw.get("scratch") is not None and raw.get("execute-dir") is not None:
         raise SpecError("scratch", "give --scratch or --execute-dir, not both")
 
+    report_format = _str("report-format", raw.get("report-format", "json"))
+    if report_format not in REPORT_FORMATS:
+        raise SpecError("report-format", f"{report_format!r} is not one of {', '.join(REPORT_FORMATS)}")
+
     cwd = raw.get("cwd")
     return JobSpec(
         id=job_id,
@@ -504,6 +510,7 @@ def _make(raw):
         limits=limits,
         network=network,
         report=dest("report"),
+        report_format=report_format,
         events=dest("events"),
         grace=parse_number("grace", raw.get("grace", 10.0), 0, MAX_GRACE),
         on_signal=parse_on_signal("on-signal", _list("on-signal", raw.get("on-signal", []))),
