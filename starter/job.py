@@ -114,7 +114,7 @@ def _run(spec, job_state, signals, events, undo, report):
         else:
             sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid)
         sc.keep = spec.keep_scratch
-        undo.push(sc.release)            # removes it, or with --keep-scratch only closes its fd
+        undo.push(_release_scratch, sc, report)   # removes it, or with --keep-scratch only closes its fd
         job_state.update(scratch=sc.path, scratch_id=[sc.dev, sc.ino], keep_scratch=spec.keep_scratch)
         cwd = cwd or sc.path
         if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
@@ -203,6 +203,12 @@ def _run(spec, job_state, signals, events, undo, report):
         report["unkillable"] = out.unkillable
     job_state.update(state="exited")
     return code
+
+
+def _release_scratch(sc, report):
+    removed = sc.release()
+    if removed is not None:
+        report["scratch_bytes"] = removed.bytes    # what the job left there (HTCondor's DiskUsage)
 
 
 def _net_config(spec):

@@ -71,62 +71,65 @@ def _fmt(v):
     return repr(float(v))
 
 
+def labels(**kw):
+    """Label pairs -> the text between the braces, values escaped."""
+    return ",".join(f'{k}="{escape_label(v)}"' for k, v in kw.items())
+
+
 def render(samples):
-    """samples: {family: [(labels dict, value), ...]} -> exposition text.
+    """samples: {family: [(label text, value), ...]} -> exposition text.
     Every family gets HELP and TYPE, then all its samples together."""
     out = []
     for name, (kind, text) in FAMILIES.items():
         rows = samples.get(name)
         if not rows:
             continue
-        out.append(f"# HELP {name} {text}")
-        out.append(f"# TYPE {name} {kind}")
-        for labels, value in rows:
-            if value is None:
-                continue
-            lab = ",".join(f'{k}="{escape_label(v)}"' for k, v in labels.items())
-            out.append(f"{name}{{{lab}}} {_fmt(value)}" if lab else f"{name} {_fmt(value)}")
+        out.append(f"# HELP {name} {text}\n# TYPE {name} {kind}")
+        out.extend(f"{name}{{{lab}}} {_fmt(value)}" if lab else f"{name} {_fmt(value)}" for lab, value in rows)
     return "\n".join(out) + "\n"
 
 
 def job_samples(entry, live, usage, network):
-    """One job's samples -> {family: [(labels, value)]} (pure).
+    """One job's samples -> ({family: [(label text, value)]}, state) (pure).
 
     entry: its state JSON; usage: cgroup stats() or None; network: nft
-    counters ({lan_in: {bytes, packets}, ...}) or None."""
+    counters ({lan_in: {bytes, packets}, ...}) or None.  The job's labels
+    are escaped once; the other label values are our own constants or the
+    kernel's PSI keys."""
     user = entry.get("user")
     if user is None:
         user = entry.get("uid", "")
-    base = {"job_id": entry.get("id", ""), "user": user}
+    base = labels(job_id=entry.get("id", ""), user=user)
     state = (entry.get("state") or "starting") if live else "dead"
     out = {}
 
-    def add(name, value, **extra):
+    def add(name, value, extra=""):
         if value is not None:
-            out.setdefault(name, []).append(({**base, **extra}, value))
+            out.setdefault(name, []).append((base + extra, value))
 
     for s in STATES + ((state,) if state not in STATES else ()):
-        add("starter_job_state", int(s == state), state=s)
+        add("starter_job_state", int(s == state), "," + labels(state=s))
     add("starter_job_start_time_seconds", entry.get("started_at"))
     if usage:
-        add("starter_job_cpu_seconds_total", usage.get("cpu_user_s"), mode="user")
-        add("starter_job_cpu_seconds_total", usage.get("cpu_system_s"), mode="system")
+        add("starter_job_cpu_seconds_total", usage.get("cpu_user_s"), ',mode="user"')
+        add("starter_job_cpu_seconds_total", usage.get("cpu_system_s"), ',mode="system"')
         add("starter_job_memory_bytes", usage.get("memory_current_bytes"))
         add("starter_job_memory_peak_bytes", usage.get("memory_peak_bytes"))
         add("starter_job_pids", usage.get("pids_current"))
         add("starter_job_pids_peak", usage.get("pids_peak"))
-        add("starter_job_io_bytes_total", usage.get("io_read_bytes"), direction="read")
-        add("starter_job_io_bytes_total", usage.get("io_write_bytes"), direction="write")
+        add("starter_job_io_bytes_total", usage.get("io_read_bytes"), ',direction="read"')
+        add("starter_job_io_bytes_total", usage.get("io_write_bytes"), ',direction="write"')
         add("starter_job_oom_kills_total", usage.get("oom_kills"))
         for res, kinds in sorted((usage.get("psi") or {}).items()):
             for kind, us in sorted(kinds.items()):
-                add("starter_job_pressure_stall_seconds_total", us / 1e6, resource=res, kind=kind)
+                add("starter_job_pressure_stall_seconds_total", us / 1e6, "," + labels(resource=res, kind=kind))
     if network:
         for key in ("lan_in", "lan_out", "wan_in", "wan_out"):
             c = network.get(key) or {}
             zone, direction = key.split("_")
-            add("starter_job_network_bytes_total", c.get("bytes"), zone=zone, direction=direction)
-            add("starter_job_network_packets_total", c.get("packets"), zone=zone, direction=direction)
+            extra = f',zone="{zone}",direction="{direction}"'
+            add("starter_job_network_bytes_total", c.get("bytes"), extra)
+            add("starter_job_network_packets_total", c.get("packets"), extra)
         d = network.get("dropped") or {}
         add("starter_job_network_dropped_packets_total", d.get("packets"))
         add("starter_job_network_dropped_bytes_total", d.get("bytes"))
@@ -136,19 +139,20 @@ def job_samples(entry, live, usage, network):
 # ---------------------------------------------------------------- reading
 
 def collect(state_dir):
-    """Read every job once -> {family: [(labels, value)]}."""
+    """Read every job once -> {family: [(label text, value)]}."""
     from starter.admin import job_cgroup
 
     samples, counts, errors = {}, dict.fromkeys(STATES, 0), 0
     backends = {}
     for job_id in S.list_ids(state_dir):
         try:
-            entry = S.load(state_dir, job_id)
+            with open(os.path.join(state_dir, job_id + ".json"), "rb") as f:
+                entry = S.loads(f.read().decode())
         except (OSError, ValueError):
             continue  # ended (or not yet written) between the listing and now
         if not isinstance(entry, dict) or entry.get("id") != job_id:
             continue
-        live = S.is_live(state_dir, job_id)
+        live = starter_alive(entry)
         usage = network = None
         try:
             if entry.get("cgroup"):
@@ -157,22 +161,37 @@ def collect(state_dir):
             errors += 1
         if entry.get("net") == "nat" and live:
             try:
-                network = _nat_counters(job_id)
+                network = _nat_counters(job_id, entry.get("host_ifname"))
             except (StarterError, OSError):
                 errors += 1
         one, state = job_samples(entry, live, usage, network)
         counts[state] = counts.get(state, 0) + 1
         for k, v in one.items():
             samples.setdefault(k, []).extend(v)
-    samples["starter_jobs"] = [({"state": s}, n) for s, n in counts.items()]
-    samples["starter_metrics_read_errors"] = [({}, errors)]
+    samples["starter_jobs"] = [(labels(state=s), n) for s, n in counts.items()]
+    samples["starter_metrics_read_errors"] = [("", errors)]
     return samples
 
 
-def _nat_counters(job_id):
-    from starter.net import ipam, nft
+def starter_alive(entry):
+    """Is the job's starter still running?  Decided from its pid and start
+    time (recorded in the entry) rather than by trying the job's lock: a
+    scrape must not hold a lock, even briefly, that a starting job is about
+    to take (state.is_live's LOCK_SH would make that start fail)."""
+    pid = entry.get("starter_pid")
+    return isinstance(pid, int) and pid > 0 and S.process_start_time(pid) == entry.get("starter_start")
 
-    return nft.read_counters("starter", ipam.job_key(job_id, "starter"))
+
+def _nat_counters(job_id, key):
+    """The job's counters are named after its key, which is also its host
+    veth's name (net/ipam.py job_key), recorded in the entry: no hashing."""
+    from starter.net import nft
+
+    if not (isinstance(key, str) and key.startswith("stj") and key.isalnum() and len(key) <= 15):
+        from starter.net import ipam
+
+        key = ipam.job_key(job_id, "starter")
+    return nft.read_counters("starter", key)
 
 
 def text(state_dir):

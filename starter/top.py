@@ -150,8 +150,10 @@ def main(state_dir, job_id, interval=None, once=False, as_json=False):
     from starter import admin
     from starter import state as S
 
+    from starter.metrics import starter_alive
+
     st = admin._entry(state_dir, job_id)
-    if not S.is_live(state_dir, job_id):
+    if not starter_alive(st):
         raise StarterError(f"job {job_id!r} has no live starter", "run `starter gc` to clean it up")
     if once:
         rows = sample(st, job_id, DEFAULT_ONCE_WINDOW if interval is None else interval)
@@ -166,7 +168,7 @@ def main(state_dir, job_id, interval=None, once=False, as_json=False):
     tty = sys.stdout.isatty()
     while True:
         time.sleep(interval)
-        if not S.is_live(state_dir, job_id):
+        if not starter_alive(st):
             print(f"job {job_id} has ended")
             return 0
         try:

@@ -36,7 +36,7 @@ PROMTOOL = "/usr/bin/promtool"
 
 def test_label_values_are_escaped_per_the_exposition_format():
     assert M.escape_label('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
-    text = M.render({"starter_job_pids": [({"job_id": 'x"y', "user": "a\\b\nc"}, 3)]})
+    text = M.render({"starter_job_pids": [(M.labels(job_id='x"y', user="a\\b\nc"), 3)]})
     assert text.splitlines() == [
         "# HELP starter_job_pids " + M.FAMILIES["starter_job_pids"][1],
         "# TYPE starter_job_pids gauge",
@@ -54,9 +54,8 @@ def test_job_samples_from_fixture_values():
            "dropped": {"bytes": 60, "packets": 1}}
     out, state = M.job_samples(entry, True, usage, net)
     assert state == "suspended"
-    flat = {(name, tuple(sorted(l.items()))): v for name, rows in out.items() for l, v in rows}
-    base = (("job_id", "j1"), ("user", 65534))
-    key = lambda name, **kw: (name, tuple(sorted(dict(base, **kw).items())))  # noqa: E731
+    flat = {(name, lab): v for name, rows in out.items() for lab, v in rows}
+    key = lambda name, **kw: (name, M.labels(job_id="j1", user=65534, **kw))  # noqa: E731
     assert flat[key("starter_job_state", state="suspended")] == 1
     assert flat[key("starter_job_state", state="running")] == 0
     assert flat[key("starter_job_cpu_seconds_total", mode="user")] == 1.5
@@ -362,6 +361,25 @@ def test_classad_report_of_a_signaled_job_and_from_a_job_file(tmp_path, state_di
     ad = _parse_classad(ad_path.read_text())
     assert ad["ExitBySignal"] is True and ad["ExitSignal"] == signal.SIGTERM and "ExitCode" not in ad
     assert ad["StarterReason"] == "signaled" and ad["StarterExitCode"] == 128 + signal.SIGTERM
+
+
+def test_classad_disk_usage_is_what_the_job_left_in_its_scratch(tmp_path, state_dir):
+    execute = tmp_path / "execute"
+    execute.mkdir(mode=0o755)
+    os.chmod(tmp_path, 0o755)   # the job (nobody) walks to its scratch below
+    ad_path, ev = tmp_path / "r.ad", tmp_path / "e.jsonl"
+    p = subprocess.run([STARTER, "run", "--user", "nobody", "--execute-dir", str(execute), "--report", str(ad_path),
+                        "--report-format", "classad", "--events", str(ev), "--",
+                        "sh", "-c", "head -c 3000000 /dev/urandom > out && mkdir d && ln out d/again"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert os.listdir(execute) == []
+    ad = _parse_classad(ad_path.read_text())
+    report = [e for e in _events(ev) if e["event"] == "exited"][0]["report"]
+    # the hard link is counted once: about 3 MB of data, plus a few directory blocks
+    assert 3_000_000 <= report["scratch_bytes"] < 3_100_000, report
+    assert ad["StarterScratchBytes"] == report["scratch_bytes"]
+    assert ad["DiskUsage"] == -(-report["scratch_bytes"] // 1024)
 
 
 def test_unknown_report_format_is_refused(tmp_path, state_dir):
