@@ -89,6 +89,9 @@ def render(samples):
     return "\n".join(out) + "\n"
 
 
+_STATE_LABELS = {s: f',state="{s}"' for s in STATES}
+
+
 def job_samples(entry, live, usage, network):
     """One job's samples -> ({family: [(label text, value)]}, state) (pure).
 
@@ -108,7 +111,7 @@ def job_samples(entry, live, usage, network):
             out.setdefault(name, []).append((base + extra, value))
 
     for s in STATES + ((state,) if state not in STATES else ()):
-        add("starter_job_state", int(s == state), "," + labels(state=s))
+        add("starter_job_state", int(s == state), _STATE_LABELS.get(s) or "," + labels(state=s))
     add("starter_job_start_time_seconds", entry.get("started_at"))
     if usage:
         add("starter_job_cpu_seconds_total", usage.get("cpu_user_s"), ',mode="user"')

@@ -61,15 +61,21 @@ class _ScanContext:
         return float(name.replace("Infinity", "inf"))
 
 
+_scan = None
+
+
 def loads(text):
     """JSON text -> object with the C scanner of `_json`: `import json`
     pulls in `re` and `enum` (~10-25 ms), which `starter metrics` would pay
     once per scrape."""
-    from _json import make_scanner
+    global _scan
+    if _scan is None:
+        from _json import make_scanner
 
+        _scan = make_scanner(_ScanContext)
     text = text.strip()
     try:
-        obj, end = make_scanner(_ScanContext)(text, 0)
+        obj, end = _scan(text, 0)
     except StopIteration as e:
         raise ValueError(f"not JSON (at offset {e.value})") from None
     if end != len(text):

@@ -188,12 +188,13 @@ def node(state_root, tmp_path_factory, msite):
                   "echo done && exec sleep 600")
         nat = subprocess.Popen(
             [STARTER, "run", "--id", ids["nat"], "--user", "nobody", *_nat_args(site), "--ro-bind", f"{tmp}:/srv",
-             "--", "sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
+             "--", "sh", "-c", script], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE, text=True)
         procs.append(nat)
         lines = []
         while "done" not in lines:
             line = nat.stdout.readline()
-            assert line, f"the NAT job ended early: {lines}"
+            assert line, f"the NAT job ended early: {lines} {nat.stderr.read()}"
             lines.append(line.strip())
         lan.result()
         wan.result()
@@ -209,8 +210,9 @@ def node(state_root, tmp_path_factory, msite):
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait()
-            if p.stdout:
-                p.stdout.close()
+            for f in (p.stdout, p.stderr):
+                if f:
+                    f.close()
 
 
 @pytest.mark.net
@@ -337,6 +339,7 @@ def test_classad_report_parses_and_matches_the_json_report(tmp_path, state_dir, 
                         "--", "sh", "-c", script], capture_output=True, text=True, timeout=120)
     srv.result()
     assert p.returncode == 3, p.stderr
+    assert p.stdout.startswith("received 100000"), (p.stdout, p.stderr)
     text = ad_path.read_text()
     assert all(re.fullmatch(r"[A-Za-z][A-Za-z0-9]* = .+", line) for line in text.splitlines()), text
     ad = _parse_classad(text)
