@@ -451,3 +451,18 @@ def test_top_lists_exactly_the_jobs_processes(tmp_path, state_dir):
 def test_top_of_a_job_that_does_not_exist(state_dir):
     p = subprocess.run([STARTER, "top", "nosuchjob", "--once"], capture_output=True, text=True, timeout=30)
     assert p.returncode == 125 and p.stderr.startswith("starter:") and len(p.stderr.splitlines()) == 1, p.stderr
+
+
+def test_the_run_path_loads_none_of_this(state_dir):
+    """metrics, top (psutil) and the ClassAd writer stay off `starter run`;
+    the ClassAd writer is loaded only when asked for."""
+    def modules(*args):
+        p = subprocess.run([sys.executable, "-X", "importtime", STARTER, "run", "--user", "nobody", *args,
+                            "--", "true"], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        return {l.split("|")[2].strip() for l in p.stderr.splitlines() if l.startswith("import time:")}
+
+    heavy = {"psutil", "json", "re", "argparse", "dataclasses", "signal", "ctypes", "subprocess", "pyroute2",
+             "starter.metrics", "starter.top", "starter.classad", "http.server"}
+    assert modules() & heavy == set()
+    assert modules("--report", "/dev/null", "--report-format", "classad") & heavy == {"starter.classad"}
