@@ -198,7 +198,11 @@ def _nat_counters(job_id, key):
 
 
 def text(state_dir):
-    return render(collect(state_dir))
+    try:
+        return render(collect(state_dir))
+    except PermissionError as e:
+        raise StarterError(f"cannot read {e.filename or state_dir}: {e.strerror}",
+                           "run it as root: the state directory is root-only and the counters need CAP_NET_ADMIN") from None
 
 
 # ---------------------------------------------------------------- outputs
@@ -262,6 +266,7 @@ def serve(state_dir, listen):
 
     class Handler(http.server.BaseHTTPRequestHandler):
         server_version = "starter-metrics"
+        timeout = 10          # one request at a time: a client that stalls must not hold the endpoint
 
         def do_GET(self):
             path = self.path.split("?", 1)[0]

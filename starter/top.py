@@ -147,6 +147,13 @@ def table(rows):
 
 
 def main(state_dir, job_id, interval=None, once=False, as_json=False):
+    try:
+        return _main(state_dir, job_id, interval, once, as_json)
+    except PermissionError as e:
+        raise StarterError(f"cannot read {e.filename}: {e.strerror}", "run it as root") from None
+
+
+def _main(state_dir, job_id, interval, once, as_json):
     from starter import admin
     from starter import state as S
 
