@@ -277,7 +277,13 @@ def cmd_metrics(argv):
 
         metrics.write_textfile(state, check_path("textfile", values["textfile"], must_exist=True))
         return 0
-    sys.stdout.write(metrics.text(state))
+    try:
+        sys.stdout.write(metrics.text(state))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        from starter.top import quiet_stdout
+
+        quiet_stdout()
     return 0
 
 

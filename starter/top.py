@@ -151,6 +151,17 @@ def main(state_dir, job_id, interval=None, once=False, as_json=False):
         return _main(state_dir, job_id, interval, once, as_json)
     except PermissionError as e:
         raise StarterError(f"cannot read {e.filename}: {e.strerror}", "run it as root") from None
+    except BrokenPipeError:         # `starter top JOB | head`: the reader is done
+        quiet_stdout()
+        return 0
+
+
+def quiet_stdout():
+    """After EPIPE: point stdout at /dev/null so the interpreter's final
+    flush does not complain."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _main(state_dir, job_id, interval, once, as_json):
