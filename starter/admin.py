@@ -93,12 +93,18 @@ def _reclaim(state_dir, job_id):
     return done
 
 
-def job_cgroup(st, job_id):
+def job_cgroup(st, job_id, backends=None):
     """The job's cgroup where its starter made it (recorded in the state
-    entry): the default parent depends on the cgroup of whoever runs gc."""
+    entry): the default parent depends on the cgroup of whoever runs gc.
+    backends: a dict to reuse backends in (metrics reads many jobs)."""
     from starter import cgroups
 
-    backend = cgroups.open_backend(st.get("cgroup_parent"))
+    parent = st.get("cgroup_parent")
+    backend = backends.get(parent) if backends is not None else None
+    if backend is None:
+        backend = cgroups.open_backend(parent)
+        if backends is not None:
+            backends[parent] = backend
     paths = st.get("cgroup")
     if not paths:
         return backend.open_job(job_id)
@@ -178,16 +184,26 @@ def ps(state_dir, as_json):
     return 0
 
 
-def status(state_dir, job_id, as_json):
+def status(state_dir, job_id, as_json, processes=False):
     st = _entry(state_dir, job_id)
     u = _usage(state_dir, st)
     doc = dict(st)
     doc.update(live=S.is_live(state_dir, job_id), **{k: v for k, v in u.items() if k != "cpu_s"})
+    procs = None
+    if processes:
+        from starter import top
+
+        procs = top.sample(st, job_id, top.DEFAULT_ONCE_WINDOW)
     if as_json:
+        if procs is not None:
+            doc["processes"] = procs
         print(S.dumps(doc))
     else:
         for k, v in doc.items():
             print(f"{k}: {S.dumps(v) if isinstance(v, (dict, list)) else v}")
+        if procs is not None:
+            print("processes:")
+            print(top.table(procs))
     return 0
 
 

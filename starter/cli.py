@@ -23,7 +23,12 @@ commands:
   ns-exec [-pnmui] -- CMD       run CMD in fresh namespaces, as root, for debugging
   enter JOB [--user U] [-- CMD] run CMD inside a running job (its namespaces and cgroup)
   ps [--json]                   list the jobs on this node
-  status JOB [--json]           live usage of one job
+  status JOB [--json] [--processes]
+                                live usage of one job (and its processes)
+  top JOB [--interval S] [--once]
+                                the job's processes, refreshed (from its cgroup)
+  metrics [--textfile DIR | --listen [ADDR:]PORT]
+                                every job's usage in the Prometheus text format
   vacate|suspend|resume|kill JOB
                                 control a running job (same as signalling its starter)
   gc                            reclaim what crashed starters left behind
@@ -61,6 +66,7 @@ RUN_OPTIONS = {
     "--grace": ("grace", "value", "SECONDS  vacate: time between SIGTERM and the kill (default 10)"),
     "--on-signal": ("on-signal", "multi", "SIG=ACTION  map a signal to vacate|suspend|resume|kill"),
     "--report": ("report", "value", "FILE|fd:N  write the JSON usage report here when the job ends"),
+    "--report-format": ("report-format", "value", "FMT  json (default) or classad (HTCondor job attributes)"),
     "--events": ("events", "value", "FILE|fd:N  write JSON lines, one per state change"),
     "--state-dir": ("state-dir", "value", "DIR  per-job state (default /run/starter)"),
     "--cgroup-parent": ("cgroup-parent", "value", "PATH  job cgroups' parent: a NAME goes under the starter's own cgroup (default: starter), a /PATH is used as is"),
@@ -231,14 +237,75 @@ def cmd_ps(argv):
 
 
 def cmd_status(argv):
-    table = {"--json": ("json", "flag", "print JSON"), "--state-dir": ("state-dir", "value", "DIR  state directory")}
+    table = {"--json": ("json", "flag", "print JSON"), "--state-dir": ("state-dir", "value", "DIR  state directory"),
+             "--processes": ("processes", "flag", "also list the job's processes (as `starter top --once`)")}
     values, pos, _ = parse(argv, table, positional=1, command_after=False,
-                           usage="starter status JOB [--json] [--state-dir DIR]")
+                           usage="starter status JOB [--json] [--processes] [--state-dir DIR]")
     if not pos:
         raise UsageError("which job? (starter ps lists them)")
     from starter import admin
 
-    return admin.status(_state_dir(values), pos[0], values.get("json", False))
+    return admin.status(_state_dir(values), pos[0], values.get("json", False), values.get("processes", False))
+
+
+def cmd_top(argv):
+    table = {
+        "--interval": ("interval", "value", "S  seconds between refreshes, the cpu% window (default 2; 0.5 with --once)"),
+        "--once": ("once", "flag", "print one table and exit (for scripts)"),
+        "--json": ("json", "flag", "with --once: print JSON"),
+        "--state-dir": ("state-dir", "value", "DIR  state directory"),
+    }
+    if not argv or argv[0] in ("-h", "--help"):
+        sys.stdout.write(help_text("usage: starter top JOB [--interval S] [--once [--json]]", table))
+        return 0 if argv else 2
+    values, pos, _ = parse(argv, table, positional=1, command_after=False)
+    if not pos:
+        raise UsageError("which job? (starter ps lists them)")
+    interval = None
+    if "interval" in values:
+        try:
+            interval = float(values["interval"])
+        except ValueError:
+            interval = -1
+        if not 0.05 <= interval <= 3600:
+            raise UsageError(f"--interval {values['interval']!r}: want seconds between 0.05 and 3600")
+    if values.get("json") and not values.get("once"):
+        raise UsageError("--json needs --once")
+    from starter import top
+
+    return top.main(_state_dir(values), pos[0], interval, values.get("once", False), values.get("json", False))
+
+
+def cmd_metrics(argv):
+    table = {
+        "--textfile": ("textfile", "value", "DIR  write DIR/starter.prom atomically (node_exporter textfile collector)"),
+        "--listen": ("listen", "value", "[ADDR:]PORT  serve /metrics over HTTP; a bare port is 127.0.0.1"),
+        "--state-dir": ("state-dir", "value", "DIR  state directory"),
+    }
+    if argv[:1] in (["-h"], ["--help"]):
+        sys.stdout.write(help_text("usage: starter metrics [--textfile DIR | --listen [ADDR:]PORT]", table))
+        return 0
+    values, _, _ = parse(argv, table, command_after=False)
+    if "textfile" in values and "listen" in values:
+        raise UsageError("give --textfile or --listen, not both")
+    from starter import metrics
+
+    state = _state_dir(values)
+    if "listen" in values:
+        return metrics.serve(state, values["listen"])
+    if "textfile" in values:
+        from starter.spec import check_path
+
+        metrics.write_textfile(state, check_path("textfile", values["textfile"], must_exist=True))
+        return 0
+    try:
+        sys.stdout.write(metrics.text(state))
+        sys.stdout.flush()
+    except BrokenPipeError:
+        from starter.top import quiet_stdout
+
+        quiet_stdout()
+    return 0
 
 
 def _control(action):
@@ -308,6 +375,8 @@ COMMANDS = {
     "gc": cmd_gc,
     "netd": cmd_netd,
     "spool": cmd_spool,
+    "top": cmd_top,
+    "metrics": cmd_metrics,
 }
 
 

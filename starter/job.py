@@ -111,7 +111,7 @@ def run(spec):
         report["ended_at"] = round(time.time(), 6)
         if report_dest is not None:
             try:
-                write_report(report_dest, report)
+                write_report(report_dest, report, spec.report_format)
             except OSError as e:
                 sys.stderr.write(f"starter: cannot write report {spec.report}: {e.strerror}\n")
             report_dest.close()
@@ -137,7 +137,7 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         else:
             sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid)
         sc.keep = spec.keep_scratch
-        undo.push(sc.release)            # removes it, or with --keep-scratch only closes its fd
+        undo.push(_release_scratch, sc, report)   # removes it, or with --keep-scratch only closes its fd
         job_state.update(scratch=sc.path, scratch_id=[sc.dev, sc.ino], keep_scratch=spec.keep_scratch)
         cwd = cwd or sc.path
         if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
@@ -245,6 +245,12 @@ def default_cwds(spec):
         if d and d.startswith("/") and d not in out:
             out.append(d)
     return tuple(out)
+
+
+def _release_scratch(sc, report):
+    removed = sc.release()
+    if removed is not None:
+        report["scratch_bytes"] = removed.bytes    # what the job left there (HTCondor's DiskUsage)
 
 
 def _net_config(spec):

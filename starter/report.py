@@ -2,7 +2,8 @@
 
 Both go to a file or an inherited fd ("fd:N"), as JSON.  The report is one
 document written when the job is over and its cgroup is empty; events are
-JSON lines, one per state change.  Schema: README, "The report".
+JSON lines, one per state change.  Schemas: README, "The report";
+docs/events.md.
 """
 
 import os
@@ -11,6 +12,9 @@ import time
 
 from starter.state import dumps
 
+# Version of the event schema (docs/events.md): bumped when a field changes
+# meaning or goes away; new fields and events may appear without a bump.
+EVENTS_VERSION = 1
 REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "starter_error")
 
 
@@ -125,15 +129,22 @@ def _write_all(fd, data):
         mv = mv[os.write(fd, mv):]
 
 
-def write_report(dest, report):
-    """Write the report to a Dest (or a destination string, resolved now)."""
+def write_report(dest, report, fmt="json"):
+    """Write the report (JSON, or ClassAd lines with fmt="classad") to a Dest
+    (or a destination string, resolved now)."""
     if dest is None:
         return
     own = not isinstance(dest, Dest)
     if own:
         dest = Dest(dest, "report")
+    if fmt == "classad":
+        from starter.classad import render
+
+        text = render(report).encode()
+    else:
+        text = (dumps(report) + "\n").encode()
     try:
-        dest.write_atomic((dumps(report) + "\n").encode())
+        dest.write_atomic(text)
     finally:
         if own:
             dest.close()
@@ -155,7 +166,8 @@ class Events:
     def emit(self, event, **fields):
         if self.fd is None:
             return
-        line = dumps({"event": event, "job_id": self.job_id, "time": round(time.time(), 6), **fields}) + "\n"
+        line = dumps({"v": EVENTS_VERSION, "event": event, "job_id": self.job_id, "time": round(time.time(), 6),
+                      **fields}) + "\n"
         try:
             os.write(self.fd, line.encode())
         except OSError:

@@ -188,6 +188,8 @@ class RemoveReport:
         self.path = path
         self.files = 0
         self.dirs = 0
+        self.bytes = 0     # disk space freed (st_blocks), each inode once: the job's disk usage
+        self._linked = set()
         self.mounts = []  # paths of mount points found inside (not entered)
         self.errors = []  # (path, message) for names that would not go
 
@@ -200,6 +202,7 @@ class RemoveReport:
             "path": self.path,
             "files": self.files,
             "dirs": self.dirs,
+            "bytes": self.bytes,
             "mounts": list(self.mounts),
             "errors": [f"{p}: {m}" for p, m in self.errors],
         }
@@ -244,6 +247,7 @@ def remove_tree(parent_fd, name, *, expect=None, path=None, check=True):
             hint="its parent directory must not be writable by the job",
         )
     root_dev, root_mnt = root.st_dev, _mnt_id(fd)
+    report.bytes += root.st_blocks * 512
     pst = os.fstat(parent_fd)
     if root_dev != pst.st_dev or (root_mnt is not None and root_mnt != _mnt_id(parent_fd)):
         os.close(fd)
@@ -327,6 +331,10 @@ def _step(dfd, child, cpath, root_dev, root_mnt, skip, report):
         try:
             os.unlink(child, dir_fd=dfd)
             report.files += 1
+            if ident not in report._linked:
+                report.bytes += st.st_blocks * 512
+                if st.st_nlink > 1:
+                    report._linked.add(ident)
         except FileNotFoundError:
             pass
         except OSError as e:
@@ -351,6 +359,7 @@ def _step(dfd, child, cpath, root_dev, root_mnt, skip, report):
     elif (cst.st_dev, cst.st_ino) != ident:
         report.errors.append((cpath, "changed while being removed"))
     else:
+        report.bytes += cst.st_blocks * 512
         return cfd
     os.close(cfd)
     skip.add(ident)

@@ -24,6 +24,7 @@ MAX_WALL = 366 * 86400
 MAX_GRACE = 3600
 
 NET_MODES = ("none", "host", "nat")
+REPORT_FORMATS = ("json", "classad")
 ACTIONS = ("vacate", "suspend", "resume", "kill")
 MOUNT_KINDS = ("bind", "ro-bind", "tmpfs")
 
@@ -82,14 +83,14 @@ class JobSpec(Spec):
     __slots__ = (
         "id", "argv", "user", "group", "uid", "gid", "groups", "home", "cwd",
         "env", "hostname", "init", "mounts", "limits", "network", "report",
-        "events", "grace", "on_signal", "state_dir", "cgroup_parent",
+        "report_format", "events", "grace", "on_signal", "state_dir", "cgroup_parent",
         "scratch", "execute_dir", "keep_scratch", "manifest",
         "manifest_digest", "inputs",
         "seccomp", "allow_userns",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
-        "on_signal": (), "keep_scratch": False,
+        "on_signal": (), "keep_scratch": False, "report_format": "json",
         "seccomp": "default", "allow_userns": False,
     }
 
@@ -250,6 +251,7 @@ _FILE_KEYS = {
     "id": "id", "command": "command", "user": "user", "group": "group",
     "cwd": "cwd", "env": "env", "hostname": "hostname", "init": "init",
     "limits": None, "network": None, "mounts": None, "report": "report",
+    "report_format": "report-format",
     "events": "events", "grace": "grace", "on_signal": "on-signal",
     "state_dir": "state-dir", "cgroup_parent": "cgroup-parent",
     "scratch": "scratch", "execute_dir": "execute-dir",
@@ -410,6 +412,10 @@ def _make(raw):
     if raw.get("scratch") is not None and raw.get("execute-dir") is not None:
         raise SpecError("scratch", "give --scratch or --execute-dir, not both")
 
+    report_format = _str("report-format", raw.get("report-format", "json"))
+    if report_format not in REPORT_FORMATS:
+        raise SpecError("report-format", f"{report_format!r} is not one of {', '.join(REPORT_FORMATS)}")
+
     cwd = raw.get("cwd")
     return JobSpec(
         id=job_id,
@@ -423,6 +429,7 @@ def _make(raw):
         limits=limits,
         network=network,
         report=dest("report"),
+        report_format=report_format,
         events=dest("events"),
         grace=V.duration("grace", raw.get("grace", 10.0), 0, MAX_GRACE),
         on_signal=parse_on_signal("on-signal", _list("on-signal", raw.get("on-signal", []))),

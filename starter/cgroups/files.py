@@ -27,8 +27,20 @@ V1_RESOURCE_CONTROLLERS = frozenset("memory pids cpu cpuacct blkio freezer".spli
 
 
 def read_text(path):
-    with open(path, "rb", buffering=0) as f:
-        return f.read().decode()
+    # os.open/os.read, not open(): a third cheaper per file, which counts
+    # when `starter metrics` reads ~11 files for each of hundreds of jobs.
+    # A short read of a seq_file (every cgroup file) means end of file.
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        data = os.read(fd, 65536)
+        if len(data) == 65536:
+            chunks = [data]
+            while chunks[-1]:
+                chunks.append(os.read(fd, 1 << 20))
+            data = b"".join(chunks)
+    finally:
+        os.close(fd)
+    return data.decode()
 
 
 def read_text_or_none(path):

@@ -1,0 +1,314 @@
+"""`starter metrics`: every job on the node in the Prometheus text format.
+
+One pass: the state directory is listed once; for each entry its JSON, its
+lock (live or not), its cgroup files (the same reads as `status`), and for a
+NAT job its five nft counters, asked of the kernel by name (one
+NFT_MSG_GETOBJ each, starter/net/nft.py).  No pyroute2, no `nft list`, no
+psutil.  Three ways out:
+
+    starter metrics                       print once (exposition format 0.0.4)
+    starter metrics --textfile DIR        write DIR/starter.prom atomically, for
+                                          node_exporter's textfile collector
+    starter metrics --listen [ADDR:]PORT  serve GET /metrics (127.0.0.1 unless
+                                          an address is given)
+
+What a job controls never reaches a metric name; label values (job id, user,
+state) are escaped as the exposition format says.  Schema: README,
+"Metrics (Prometheus)".
+"""
+
+import os
+import sys
+
+from starter import state as S
+from starter.errors import StarterError
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+TEXTFILE_NAME = "starter.prom"
+# Every state a job entry can be in: one 0/1 series each (the enum pattern),
+# so a dashboard can sum by state without knowing which exist right now.
+# "dead": the entry's lock is free (its starter is gone; gc reclaims it).
+STATES = ("starting", "running", "suspended", "exited", "reclaiming", "dead")
+
+# name -> (type, help).  Order here is the order of the output.
+FAMILIES = {
+    "starter_jobs": ("gauge", "Jobs on this node by state."),
+    "starter_job_state": ("gauge", "1 for the state the job is in, 0 for the others."),
+    "starter_job_start_time_seconds": ("gauge", "When the job's starter began, Unix time."),
+    "starter_job_cpu_seconds_total": ("counter", "CPU time of every process the job ever had, by mode."),
+    "starter_job_memory_bytes": ("gauge", "Memory the job's cgroup uses now."),
+    "starter_job_memory_peak_bytes": ("gauge", "Most memory the job's cgroup has used."),
+    "starter_job_pids": ("gauge", "Tasks (processes and threads) in the job now."),
+    "starter_job_pids_peak": ("gauge", "Most tasks in the job at once."),
+    "starter_job_io_bytes_total": ("counter", "Block-device bytes, by direction (read, write)."),
+    "starter_job_oom_kills_total": ("counter", "Processes of the job killed by the OOM killer."),
+    "starter_job_pressure_stall_seconds_total": ("counter", "Time the job stalled on a resource (PSI), by resource and kind."),
+    "starter_job_network_bytes_total": ("counter", "Bytes through the job's NAT, by zone (lan, wan) and direction (in, out)."),
+    "starter_job_network_packets_total": ("counter", "Packets through the job's NAT, by zone and direction."),
+    "starter_job_network_dropped_packets_total": ("counter", "Packets of the job dropped by the isolation rules."),
+    "starter_job_network_dropped_bytes_total": ("counter", "Bytes of the job dropped by the isolation rules."),
+    "starter_metrics_read_errors": ("gauge", "Jobs whose cgroup or counters could not be read in this scrape."),
+}
+
+
+# ---------------------------------------------------------------- rendering (pure)
+
+def escape_label(value):
+    """A label value as the exposition format wants it: backslash, double
+    quote and line feed escaped; everything else as is (UTF-8)."""
+    return str(value).replace("\\", "\\\\").replace("\"", "\\\"").replace("\n", "\\n")
+
+
+def _fmt(v):
+    if isinstance(v, bool):
+        return "1" if v else "0"
+    if isinstance(v, int):
+        return str(v)
+    if v != v:
+        return "NaN"
+    if v in (float("inf"), float("-inf")):
+        return "+Inf" if v > 0 else "-Inf"
+    return repr(float(v))
+
+
+def labels(**kw):
+    """Label pairs -> the text between the braces, values escaped."""
+    return ",".join(f'{k}="{escape_label(v)}"' for k, v in kw.items())
+
+
+def render(samples):
+    """samples: {family: [(label text, value), ...]} -> exposition text.
+    Every family gets HELP and TYPE, then all its samples together."""
+    out = []
+    for name, (kind, text) in FAMILIES.items():
+        rows = samples.get(name)
+        if not rows:
+            continue
+        out.append(f"# HELP {name} {text}\n# TYPE {name} {kind}")
+        out.extend(f"{name}{{{lab}}} {_fmt(value)}" if lab else f"{name} {_fmt(value)}" for lab, value in rows)
+    return "\n".join(out) + "\n"
+
+
+_STATE_LABELS = {s: f',state="{s}"' for s in STATES}
+
+
+def job_samples(entry, live, usage, network):
+    """One job's samples -> ({family: [(label text, value)]}, state) (pure).
+
+    entry: its state JSON; usage: cgroup stats() or None; network: nft
+    counters ({lan_in: {bytes, packets}, ...}) or None.  The job's labels
+    are escaped once; the other label values are our own constants or the
+    kernel's PSI keys."""
+    user = entry.get("user")
+    if user is None:
+        user = entry.get("uid", "")
+    base = labels(job_id=entry.get("id", ""), user=user)
+    state = (entry.get("state") or "starting") if live else "dead"
+    out = {}
+
+    def add(name, value, extra=""):
+        if value is not None:
+            out.setdefault(name, []).append((base + extra, value))
+
+    for s in STATES + ((state,) if state not in STATES else ()):
+        add("starter_job_state", int(s == state), _STATE_LABELS.get(s) or "," + labels(state=s))
+    add("starter_job_start_time_seconds", entry.get("started_at"))
+    if usage:
+        add("starter_job_cpu_seconds_total", usage.get("cpu_user_s"), ',mode="user"')
+        add("starter_job_cpu_seconds_total", usage.get("cpu_system_s"), ',mode="system"')
+        add("starter_job_memory_bytes", usage.get("memory_current_bytes"))
+        add("starter_job_memory_peak_bytes", usage.get("memory_peak_bytes"))
+        add("starter_job_pids", usage.get("pids_current"))
+        add("starter_job_pids_peak", usage.get("pids_peak"))
+        add("starter_job_io_bytes_total", usage.get("io_read_bytes"), ',direction="read"')
+        add("starter_job_io_bytes_total", usage.get("io_write_bytes"), ',direction="write"')
+        add("starter_job_oom_kills_total", usage.get("oom_kills"))
+        for res, kinds in sorted((usage.get("psi") or {}).items()):
+            for kind, us in sorted(kinds.items()):
+                add("starter_job_pressure_stall_seconds_total", us / 1e6, "," + labels(resource=res, kind=kind))
+    if network:
+        for key in ("lan_in", "lan_out", "wan_in", "wan_out"):
+            c = network.get(key) or {}
+            zone, direction = key.split("_")
+            extra = f',zone="{zone}",direction="{direction}"'
+            add("starter_job_network_bytes_total", c.get("bytes"), extra)
+            add("starter_job_network_packets_total", c.get("packets"), extra)
+        d = network.get("dropped") or {}
+        add("starter_job_network_dropped_packets_total", d.get("packets"))
+        add("starter_job_network_dropped_bytes_total", d.get("bytes"))
+    return out, state
+
+
+# ---------------------------------------------------------------- reading
+
+def collect(state_dir):
+    """Read every job once -> {family: [(label text, value)]}."""
+    from starter.admin import job_cgroup
+
+    samples, counts, errors = {}, dict.fromkeys(STATES, 0), 0
+    backends = {}
+    for job_id in S.list_ids(state_dir):
+        try:
+            with open(os.path.join(state_dir, job_id + ".json"), "rb") as f:
+                entry = S.loads(f.read().decode())
+        except (OSError, ValueError):
+            continue  # ended (or not yet written) between the listing and now
+        if not isinstance(entry, dict) or entry.get("id") != job_id:
+            continue
+        live = starter_alive(entry)
+        usage = network = None
+        try:
+            if entry.get("cgroup"):
+                usage = job_cgroup(entry, job_id, backends).stats()
+        except (StarterError, OSError, ValueError):
+            errors += 1
+        if entry.get("net") == "nat" and live:
+            try:
+                network = _nat_counters(job_id, entry.get("host_ifname"))
+            except (StarterError, OSError):
+                errors += 1
+        one, state = job_samples(entry, live, usage, network)
+        counts[state] = counts.get(state, 0) + 1
+        for k, v in one.items():
+            samples.setdefault(k, []).extend(v)
+    samples["starter_jobs"] = [(labels(state=s), n) for s, n in counts.items()]
+    samples["starter_metrics_read_errors"] = [("", errors)]
+    return samples
+
+
+def starter_alive(entry):
+    """Is the job's starter still running?  Decided from its pid and start
+    time (recorded in the entry) rather than by trying the job's lock: a
+    scrape must not hold a lock, even briefly, that a starting job is about
+    to take (state.is_live's LOCK_SH would make that start fail)."""
+    pid = entry.get("starter_pid")
+    return isinstance(pid, int) and pid > 0 and S.process_start_time(pid) == entry.get("starter_start")
+
+
+def _nat_counters(job_id, key):
+    """The job's counters are named after its key, which is also its host
+    veth's name (net/ipam.py job_key), recorded in the entry: no hashing."""
+    from starter.net import nft
+
+    if not (isinstance(key, str) and key.startswith("stj") and key.isalnum() and len(key) <= 15):
+        from starter.net import ipam
+
+        key = ipam.job_key(job_id, "starter")
+    return nft.read_counters("starter", key)
+
+
+def text(state_dir):
+    try:
+        return render(collect(state_dir))
+    except PermissionError as e:
+        raise StarterError(f"cannot read {e.filename or state_dir}: {e.strerror}",
+                           "run it as root: the state directory is root-only and the counters need CAP_NET_ADMIN") from None
+
+
+# ---------------------------------------------------------------- outputs
+
+def write_textfile(state_dir, directory):
+    """DIR/starter.prom, replaced atomically: the temp name does not end in
+    .prom, so node_exporter never reads half a file."""
+    data = text(state_dir).encode()
+    dest = os.path.join(directory, TEXTFILE_NAME)
+    tmp = os.path.join(directory, f".{TEXTFILE_NAME}.{os.getpid()}.tmp")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC | os.O_NOFOLLOW
+    try:
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileExistsError:   # left by a crash of a process with our pid
+            os.unlink(tmp)
+            fd = os.open(tmp, flags, 0o644)
+        try:
+            os.write(fd, data)
+            os.fchmod(fd, 0o644)   # readable by node_exporter whatever our umask
+        finally:
+            os.close(fd)
+        os.replace(tmp, dest)
+    except OSError as e:
+        S.unlink_quiet(tmp)
+        raise StarterError(f"cannot write {dest}: {e.strerror}",
+                           "--textfile names node_exporter's --collector.textfile.directory; it must exist") from None
+    return dest
+
+
+def parse_listen(value):
+    """[ADDR:]PORT, [V6ADDR]:PORT -> (host, port).  A bare port is loopback."""
+    import ipaddress
+
+    host, sep, port = value.rpartition(":")
+    if not sep:
+        host = "127.0.0.1"
+    host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        port = int(port)
+        if not 0 <= port <= 65535:
+            raise ValueError
+        addr = ipaddress.ip_address(host)
+    except ValueError:
+        raise StarterError(f"--listen {value!r}: want [ADDR:]PORT with a numeric address, e.g. 127.0.0.1:9110",
+                           "a bare port listens on 127.0.0.1") from None
+    return str(addr), port, addr.is_loopback
+
+
+def serve(state_dir, listen):
+    """GET /metrics until SIGTERM/SIGINT.  Each scrape reads the node afresh;
+    one request at a time (a scrape is a few ms; nothing to share)."""
+    import http.server
+    import signal
+    import socket
+
+    host, port, loopback = parse_listen(listen)
+    if not loopback:
+        sys.stderr.write(f"starter metrics: listening on {host}, not loopback: job ids and users are visible "
+                         "to whoever reaches it; firewall it\n")
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        server_version = "starter-metrics"
+        timeout = 10          # one request at a time: a client that stalls must not hold the endpoint
+
+        def do_GET(self):
+            path = self.path.split("?", 1)[0]
+            if path == "/metrics":
+                try:
+                    body, code, ctype = text(state_dir).encode(), 200, CONTENT_TYPE
+                except StarterError as e:
+                    body, code, ctype = f"starter metrics: {e}\n".encode(), 500, "text/plain"
+            elif path == "/":
+                body, code, ctype = b"starter metrics: see /metrics\n", 200, "text/plain"
+            else:
+                body, code, ctype = b"not found\n", 404, "text/plain"
+            self.send_response(code)
+            self.send_header("Content-Type", ctype)
+            self.send_header("Content-Length", str(len(body)))
+            self.end_headers()
+            self.wfile.write(body)
+
+        def log_message(self, fmt, *args):
+            pass
+
+    class Server(http.server.HTTPServer):
+        address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+
+    try:
+        httpd = Server((host, port), Handler)
+    except OSError as e:
+        raise StarterError(f"cannot listen on {host}:{port}: {e.strerror}",
+                           "pick a free port (node_exporter uses 9100)") from None
+
+    def stop(signum, frame):
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, stop)
+    bound = httpd.server_address[1]
+    shown = f"[{host}]" if ":" in host else host
+    sys.stderr.write(f"starter metrics: serving http://{shown}:{bound}/metrics\n")
+    sys.stderr.flush()
+    try:
+        httpd.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    finally:
+        httpd.server_close()
+    return 0
