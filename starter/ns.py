@@ -35,15 +35,18 @@ from starter.mounts import Mount
 
 __all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "exit_code",
            "NAMESPACES", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWPID",
-           "CLONE_NEWNET"]
+           "CLONE_NEWNET", "CLONE_NEWCGROUP", "namespaces_of"]
 
 CLONE_NEWNS = lib.SHIM_NEWNS
 CLONE_NEWUTS = lib.SHIM_NEWUTS
 CLONE_NEWIPC = lib.SHIM_NEWIPC
 CLONE_NEWPID = lib.SHIM_NEWPID
 CLONE_NEWNET = lib.SHIM_NEWNET
+CLONE_NEWCGROUP = lib.SHIM_NEWCGROUP
+# "cgroup" is unshare()d by the child after the release byte, so that it is
+# rooted at the job's cgroups in every hierarchy (see child_main in shim.c).
 NAMESPACES = {"pid": CLONE_NEWPID, "net": CLONE_NEWNET, "mnt": CLONE_NEWNS,
-              "uts": CLONE_NEWUTS, "ipc": CLONE_NEWIPC}
+              "uts": CLONE_NEWUTS, "ipc": CLONE_NEWIPC, "cgroup": CLONE_NEWCGROUP}
 DEFAULT_NAMESPACES = frozenset({"pid", "net", "mnt"})
 
 _REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
@@ -267,6 +270,19 @@ def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup
         child.close()
         raise
     return child
+
+
+def namespaces_of(pid):
+    """The namespace types (NAMESPACES keys) in which process `pid` differs
+    from the caller: the ones enter() must join to be where the job is."""
+    out = set()
+    for name in NAMESPACES:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/{name}") != os.readlink(f"/proc/self/ns/{name}"):
+                out.add(name)
+        except FileNotFoundError:  # a kernel without this namespace type
+            pass
+    return frozenset(out)
 
 
 def setns(fd, nstype=0):
