@@ -152,7 +152,7 @@ def _run(spec, job_state, signals, events, undo, report):
         mounts.append(Mount(kind="ro-bind", src=resolv, dst="/etc/resolv.conf"))
 
     # The job's own cgroup tree, /dev/shm and temp dirs first (the spec's
-    # mounts may stack on them); the state directory hidden last.
+    # mounts may stack on them); the state directory and /proc/keys hidden last.
     from starter import mounts as M
 
     mounts = (M.cgroup_view(backend.view()) + M.private_dirs(spec.uid, spec.gid, spec.limits.memory)

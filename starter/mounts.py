@@ -188,12 +188,19 @@ def private_dirs(uid, gid, shm_bytes=None):
     return out
 
 
-def hide(paths):
+# Keys are not namespaced: /proc/keys lists every key the reader may view,
+# including those of other jobs of the same uid (a user's own keys grant it
+# "view").  The job sees an empty file there, like docker's masked paths.
+MASKED_FILES = ("/proc/keys",)
+
+
+def hide(paths, files=MASKED_FILES):
     """An empty, read-only, mode-0 tmpfs over each existing directory in
     `paths`: the job can neither list nor reach what is below (state
     entries, locks, netd's socket), whatever its uid.  Skipped where the
-    job's view has no such path (a state directory under the private /tmp)."""
-    out = []
+    job's view has no such path (a state directory under the private /tmp).
+    /dev/null, read-only, over each of `files`."""
+    out = [Mount("ro-bind", f, "/dev/null") for f in files if os.path.exists(f)]
     for p in dict.fromkeys(os.path.normpath(p) for p in paths if p):
         if os.path.isdir(p):
             out.append(Mount.fs("tmpfs", p, "mode=000,size=4k,nr_inodes=2", _SAFE + ("ro",),
