@@ -175,8 +175,10 @@ def private_dirs(uid, gid, shm_bytes=None):
     pages are charged to the job's memory cgroup (the job faults them in)
     and go away with the job's mount namespace."""
     size = shm_bytes if shm_bytes is not None else SHM_SIZE_DEFAULT
-    out = [Mount.fs("tmpfs", "/dev/shm", "mode=1777" + (f",size={size}" if size else ""),
-                    ("nosuid", "nodev"))]
+    out = []
+    if os.path.isdir("/dev/shm"):
+        out.append(Mount.fs("tmpfs", "/dev/shm", "mode=1777" + (f",size={size}" if size else ""),
+                            ("nosuid", "nodev")))
     for d in ("/var/tmp", "/run/lock"):
         if os.path.isdir(d):
             out.append(Mount.fs("tmpfs", d, "mode=1777", ("nosuid", "nodev")))

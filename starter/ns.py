@@ -505,6 +505,12 @@ def _step_hint(step, err, spec):
         return "mounting needs CAP_SYS_ADMIN; is the starter itself in a restricted container?"
     if step in ("setresuid", "setresgid", "setgroups", "capset") and err == E.EPERM:
         return "changing credentials needs root: run the starter as root"
+    if step == "unshare cgroup namespace" and err == E.EINVAL:
+        return "the kernel lacks cgroup namespaces (CONFIG_CGROUPS, Linux 4.6+)"
+    if step.startswith("mount /sys/fs/cgroup") and err == E.EBUSY:
+        return "the host's cgroup hierarchies changed since the starter probed them (mount options differ)"
+    if step.startswith("keyctl") and err == E.EDQUOT:
+        return "the job user's key quota is full (kernel.keys.maxkeys/maxbytes): old keys of that user remain"
     if step.startswith("setns") and err == E.EINVAL:
         return "the job's PID 1 is gone, or the kernel lacks setns() on pidfds (>= 5.8)"
     return None
