@@ -42,9 +42,10 @@
  * job's raw wait status on the status pipe and exits 128+N / the job's code.
  *
  * shim_enter: a short-lived helper (fork) setns()es into the job's
- * namespaces, clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s the entering process
- * (so its parent is the starter, which gets a pidfd with pidfd_open), writes
- * the pid on a pipe and exits.  The entering process then follows the same
+ * namespaces (all but the cgroup one), clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s
+ * the entering process (so its parent is the starter, which gets a pidfd
+ * with pidfd_open), writes the pid on a pipe and exits.  The entering
+ * process joins the job's cgroup namespace itself, from inside its cgroup.  The entering process then follows the same
  * path as above minus namespaces and mounts.  The starter never changes its
  * own namespaces.
  */
@@ -971,6 +972,17 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
 
 /* ---- enter -------------------------------------------------------------- */
 
+static int open_ns(int pid, const char *name)
+{
+    char num[16], path[64];
+    s_int(num, sizeof num, pid);
+    size_t at = s_cat(path, 0, sizeof path, "/proc/");
+    at = s_cat(path, at, sizeof path, num);
+    at = s_cat(path, at, sizeof path, "/ns/");
+    s_cat(path, at, sizeof path, name);
+    return open(path, O_RDONLY | O_CLOEXEC);
+}
+
 static int setns_by_pid(int pid, int nsflags)
 {
     /* mnt last: after it, /proc is the job's. */
@@ -982,17 +994,11 @@ static int setns_by_pid(int pid, int nsflags)
                  {0, NULL}};
     int fds[6];
     int n = 0;
-    char num[16], path[64];
-    s_int(num, sizeof num, pid);
     for (int i = 0; order[i].name; i++) {
         fds[i] = -1;
         if (!(nsflags & order[i].flag))
             continue;
-        size_t at = s_cat(path, 0, sizeof path, "/proc/");
-        at = s_cat(path, at, sizeof path, num);
-        at = s_cat(path, at, sizeof path, "/ns/");
-        s_cat(path, at, sizeof path, order[i].name);
-        fds[i] = open(path, O_RDONLY | O_CLOEXEC);
+        fds[i] = open_ns(pid, order[i].name);
         if (fds[i] < 0)
             return -1;
         n = i + 1;
@@ -1003,11 +1009,19 @@ static int setns_by_pid(int pid, int nsflags)
     return 0;
 }
 
-/* The entering process: already in the job's namespaces, no mounts. */
-static _Noreturn void enter_child_main(const struct child_ctx *c)
+/* The entering process: already in the job's namespaces but the cgroup
+ * one, no mounts.  It joins the cgroup namespace only now, from inside the
+ * job's cgroup: clone3(CLONE_INTO_CGROUP) refuses (ENOENT) a move from a
+ * cgroup outside the caller's cgroup namespace, which the helper's is. */
+static _Noreturn void enter_child_main(const struct child_ctx *c, int cgns)
 {
     if (c->s->die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
         fail(c, "PR_SET_PDEATHSIG", NULL);
+    if ((c->s->nsflags & SHIM_NEWCGROUP) &&
+        setns(cgns >= 0 ? cgns : c->s->enter_pidfd, CLONE_NEWCGROUP) < 0)
+        fail(c, "setns", "job cgroup namespace");
+    if (cgns >= 0)
+        close(cgns);
     wait_release(c);
     if (setsid() < 0)
         fail(c, "setsid", NULL);
@@ -1037,8 +1051,15 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
         close(pidpipe[0]);
         child_ctx_init(&c, s, &p);
         reset_signals();
-        if (setns(s->enter_pidfd, s->nsflags) < 0) {
-            if (errno != EINVAL || setns_by_pid(s->enter_pid, s->nsflags) < 0)
+        int nsflags = s->nsflags & ~SHIM_NEWCGROUP, cgns = -1; /* see enter_child_main */
+        if (setns(s->enter_pidfd, nsflags) < 0) {
+            if (errno != EINVAL)
+                fail(&c, "setns", "job namespaces");
+            /* No setns() on pidfds (< 5.8): by /proc path, before the job's
+             * pid and mount namespaces change what /proc shows. */
+            if ((s->nsflags & SHIM_NEWCGROUP) && (cgns = open_ns(s->enter_pid, "cgroup")) < 0)
+                fail(&c, "open", "job cgroup namespace");
+            if (setns_by_pid(s->enter_pid, nsflags) < 0)
                 fail(&c, "setns", "job namespaces");
         }
         int pidfd = -1, attached = 0;
@@ -1046,7 +1067,7 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
          * can wait for it and PDEATHSIG follows the starter. */
         pid_t pid = do_clone(CLONE_PARENT, s->cgroup_fd, &pidfd, &attached);
         if (pid == 0)
-            enter_child_main(&c);
+            enter_child_main(&c, cgns);
         if (pid < 0)
             fail(&c, "clone3", "into the job");
         int msg[2] = {pid, attached};
