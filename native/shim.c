@@ -45,9 +45,9 @@
  * namespaces (all but the cgroup one), clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s
  * the entering process (so its parent is the starter, which gets a pidfd
  * with pidfd_open), writes the pid on a pipe and exits.  The entering
- * process joins the job's cgroup namespace itself, from inside its cgroup.  The entering process then follows the same
- * path as above minus namespaces and mounts.  The starter never changes its
- * own namespaces.
+ * process joins the job's cgroup namespace itself, from inside its cgroup,
+ * then follows the same path as above minus namespaces and mounts.  The
+ * starter never changes its own namespaces.
  */
 #define _GNU_SOURCE
 #include <errno.h>
