@@ -15,17 +15,23 @@
  *               each source to an O_PATH fd without following links)
  *   pipes: sync, err (+status in init mode), all O_CLOEXEC
  *   block all signals
- *   clone3(NEWPID|NEWNET|NEWNS, PIDFD,  ───► signals to SIG_DFL
- *          INTO_CGROUP)                      PR_SET_PDEATHSIG(SIGKILL)
+ *   clone3(NEWPID|NEWNET|NEWNS|NEWIPC  ───► signals to SIG_DFL
+ *          [|NEWUTS], PIDFD, INTO_CGROUP)    PR_SET_PDEATHSIG(SIGKILL)
  *   restore signal mask                      read(sync) ........ blocks
  *   attach v1 cgroups, wire network          :   EOF (starter died) -> _exit(125)
  *   release(): write(sync, 1 byte) ───sync──►:
+ *                                            unshare(NEWCGROUP): rooted at the
+ *                                              job's cgroups, v1 ones included
  *                                            / rslave, grab bind sources
  *                                            given by path, /proc, /sys, lo
- *                                            up, hostname, /tmp, binds (each
- *                                            made a slave), tmpfs, stdio,
+ *                                            up, hostname, /tmp, the mount
+ *                                              plan in order (cgroup views,
+ *                                              /dev/shm, ..., binds (each
+ *                                              made a slave), state dir
+ *                                              hidden), stdio,
  *                                            setsid, setresgid, setgroups,
  *                                            cap bounding drop, setresuid,
+ *                                            new session keyring,
  *                                            capset(0), NO_NEW_PRIVS,
  *                                            re-arm PDEATHSIG, close fds, chdir,
  *                                            seccomp filter (compiled by the starter)
@@ -41,11 +47,12 @@
  * job's raw wait status on the status pipe and exits 128+N / the job's code.
  *
  * shim_enter: a short-lived helper (fork) setns()es into the job's
- * namespaces, clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s the entering process
- * (so its parent is the starter, which gets a pidfd with pidfd_open), writes
- * the pid on a pipe and exits.  The entering process then follows the same
- * path as above minus namespaces and mounts.  The starter never changes its
- * own namespaces.
+ * namespaces (all but the cgroup one), clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s
+ * the entering process (so its parent is the starter, which gets a pidfd
+ * with pidfd_open), writes the pid on a pipe and exits.  The entering
+ * process joins the job's cgroup namespace itself, from inside its cgroup,
+ * then follows the same path as above minus namespaces and mounts.  The
+ * starter never changes its own namespaces.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -112,6 +119,9 @@
 #ifndef PR_CAP_AMBIENT
 #define PR_CAP_AMBIENT 47
 #define PR_CAP_AMBIENT_CLEAR_ALL 4
+#endif
+#ifndef KEYCTL_JOIN_SESSION_KEYRING
+#define KEYCTL_JOIN_SESSION_KEYRING 1
 #endif
 #ifndef TMPFS_MAGIC
 #define TMPFS_MAGIC 0x01021994
@@ -329,6 +339,16 @@ static int under(const char *path, const char *dir)
     return path[n] == '/';
 }
 
+static int is_tmpfs(const struct shim_mount *m)
+{
+    const char *t = m->fstype, *w = "tmpfs";
+    if (!t)
+        return 0;
+    while (*t && *t == *w)
+        t++, w++;
+    return *t == 0 && *w == 0;
+}
+
 static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m, int tree)
 {
     const struct shim_spec *s = c->s;
@@ -342,7 +362,8 @@ static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m
         const struct shim_mount *o = &s->mounts[i];
         if (o == m)
             break;
-        if (o->kind == SHIM_MOUNT_TMPFS && under(m->dst, o->dst))
+        if ((o->kind == SHIM_MOUNT_TMPFS || (o->kind == SHIM_MOUNT_FS && is_tmpfs(o))) &&
+            under(m->dst, o->dst))
             ours = 1;
     }
     if (!ours)
@@ -357,7 +378,7 @@ static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m
             buf[i] = 0;
             int last = m->dst[i] == 0;
             int file = 0;
-            if (last && m->kind != SHIM_MOUNT_TMPFS &&
+            if (last && (m->kind == SHIM_MOUNT_BIND || m->kind == SHIM_MOUNT_RO_BIND) &&
                 (tree >= 0 ? fstat(tree, &st) : m->src_fd >= 0 ? fstat(m->src_fd, &st) : stat(m->src, &st)) == 0 &&
                 !S_ISDIR(st.st_mode))
                 file = 1;
@@ -422,7 +443,13 @@ static int pin_source(const struct child_ctx *c, const struct shim_mount *m)
 
 static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree, int pinned)
 {
-    const char *what = m->kind == SHIM_MOUNT_BIND ? "bind" : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind" : "tmpfs";
+    struct stat st;
+    if (m->kind == SHIM_MOUNT_FS && m->optional && stat(m->dst, &st) < 0 && errno == ENOENT)
+        return; /* e.g. a hidden path under the private /tmp: nothing to hide */
+    const char *what = m->kind == SHIM_MOUNT_BIND      ? "bind"
+                       : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind"
+                       : m->kind == SHIM_MOUNT_TMPFS   ? "tmpfs"
+                                                       : "mount";
     char fdpath[48];
     if (make_mountpoint(c, m, tree) < 0)
         fail(c, "mkdir", m->dst);
@@ -453,34 +480,23 @@ static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int 
         if (mount("tmpfs", m->dst, "tmpfs", MS_NOSUID | MS_NODEV, m->data) < 0)
             fail(c, what, m->dst);
         break;
+    case SHIM_MOUNT_FS: /* the plan's own mounts: /dev/shm, cgroup views, hiding */
+        if (mount(m->src ? m->src : m->fstype, m->dst, m->fstype, m->flags, m->data) < 0)
+            fail(c, what, m->dst);
+        break;
     default:
         fail_err(c, EINVAL, EXIT_STARTER, "mount kind", m->dst);
     }
 }
 
-/* A fresh sysfs shows the job's own network namespace.  It hides the host's
- * /sys/fs/cgroup, so that tree is cloned first and put back, read-only (jobs
- * read their limits there; they must not write the host's cgroups). */
+/* A fresh sysfs shows the job's own network namespace.  Its /sys/fs/cgroup
+ * is an empty directory: the job's own cgroup tree is mounted there by the
+ * mount plan, inside the job's cgroup namespace (starter/mounts.py). */
 static void mount_sys(const struct child_ctx *c, int harden)
 {
-    int tree = (int)syscall(SYS_open_tree, AT_FDCWD, "/sys/fs/cgroup",
-                            OPEN_TREE_CLONE | OPEN_TREE_CLOEXEC | AT_RECURSIVE);
-    if (tree >= 0) {
-        struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
-        if (syscall(SYS_mount_setattr, tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr,
-                    sizeof attr) < 0) {
-            close(tree); /* cannot make it read-only: leave it out */
-            tree = -1;
-        }
-    }
     unsigned long fl = MS_NOSUID | MS_NODEV | MS_NOEXEC | (harden ? MS_RDONLY : 0);
     if (mount("sysfs", "/sys", "sysfs", fl, NULL) < 0)
         fail(c, "mount", "/sys");
-    if (tree >= 0) {
-        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, "/sys/fs/cgroup", MOVE_MOUNT_F_EMPTY_PATH) < 0)
-            fail(c, "mount", "/sys/fs/cgroup");
-        close(tree);
-    }
 }
 
 /* A uid-0 job without capabilities still passes owner permission checks on
@@ -583,6 +599,12 @@ static void drop_privileges(const struct child_ctx *c)
         fail(c, "PR_CAP_AMBIENT_CLEAR_ALL", NULL);
     if (syscall(SYS_setresuid, s->uid, s->uid, s->uid) < 0)
         fail(c, "setresuid", NULL);
+    /* A fresh, empty session keyring owned by the job's user: the starter's
+     * (or the batch daemon's) session keyring is not the job's to possess,
+     * and without one the kernel falls back to the per-uid user-session
+     * keyring that every job of this user would share. */
+    if (syscall(SYS_keyctl, KEYCTL_JOIN_SESSION_KEYRING, NULL) < 0 && errno != ENOSYS)
+        fail(c, "keyctl", "join session keyring");
     /* uid 0 keeps its sets across setresuid; empty them explicitly.  With an
      * empty bounding set, exec as root gains nothing either. */
     struct cap_header h = {.version = 0x20080522, .pid = 0};
@@ -855,6 +877,14 @@ static _Noreturn void child_main(const struct child_ctx *c)
     if (c->s->die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
         fail(c, "PR_SET_PDEATHSIG", NULL);
     wait_release(c);
+    /* Only now: on v1/hybrid the starter attached this process to the job's
+     * v1 cgroups by pid before the release byte, and a cgroup namespace is
+     * rooted where the process is when it is made (a CLONE_NEWCGROUP at
+     * clone time would root the v1 views at the starter's cgroups).  Before
+     * any cgroup mount: mounted inside it they show the job's subtree, and
+     * cgroup2 mount options are ignored outside the initial namespace. */
+    if ((c->s->nsflags & SHIM_NEWCGROUP) && unshare(CLONE_NEWCGROUP) < 0)
+        fail(c, "unshare", "cgroup namespace");
     setup_namespaces(c);
     /* The caller's terminal is not the job's controlling tty, so TIOCSTI
      * into it fails. */
@@ -1054,7 +1084,8 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
      * it resets them. */
     pthread_sigmask(SIG_SETMASK, &all, &old);
     int pidfd = -1, attached = 0;
-    pid_t pid = do_clone((uint64_t)(unsigned int)s->nsflags, s->cgroup_fd, &pidfd, &attached);
+    uint64_t flags = (uint64_t)(unsigned int)(s->nsflags & ~SHIM_NEWCGROUP); /* see child_main */
+    pid_t pid = do_clone(flags, s->cgroup_fd, &pidfd, &attached);
     if (pid == 0) {
         struct child_ctx c;
         child_close_parent_ends(&p);
@@ -1087,6 +1118,17 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
 
 /* ---- enter -------------------------------------------------------------- */
 
+static int open_ns(int pid, const char *name)
+{
+    char num[16], path[64];
+    s_int(num, sizeof num, pid);
+    size_t at = s_cat(path, 0, sizeof path, "/proc/");
+    at = s_cat(path, at, sizeof path, num);
+    at = s_cat(path, at, sizeof path, "/ns/");
+    s_cat(path, at, sizeof path, name);
+    return open(path, O_RDONLY | O_CLOEXEC);
+}
+
 static int setns_by_pid(int pid, int nsflags)
 {
     /* mnt last: after it, /proc is the job's. */
@@ -1094,20 +1136,15 @@ static int setns_by_pid(int pid, int nsflags)
         int flag;
         const char *name;
     } order[] = {{SHIM_NEWIPC, "ipc"}, {SHIM_NEWUTS, "uts"}, {SHIM_NEWNET, "net"},
-                 {SHIM_NEWPID, "pid"}, {SHIM_NEWNS, "mnt"}, {0, NULL}};
-    int fds[5];
+                 {SHIM_NEWPID, "pid"}, {SHIM_NEWCGROUP, "cgroup"}, {SHIM_NEWNS, "mnt"},
+                 {0, NULL}};
+    int fds[6];
     int n = 0;
-    char num[16], path[64];
-    s_int(num, sizeof num, pid);
     for (int i = 0; order[i].name; i++) {
         fds[i] = -1;
         if (!(nsflags & order[i].flag))
             continue;
-        size_t at = s_cat(path, 0, sizeof path, "/proc/");
-        at = s_cat(path, at, sizeof path, num);
-        at = s_cat(path, at, sizeof path, "/ns/");
-        s_cat(path, at, sizeof path, order[i].name);
-        fds[i] = open(path, O_RDONLY | O_CLOEXEC);
+        fds[i] = open_ns(pid, order[i].name);
         if (fds[i] < 0)
             return -1;
         n = i + 1;
@@ -1118,11 +1155,19 @@ static int setns_by_pid(int pid, int nsflags)
     return 0;
 }
 
-/* The entering process: already in the job's namespaces, no mounts. */
-static _Noreturn void enter_child_main(const struct child_ctx *c)
+/* The entering process: already in the job's namespaces but the cgroup
+ * one, no mounts.  It joins the cgroup namespace only now, from inside the
+ * job's cgroup: clone3(CLONE_INTO_CGROUP) refuses (ENOENT) a move from a
+ * cgroup outside the caller's cgroup namespace, which the helper's is. */
+static _Noreturn void enter_child_main(const struct child_ctx *c, int cgns)
 {
     if (c->s->die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
         fail(c, "PR_SET_PDEATHSIG", NULL);
+    if ((c->s->nsflags & SHIM_NEWCGROUP) &&
+        setns(cgns >= 0 ? cgns : c->s->enter_pidfd, CLONE_NEWCGROUP) < 0)
+        fail(c, "setns", "job cgroup namespace");
+    if (cgns >= 0)
+        close(cgns);
     wait_release(c);
     if (setsid() < 0)
         fail(c, "setsid", NULL);
@@ -1152,8 +1197,15 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
         close(pidpipe[0]);
         child_ctx_init(&c, s, &p);
         reset_signals();
-        if (setns(s->enter_pidfd, s->nsflags) < 0) {
-            if (errno != EINVAL || setns_by_pid(s->enter_pid, s->nsflags) < 0)
+        int nsflags = s->nsflags & ~SHIM_NEWCGROUP, cgns = -1; /* see enter_child_main */
+        if (setns(s->enter_pidfd, nsflags) < 0) {
+            if (errno != EINVAL)
+                fail(&c, "setns", "job namespaces");
+            /* No setns() on pidfds (< 5.8): by /proc path, before the job's
+             * pid and mount namespaces change what /proc shows. */
+            if ((s->nsflags & SHIM_NEWCGROUP) && (cgns = open_ns(s->enter_pid, "cgroup")) < 0)
+                fail(&c, "open", "job cgroup namespace");
+            if (setns_by_pid(s->enter_pid, nsflags) < 0)
                 fail(&c, "setns", "job namespaces");
         }
         int pidfd = -1, attached = 0;
@@ -1161,7 +1213,7 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
          * can wait for it and PDEATHSIG follows the starter. */
         pid_t pid = do_clone(CLONE_PARENT, s->cgroup_fd, &pidfd, &attached);
         if (pid == 0)
-            enter_child_main(&c);
+            enter_child_main(&c, cgns);
         if (pid < 0)
             fail(&c, "clone3", "into the job");
         int msg[2] = {pid, attached};

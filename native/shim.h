@@ -15,8 +15,18 @@
 #define SHIM_MOUNT_BIND 1
 #define SHIM_MOUNT_RO_BIND 2
 #define SHIM_MOUNT_TMPFS 3
+#define SHIM_MOUNT_FS 4       /* mount(src or fstype, dst, fstype, flags, data) as given */
+
+/* MS_* flags for SHIM_MOUNT_FS (the kernel's values). */
+#define SHIM_MS_RDONLY 1
+#define SHIM_MS_NOSUID 2
+#define SHIM_MS_NODEV 4
+#define SHIM_MS_NOEXEC 8
+#define SHIM_MS_REMOUNT 32
+#define SHIM_MS_BIND 4096
 
 #define SHIM_NEWNS 0x00020000
+#define SHIM_NEWCGROUP 0x02000000 /* spawn: unshare()d after the release byte, not at clone */
 #define SHIM_NEWUTS 0x04000000
 #define SHIM_NEWIPC 0x08000000
 #define SHIM_NEWPID 0x20000000
@@ -41,6 +51,10 @@ struct shim_mount {
      * kernels without open_tree, where it mounts src by path and checks that
      * the mounted root is this fd's inode. */
     int src_fd;
+    /* appended (ns): SHIM_MOUNT_FS only */
+    const char *fstype;       /* "tmpfs", "mqueue", "cgroup", "cgroup2"; NULL for a remount */
+    unsigned long flags;      /* SHIM_MS_* */
+    int optional;             /* skip if dst does not exist in the job's view */
 };
 
 struct shim_spec {

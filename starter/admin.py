@@ -277,8 +277,13 @@ def enter(state_dir, job_id, argv, user=None):
                "TERM": os.environ.get("TERM", "dumb")}
         if name:
             env["USER"] = name
-        namespaces = {"pid", "mnt"} | ({"net"} if st.get("net") != "host" else set())
-        child = ns.enter(pidfd, frozenset(namespaces), list(argv), env, cwd="/", uid=uid, gid=gid,
+        # Every namespace the job has (pid, mnt, ipc, cgroup, net and uts
+        # where it has its own), read from its PID 1, not from its options.
+        namespaces = ns.namespaces_of(pid)
+        if "mnt" not in namespaces:
+            raise StarterError(f"job {job_id!r} (pid {pid}) shares the host's mount namespace",
+                               "its PID 1 is gone or was replaced; `starter ps` shows its state")
+        child = ns.enter(pidfd, namespaces, list(argv), env, cwd="/", uid=uid, gid=gid,
                          groups=groups, cgroup_fd=cg.clone_fd(), released=False, seccomp=sc_filter)
         try:
             cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything

@@ -175,7 +175,13 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         undo.push(unlink_quiet, resolv)
         mounts.append(Mount(kind="ro-bind", src=resolv, dst="/etc/resolv.conf"))
 
-    namespaces = {"pid", "mnt"}
+    # The job's own cgroup tree, /dev/shm and temp dirs first (the spec's
+    # mounts may stack on them); the state directory and /proc/keys hidden last.
+    from starter import mounts as M
+
+    mounts = (M.cgroup_view(backend.view()) + M.private_dirs(spec.uid, spec.gid, spec.limits.memory)
+              + mounts + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR)))
+    namespaces = {"pid", "mnt", "ipc", "cgroup"}
     if spec.network.mode != "host":
         namespaces.add("net")
     if spec.hostname:

@@ -6,6 +6,19 @@ ns), a private /tmp, then these mounts in the order given.  A mount point must
 exist, except inside a tmpfs this plan mounted (the private /tmp or an earlier
 tmpfs entry), where the shim creates it.
 
+A job's plan (job.py) is, in order:
+
+    cgroup_view()     the job's own cgroup tree at /sys/fs/cgroup, read-only
+    private_dirs()    /dev/shm (size-limited), /var/tmp, /run/lock,
+                      /run/user/UID, /dev/mqueue: fresh, the job's own
+    the spec's binds and tmpfs (a site sharing /var/tmp binds it here)
+    hide()            empty read-only mounts over the state directory
+                      (and with it netd's socket): last, so nothing covers them
+
+Besides the user's kinds (bind, ro-bind, tmpfs) there is an internal "fs"
+kind, mount(2) with an explicit file system type, flags and data, which the
+starter uses for the entries above; a job file cannot ask for it.
+
 A plain class rather than a dataclass: `import dataclasses` costs every job
 ~13 ms of start-up.
 """
@@ -16,7 +29,10 @@ from starter.errors import SpecError
 from starter.values import host_path as _host_path, path as _check_path, show as _show
 
 KINDS = ("bind", "ro-bind", "tmpfs")
-_KIND_CODE = {"bind": 1, "ro-bind": 2, "tmpfs": 3}  # SHIM_MOUNT_* in shim.h
+_KIND_CODE = {"bind": 1, "ro-bind": 2, "tmpfs": 3, "fs": 4}  # SHIM_MOUNT_* in shim.h
+# SHIM_MS_* in shim.h (the kernel's MS_* values)
+FLAGS = {"ro": 1, "nosuid": 2, "nodev": 4, "noexec": 8, "remount": 32, "bind": 4096}
+_SAFE = ("nosuid", "nodev", "noexec")
 
 
 class Mount:
@@ -24,14 +40,30 @@ class Mount:
     job's view; src: the source of a bind (absolute, in the starter's view);
     options: tmpfs options such as "size=64m,mode=1777"."""
 
-    __slots__ = ("kind", "dst", "src", "options")
+    __slots__ = ("kind", "dst", "src", "options", "fstype", "flags", "optional")
 
-    def __init__(self, kind, dst, src=None, options=""):
-        for name, value in (("kind", kind), ("dst", dst), ("src", src), ("options", options)):
+    def __init__(self, kind, dst, src=None, options="", fstype=None, flags=(), optional=False):
+        for name, value in (("kind", kind), ("dst", dst), ("src", src), ("options", options),
+                            ("fstype", fstype), ("flags", tuple(flags)), ("optional", optional)):
             object.__setattr__(self, name, value)
         self._validate()
 
+    @classmethod
+    def fs(cls, fstype, dst, options="", flags=_SAFE, optional=False):
+        """Internal: mount(fstype, dst, fstype, flags, options); fstype None
+        with "remount" in flags changes the flags of what is at dst.
+        optional: skipped when dst does not exist in the job's view."""
+        return cls("fs", dst, None, options, fstype, flags, optional)
+
     def _validate(self):
+        if self.kind == "fs":
+            _check_path("mount.dst", self.dst)
+            unknown = set(self.flags) - FLAGS.keys()
+            if unknown or (self.fstype is None) != ("remount" in self.flags):
+                raise SpecError("mount.flags", f"bad flags {self.flags!r} for {self.dst}")
+            return
+        if self.flags or self.fstype is not None or self.optional:
+            raise SpecError("mount.kind", f"a {self.kind} mount takes no fstype or flags")
         if self.kind not in KINDS:
             raise SpecError("mount.kind", f"{_show(self.kind)} is not one of {', '.join(KINDS)}")
         _check_path("mount.dst", self.dst)
@@ -69,10 +101,12 @@ class Mount:
         return hash(self._key())
 
     def _key(self):
-        return (self.kind, self.dst, self.src, self.options)
+        return (self.kind, self.dst, self.src, self.options, self.fstype, self.flags, self.optional)
 
     def __repr__(self):
-        return f"Mount(kind={self.kind!r}, dst={self.dst!r}, src={self.src!r}, options={self.options!r})"
+        extra = f", fstype={self.fstype!r}, flags={self.flags!r}" if self.kind == "fs" else ""
+        return (f"Mount(kind={self.kind!r}, dst={self.dst!r}, src={self.src!r}, "
+                f"options={self.options!r}{extra})")
 
 
 def to_c(ffi, mounts, keep, fds=None):
@@ -105,5 +139,84 @@ def to_c(ffi, mounts, keep, fds=None):
             data = ffi.new("char[]", m.options.encode())
             keep.append(data)
             c.data = data
+        if m.kind == "fs":
+            if m.fstype is not None:
+                fstype = ffi.new("char[]", m.fstype.encode())
+                keep.append(fstype)
+                c.fstype = fstype
+            c.flags = sum(FLAGS[f] for f in set(m.flags))
+            c.optional = 1 if m.optional else 0
     keep.append(arr)
     return arr
+
+
+# ---- the plan's own entries (job.py puts them around the spec's mounts) -----
+
+CGROUP_ROOT = "/sys/fs/cgroup"
+DEFAULT_STATE_DIR = "/run/starter"  # hidden too: another netd may listen there
+
+
+def cgroup_view(view, writable=False):
+    """Fresh cgroup mounts at /sys/fs/cgroup for the job's cgroup namespace,
+    from the backend's view() [(fstype, path under /sys/fs/cgroup, options)].
+    Mounted inside the namespace, each shows only the job's own subtree.
+    Read-only unless `writable` (a delegated pilot job manages its subtree)."""
+    flags = _SAFE if writable else _SAFE + ("ro",)
+    out = []
+    for fstype, rel, options in view:
+        dst = CGROUP_ROOT + ("/" + rel if rel else "")
+        if fstype == "tmpfs":  # holds the mount points; read-only once they are made
+            out.append(Mount.fs("tmpfs", dst, options or "mode=755,size=64k", _SAFE))
+        else:
+            out.append(Mount.fs(fstype, dst, options, flags))
+    if out and out[0].fstype == "tmpfs":
+        out.append(Mount.fs(None, out[0].dst, "", ("remount", "bind", "ro") + _SAFE))
+    return out
+
+
+# No --memory: the kernel's tmpfs default (half of RAM, as on the host's
+# /dev/shm); every page is charged to the job's memory cgroup either way.
+SHM_SIZE_DEFAULT = None
+
+
+def private_dirs(uid, gid, shm_bytes=None):
+    """The job's own /dev/shm (at most shm_bytes, else SHM_SIZE_DEFAULT),
+    /var/tmp, /run/lock and /run/user/UID, each only where the host has the
+    directory, and a fresh mqueue at /dev/mqueue where the host mounts one
+    (it shows the job's IPC namespace).  All tmpfs, nosuid and nodev; their
+    pages are charged to the job's memory cgroup (the job faults them in)
+    and go away with the job's mount namespace."""
+    size = shm_bytes if shm_bytes is not None else SHM_SIZE_DEFAULT
+    out = []
+    if os.path.isdir("/dev/shm"):
+        out.append(Mount.fs("tmpfs", "/dev/shm", "mode=1777" + (f",size={size}" if size else ""),
+                            ("nosuid", "nodev")))
+    for d in ("/var/tmp", "/run/lock"):
+        if os.path.isdir(d):
+            out.append(Mount.fs("tmpfs", d, "mode=1777", ("nosuid", "nodev")))
+    run_user = f"/run/user/{uid}"
+    if os.path.isdir(run_user):
+        out.append(Mount.fs("tmpfs", run_user, f"mode=700,uid={uid},gid={gid}", ("nosuid", "nodev")))
+    if os.path.ismount("/dev/mqueue"):
+        out.append(Mount.fs("mqueue", "/dev/mqueue", "", _SAFE))
+    return out
+
+
+# Keys are not namespaced: /proc/keys lists every key the reader may view,
+# including those of other jobs of the same uid (a user's own keys grant it
+# "view").  The job sees an empty file there, like docker's masked paths.
+MASKED_FILES = ("/proc/keys",)
+
+
+def hide(paths, files=MASKED_FILES):
+    """An empty, read-only, mode-0 tmpfs over each existing directory in
+    `paths`: the job can neither list nor reach what is below (state
+    entries, locks, netd's socket), whatever its uid.  Skipped where the
+    job's view has no such path (a state directory under the private /tmp).
+    /dev/null, read-only, over each of `files`."""
+    out = [Mount("ro-bind", f, "/dev/null") for f in files if os.path.exists(f)]
+    for p in dict.fromkeys(os.path.normpath(p) for p in paths if p):
+        if os.path.isdir(p):
+            out.append(Mount.fs("tmpfs", p, "mode=000,size=4k,nr_inodes=2", _SAFE + ("ro",),
+                                optional=True))
+    return out

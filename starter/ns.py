@@ -35,15 +35,18 @@ from starter.mounts import Mount
 
 __all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "exit_code",
            "NAMESPACES", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWPID",
-           "CLONE_NEWNET"]
+           "CLONE_NEWNET", "CLONE_NEWCGROUP", "namespaces_of"]
 
 CLONE_NEWNS = lib.SHIM_NEWNS
 CLONE_NEWUTS = lib.SHIM_NEWUTS
 CLONE_NEWIPC = lib.SHIM_NEWIPC
 CLONE_NEWPID = lib.SHIM_NEWPID
 CLONE_NEWNET = lib.SHIM_NEWNET
+CLONE_NEWCGROUP = lib.SHIM_NEWCGROUP
+# "cgroup" is unshare()d by the child after the release byte, so that it is
+# rooted at the job's cgroups in every hierarchy (see child_main in shim.c).
 NAMESPACES = {"pid": CLONE_NEWPID, "net": CLONE_NEWNET, "mnt": CLONE_NEWNS,
-              "uts": CLONE_NEWUTS, "ipc": CLONE_NEWIPC}
+              "uts": CLONE_NEWUTS, "ipc": CLONE_NEWIPC, "cgroup": CLONE_NEWCGROUP}
 DEFAULT_NAMESPACES = frozenset({"pid", "net", "mnt"})
 
 _REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
@@ -275,6 +278,19 @@ def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup
         child.close()
         raise
     return child
+
+
+def namespaces_of(pid):
+    """The namespace types (NAMESPACES keys) in which process `pid` differs
+    from the caller: the ones enter() must join to be where the job is."""
+    out = set()
+    for name in NAMESPACES:
+        try:
+            if os.readlink(f"/proc/{pid}/ns/{name}") != os.readlink(f"/proc/self/ns/{name}"):
+                out.add(name)
+        except FileNotFoundError:  # a kernel without this namespace type
+            pass
+    return frozenset(out)
 
 
 def setns(fd, nstype=0):
@@ -509,6 +525,12 @@ def _step_hint(step, err, spec):
         return "mounting needs CAP_SYS_ADMIN; is the starter itself in a restricted container?"
     if step in ("setresuid", "setresgid", "setgroups", "capset") and err == E.EPERM:
         return "changing credentials needs root: run the starter as root"
+    if step == "unshare cgroup namespace" and err == E.EINVAL:
+        return "the kernel lacks cgroup namespaces (CONFIG_CGROUPS, Linux 4.6+)"
+    if step.startswith("mount /sys/fs/cgroup") and err == E.EBUSY:
+        return "the host's cgroup hierarchies changed since the starter probed them (mount options differ)"
+    if step.startswith("keyctl") and err == E.EDQUOT:
+        return "the job user's key quota is full (kernel.keys.maxkeys/maxbytes): old keys of that user remain"
     if step.startswith("setns") and err == E.EINVAL:
         return "the job's PID 1 is gone, or the kernel lacks setns() on pidfds (>= 5.8)"
     return None

@@ -6,6 +6,7 @@ capabilities (`supports_kill`, ...) probed from the files that exist, never
 from version numbers.
 
     Backend.create(id) -> JobCgroup      make job-<id> under the parent in every hierarchy
+    Backend.view() -> [(fstype, path, options)]   the job's cgroup namespace view
     JobCgroup: clone_fd add_pid set_limits freeze thaw frozen kill is_empty pids
                events_fd stats oom_kills destroy paths
 
@@ -342,6 +343,9 @@ class JobCgroup:
         cpu_user_s, cpu_system_s   CPU time of every process ever in the job
         memory_peak_bytes          high-water mark of memory use (None: kernel lacks it)
         memory_current_bytes       memory in use now
+        memory_shmem_bytes         of that, tmpfs and shared memory (memory.stat shmem):
+                                   the job's /dev/shm, /tmp, SysV/POSIX shm; at the end
+                                   of a job usually 0 (its tmpfs went with its mounts)
         pids_peak                  most tasks at once (None: kernel lacks pids.peak)
         pids_current               tasks now
         io_read_bytes, io_write_bytes   block-device bytes
@@ -354,6 +358,7 @@ class JobCgroup:
                 "cpu_system_s",
                 "memory_peak_bytes",
                 "memory_current_bytes",
+                "memory_shmem_bytes",
                 "pids_peak",
                 "pids_current",
                 "io_read_bytes",
@@ -409,6 +414,32 @@ class Backend:
                 "set the cgroup parent to an absolute cgroup path like /starter",
             )
         return files.join(m.mount_point, own, parent)
+
+    def view(self):
+        """What a job sees at /sys/fs/cgroup inside its cgroup namespace:
+        [(fstype, path below /sys/fs/cgroup or "", mount options)], one fresh
+        mount per hierarchy the job is attached to (mounted inside the
+        namespace, each shows only the job's own subtree).  One cgroup2
+        hierarchy is mounted at /sys/fs/cgroup itself; several go below a
+        tmpfs there.  Hierarchies the job is not in (cpuset, devices,
+        name=systemd) are left out: their namespace root would be the
+        starter's cgroup."""
+        mounts = []
+        for role in self.roles():
+            m = self.mount_for(role)
+            if m not in mounts:
+                mounts.append(m)
+        if len(mounts) == 1 and mounts[0].fstype == "cgroup2":
+            return [("cgroup2", "", "")]
+        out = [("tmpfs", "", "mode=755,size=64k")]
+        for m in mounts:
+            if m.mount_point.startswith("/sys/fs/cgroup/"):
+                rel = m.mount_point[len("/sys/fs/cgroup/"):]
+            else:
+                rel = "unified" if m.fstype == "cgroup2" else ",".join(m.controllers)
+            opts = ",".join(m.controllers + ((f"name={m.name}",) if m.name else ()))
+            out.append((m.fstype, rel, "" if m.fstype == "cgroup2" else opts))
+        return out
 
     def distinct_parents(self):
         seen = []

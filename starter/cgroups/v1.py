@@ -93,6 +93,9 @@ class V1Resources:
         if mem:
             out["memory_current_bytes"] = rd(os.path.join(mem, "memory.usage_in_bytes"))
             out["memory_peak_bytes"] = rd(os.path.join(mem, "memory.max_usage_in_bytes"))
+            mstat = files.parse_flat_keyed(files.read_text_or_none(os.path.join(mem, "memory.stat")))
+            # total_shmem covers the job's sub-cgroups; shmem alone does not
+            out["memory_shmem_bytes"] = mstat.get("total_shmem", mstat.get("shmem"))
             out["oom_kills"] = _oom_kills_v1(mem)
         pids = self.paths.get("pids")
         if pids:

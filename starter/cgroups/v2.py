@@ -248,6 +248,9 @@ class V2Resources:
         rd = files.read_int_or_none
         out["memory_current_bytes"] = rd(os.path.join(d, "memory.current"))
         out["memory_peak_bytes"] = rd(os.path.join(d, "memory.peak"))
+        mstat = files.read_text_or_none(os.path.join(d, "memory.stat"))
+        if mstat is not None:
+            out["memory_shmem_bytes"] = files.parse_flat_keyed(mstat).get("shmem")
         out["pids_current"] = rd(os.path.join(d, "pids.current"))
         out["pids_peak"] = rd(os.path.join(d, "pids.peak"))
         io = files.read_text_or_none(os.path.join(d, "io.stat"))
