@@ -238,7 +238,7 @@ def enter(state_dir, job_id, argv, user=None):
     job's user by default: what condor_ssh_to_job gives, for an admin."""
     from starter import cgroups, ns
     from starter.report import decode_status
-    from starter.spec import resolve_user
+    from starter.spec import resolve_user, rlimit_table
 
     st = _entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id) or not st.get("pid"):
@@ -258,7 +258,8 @@ def enter(state_dir, job_id, argv, user=None):
             env["USER"] = name
         namespaces = {"pid", "mnt"} | ({"net"} if st.get("net") != "host" else set())
         child = ns.enter(pidfd, frozenset(namespaces), list(argv), env, cwd="/", uid=uid, gid=gid,
-                         groups=groups, cgroup_fd=cg.clone_fd(), released=False)
+                         groups=groups, cgroup_fd=cg.clone_fd(), released=False,
+                         rlimits=rlimit_table())
         try:
             cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything
             child.release()

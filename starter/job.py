@@ -66,6 +66,7 @@ def run(spec):
         admin.gc_quick(spec.state_dir)
         job_state = JobState(spec.state_dir, spec.id).create(
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
+            userns_root=spec.userns_root,
             argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
         undo.push(job_state.remove)
         events.emit("starting", argv=spec.argv, user=spec.uid)
@@ -100,6 +101,7 @@ def run(spec):
 def _run(spec, job_state, signals, events, undo, report):
     from starter import cgroups, ns
     from starter.mounts import Mount
+    from starter.spec import rlimit_table
     from starter.supervisor import Supervisor, classify
 
     # Scratch directory and verified inputs, before anything can run.
@@ -159,7 +161,8 @@ def _run(spec, job_state, signals, events, undo, report):
     child_spec = ns.ChildSpec(
         argv=argv, env=spec.env, cwd=cwd or "/", uid=spec.uid, gid=spec.gid,
         groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
-        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd())
+        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(),
+        userns_root=spec.userns_root, rlimits=rlimit_table(spec.rlimits))
     child = ns.spawn(child_spec)
     undo.push(child.close)
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
@@ -230,7 +233,7 @@ def ns_exec(argv, namespaces):
     child = ns.spawn(ns.ChildSpec(
         argv=list(argv), env=_admin_env(), cwd=os.getcwd(), uid=0, gid=0,
         namespaces=namespaces | ({"mnt"} if "pid" in namespaces else set()),
-        private_tmp=False, drop_privileges=False, keep_fds=()))
+        private_tmp=False, drop_privileges=False, keep_fds=(), reset_inherited=False))
     try:
         child.release()
         child.wait_started()
