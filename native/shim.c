@@ -46,9 +46,10 @@
  * shim_enter: a short-lived helper (fork) setns()es into the job's
  * namespaces, clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s the entering process
  * (so its parent is the starter, which gets a pidfd with pidfd_open), writes
- * the pid on a pipe and exits.  The entering process then follows the same
- * path as above minus namespaces and mounts.  The starter never changes its
- * own namespaces.
+ * the pid on a pipe and exits.  The helper resets the inherited attributes
+ * before setns (the job's mount namespace is not trusted), the entering
+ * process inherits them and then follows the same path as above minus
+ * namespaces and mounts.  The starter never changes its own namespaces.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -683,7 +684,8 @@ static void reset_inherited(const struct child_ctx *c)
         if (set_rlimit(r) < 0)
             fail(c, "setrlimit", rlimit_name[r->resource]);
     }
-    /* Ours is a fresh /proc (or the job's), not one the job can replace.
+    /* The /proc the child just mounted, or the host's (shim_enter's helper,
+     * before setns): never one in a mount namespace a job has touched.
      * With CAP_SYS_RESOURCE this also makes 0 the floor the job cannot go
      * below (oom_score_adj_min is inherited too). */
     write_proc_self(c, "/proc/self/oom_score_adj", "0");
@@ -1167,8 +1169,6 @@ static _Noreturn void enter_child_main(const struct child_ctx *c)
     if (setsid() < 0)
         fail(c, "setsid", NULL);
     setup_stdio(c);
-    if (c->s->reset_inherited)
-        reset_inherited(c);
     become_job(c, 1);
 }
 
@@ -1194,6 +1194,12 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
         close(pidpipe[0]);
         child_ctx_init(&c, s, &p);
         reset_signals();
+        /* Here, before setns: the job may have made its PID 1's mount
+         * namespace its own (unshare -Urm), and root must not write to its
+         * /proc/self/oom_score_adj there.  The entering process inherits all
+         * of it from this helper. */
+        if (s->reset_inherited)
+            reset_inherited(&c);
         if (setns(s->enter_pidfd, s->nsflags) < 0) {
             if (errno != EINVAL || setns_by_pid(s->enter_pid, s->nsflags) < 0)
                 fail(&c, "setns", "job namespaces");

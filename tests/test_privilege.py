@@ -197,6 +197,30 @@ def test_userns_cgroup_mount_cannot_raise_limits(state_dir, starter, who):
     assert (host.get("memory.max") or host.get("memory.limit_in_bytes")) == str(64 << 20), host
 
 
+def test_enter_never_writes_through_the_jobs_mount_namespace(starter, tmp_path, state_dir, who):
+    # The job's PID 1 moves into a mount namespace of its own whose /proc is
+    # a tmpfs: /proc/self/oom_score_adj there is a link to a root-owned file.
+    # `starter enter` resets the entering process's oom_score_adj as root,
+    # so it must do that before it joins the job's namespaces.
+    opts, _, _ = who
+    d, f = _root_tree(tmp_path)
+    job_id = "priv-enter-" + ("nobody" if opts else "default")
+    trap = ("mount -t tmpfs none /proc && mkdir /proc/self /proc/1 && ln -s /mnt/file /proc/self/oom_score_adj "
+            "&& ln -s /mnt/file /proc/1/oom_score_adj && echo trapped")
+    entered = []
+
+    def enter(entry):
+        entered.append(starter("enter", job_id, "--", "sh", "-c", "cat /proc/self/oom_score_adj; id -u"))
+
+    out, _, err = _running(job_id, [*opts, "--bind", f"{d}:/mnt"],
+                           "exec unshare -Urm --propagation private sh -c " + shlex.quote(trap + "; echo DONE; exec sleep 300"),
+                           state_dir, starter, probe=enter)
+    if out != ["trapped"]:
+        pytest.skip(f"unprivileged user namespaces are not available here: {out} {err.strip()}")
+    assert f.read_text() == "root's\n"
+    assert entered and entered[0].returncode == 0, entered
+
+
 # ---------------------------------------------------------------- sockets
 
 def test_root_only_unix_socket_refused(starter, tmp_path, who):
@@ -336,6 +360,22 @@ def test_inherited_attributes_are_reset(who, init):
     assert lim["nice"] == [0, 0], lim
     assert lim["cpu"] == lim["as"] == [INF, INF], lim
     assert lim["nproc"][0] == lim["nproc"][1] and lim["nproc"][0] in (INF, resource.getrlimit(resource.RLIMIT_NPROC)[1])
+
+
+def test_enter_resets_inherited_attributes(starter, state_dir, who):
+    opts, _, _ = who
+    job_id = "priv-enter-attrs-" + ("nobody" if opts else "default")
+
+    def enter(entry):
+        return subprocess.run([STARTER, "enter", job_id, "--", "/usr/bin/python3", "-I", "-c", _SHOW],
+                              preexec_fn=_hostile_daemon, capture_output=True, text=True, timeout=60)
+
+    _, p, _ = _running(job_id, opts, "true", state_dir, starter, probe=enter)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)
+    assert (got["oom"], got["nice"], got["policy"], got["personality"], got["umask"]) == \
+        (0, 0, os.SCHED_OTHER, 0, "0022"), got
+    assert got["limits"]["nofile"][0] == 1024 and got["limits"]["core"][0] == 0, got
 
 
 def test_rlimit_option(tmp_path, who):
