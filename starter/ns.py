@@ -516,7 +516,8 @@ def _step_hint(step, err, spec):
         return ("--userns-root needs unprivileged user namespaces: sysctl user.max_user_namespaces > 0 "
                 "(and kernel.unprivileged_userns_clone=1 where it exists)")
     if step.startswith("setrlimit") and err == E.EPERM:
-        return "a hard limit above the kernel's ceiling (NOFILE: fs.nr_open)"
+        return ("--rlimit above what the starter may grant: raising a hard limit needs "
+                "CAP_SYS_RESOURCE, and nofile cannot exceed the sysctl fs.nr_open")
     if step.startswith("setns") and err == E.EINVAL:
         return "the job's PID 1 is gone, or the kernel lacks setns() on pidfds (>= 5.8)"
     return None
