@@ -49,7 +49,6 @@ def _root_tree(tmp_path):
     f = d / "file"
     f.write_text("root's\n")
     os.chmod(f, 0o644)
-    os.chmod(tmp_path, 0o755)
     return d, f
 
 
