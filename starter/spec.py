@@ -348,18 +348,20 @@ def resolve_user(user, group):
         if pw.pw_uid == 0 or pw.pw_gid == 0:
             raise SpecError("user", f"the default job account {JOB_ACCOUNT!r} has uid or gid 0",
                             "it must be an unprivileged system account; fix it, or pass --user USER")
-        user = JOB_ACCOUNT
-    try:
-        pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(check_name("user", user))
-    except (KeyError, ValueError):
-        if user.isdigit():
-            uid, gid, name, home, groups = int(user), int(user), None, "/", ()
-            pw = None
-        else:
-            raise SpecError("user", f"no such user {user!r}") from None
-    if pw is not None:
         uid, gid, name, home = pw.pw_uid, pw.pw_gid, pw.pw_name, pw.pw_dir
         groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
+    else:
+        try:
+            pw = pwd.getpwuid(int(user)) if user.isdigit() else pwd.getpwnam(check_name("user", user))
+        except (KeyError, ValueError):
+            if user.isdigit():
+                uid, gid, name, home, groups = int(user), int(user), None, "/", ()
+                pw = None
+            else:
+                raise SpecError("user", f"no such user {user!r}") from None
+        if pw is not None:
+            uid, gid, name, home = pw.pw_uid, pw.pw_gid, pw.pw_name, pw.pw_dir
+            groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
     if group is not None:
         try:
             gid = int(group) if group.isdigit() else grp.getgrnam(check_name("group", group)).gr_gid
