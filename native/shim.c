@@ -29,11 +29,16 @@
  *                                              /dev/shm, ..., binds (each
  *                                              made a slave), state dir
  *                                              hidden), stdio,
- *                                            setsid, setresgid, setgroups,
+ *                                            setsid, reset inherited attrs
+ *                                            (rlimits, oom_score_adj, nice,
+ *                                            sched, affinity, umask, ...),
+ *                                            setresgid, setgroups,
  *                                            cap bounding drop, setresuid,
  *                                            new session keyring,
- *                                            capset(0), NO_NEW_PRIVS,
- *                                            re-arm PDEATHSIG, close fds, chdir,
+ *                                            capset(0), NO_NEW_PRIVS, close fds,
+ *                                            [--userns-root: unshare(USER),
+ *                                            maps "0 uid 1", setresuid(0)],
+ *                                            re-arm PDEATHSIG, chdir,
  *                                            seccomp filter (compiled by the starter)
  *   wait_started(): read(err) ◄────err────── on failure: {errno, exit, step}
  *     EOF, 0 bytes  -> job runs               then _exit(125|126|127)
@@ -45,14 +50,18 @@
  * closes its copy of err (so the starter sees EOF when the *job* execs),
  * forwards every signal but SIGCHLD to the job, reaps everything, writes the
  * job's raw wait status on the status pipe and exits 128+N / the job's code.
+ * With --userns-root only the job enters the user namespace; the init keeps
+ * the job's host uid.
  *
  * shim_enter: a short-lived helper (fork) setns()es into the job's
  * namespaces (all but the cgroup one), clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s
  * the entering process (so its parent is the starter, which gets a pidfd
- * with pidfd_open), writes the pid on a pipe and exits.  The entering
- * process joins the job's cgroup namespace itself, from inside its cgroup,
- * then follows the same path as above minus namespaces and mounts.  The
- * starter never changes its own namespaces.
+ * with pidfd_open), writes the pid on a pipe and exits.  The helper resets
+ * the inherited attributes before setns (the job's mount namespace is not
+ * trusted) and the entering process inherits them.  It joins the job's
+ * cgroup namespace itself, from inside its cgroup, then follows the same
+ * path as above minus namespaces and mounts.  The starter never changes its
+ * own namespaces.
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -175,21 +184,26 @@ static size_t s_cat(char *buf, size_t at, size_t cap, const char *s)
     return at;
 }
 
-static void s_int(char *buf, size_t cap, int v)
+static size_t s_uint(char *buf, size_t at, size_t cap, unsigned int u)
 {
     char tmp[16];
     int n = 0;
-    unsigned int u = v < 0 ? -(unsigned int)v : (unsigned int)v;
     do {
         tmp[n++] = '0' + u % 10;
         u /= 10;
     } while (u && n < 15);
-    size_t at = 0;
-    if (v < 0 && at + 1 < cap)
-        buf[at++] = '-';
     while (n && at + 1 < cap)
         buf[at++] = tmp[--n];
     buf[at] = 0;
+    return at;
+}
+
+static void s_int(char *buf, size_t cap, int v)
+{
+    size_t at = 0;
+    if (v < 0 && at + 1 < cap)
+        buf[at++] = '-';
+    s_uint(buf, at, cap, v < 0 ? -(unsigned int)v : (unsigned int)v);
 }
 
 static void write_all(int fd, const void *p, size_t n)
@@ -616,6 +630,174 @@ static void drop_privileges(const struct child_ctx *c)
         fail(c, "PR_SET_NO_NEW_PRIVS", NULL);
 }
 
+static void write_proc_self(const struct child_ctx *c, const char *path, const char *text)
+{
+    int fd = open(path, O_WRONLY | O_CLOEXEC);
+    if (fd < 0)
+        fail(c, "open", path);
+    size_t n = s_len(text);
+    if (write(fd, text, n) != (ssize_t)n)
+        fail(c, "write", path);
+    close(fd);
+}
+
+/* --userns-root, after the drop to the job's uid/gid: a new user namespace
+ * in which 0 maps to that uid/gid and nothing else is mapped, so root inside
+ * owns exactly what the job's host uid owns.  Made unprivileged (the process
+ * maps only its own ids), like `unshare -r`.  The job keeps the full
+ * capability set the kernel gives the creator of a user namespace, but only
+ * *in* it: the job's PID, net, mount namespaces and every host object belong
+ * to the host's user namespace, where it has none.  NO_NEW_PRIVS stays. */
+static void enter_userns_root(const struct child_ctx *c)
+{
+    const struct shim_spec *s = c->s;
+    char map[40];
+    if (unshare(CLONE_NEWUSER) < 0)
+        fail(c, "unshare", "user namespace");
+    /* The uid change made us non-dumpable, which hands our /proc/self files
+     * to root; writing our own maps needs them back.  Only fds meant for the
+     * job are open by now, and the uid change below clears it again. */
+    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0)
+        fail(c, "PR_SET_DUMPABLE", NULL);
+    /* An unprivileged gid_map needs setgroups denied first. */
+    write_proc_self(c, "/proc/self/setgroups", "deny");
+    s_cat(map, s_uint(map, s_cat(map, 0, sizeof map, "0 "), sizeof map, s->uid), sizeof map, " 1\n");
+    write_proc_self(c, "/proc/self/uid_map", map);
+    s_cat(map, s_uint(map, s_cat(map, 0, sizeof map, "0 "), sizeof map, s->gid), sizeof map, " 1\n");
+    write_proc_self(c, "/proc/self/gid_map", map);
+    if (syscall(SYS_setresgid, 0, 0, 0) < 0)
+        fail(c, "setresgid", "0 in the user namespace");
+    if (syscall(SYS_setresuid, 0, 0, 0) < 0)
+        fail(c, "setresuid", "0 in the user namespace");
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        fail(c, "PR_SET_DUMPABLE", NULL);
+}
+
+/* ---- inherited attributes ------------------------------------------------ */
+
+/* What a process keeps across clone() and execve(), set to what a fresh
+ * service would get, so that none of the node daemon's settings (an
+ * oom_score_adj of -1000, a nice value, a realtime policy, pinned CPUs, its
+ * resource limits) reach a job.  Runs as root before the privilege drop:
+ * lowering nice and raising hard limits need it.  Kept on purpose (they only
+ * restrict and cannot be lifted): seccomp filters, NO_NEW_PRIVS, Landlock,
+ * memory-deny-write-execute, forced speculation mitigations, locked
+ * securebits; also the LSM label, the audit login uid and coredump_filter.
+ * Dumpable, the alternate signal stack and timers are reset by execve or
+ * not inherited by clone; PDEATHSIG is set on purpose (see child_main). */
+#ifndef PR_SET_IO_FLUSHER
+#define PR_SET_IO_FLUSHER 57
+#endif
+#ifndef PR_SET_MEMORY_MERGE
+#define PR_SET_MEMORY_MERGE 67
+#define PR_GET_MEMORY_MERGE 68
+#endif
+#define SECBITS_LOCKED 0xaa /* the four *_LOCKED securebits */
+#define TIMER_SLACK_NS 50000 /* the kernel's default; 0 would mean "the parent's" */
+
+static const int rlimit_res[SHIM_NRLIMITS] = {
+    RLIMIT_CPU,    RLIMIT_FSIZE,   RLIMIT_DATA,       RLIMIT_STACK,    RLIMIT_CORE,   RLIMIT_RSS,
+    RLIMIT_NPROC,  RLIMIT_NOFILE,  RLIMIT_MEMLOCK,    RLIMIT_AS,       RLIMIT_LOCKS,  RLIMIT_SIGPENDING,
+    RLIMIT_MSGQUEUE, RLIMIT_NICE,  RLIMIT_RTPRIO,     RLIMIT_RTTIME};
+static const char *const rlimit_name[SHIM_NRLIMITS] = {
+    "CPU",   "FSIZE",  "DATA",    "STACK", "CORE",  "RSS",        "NPROC",    "NOFILE",
+    "MEMLOCK", "AS",   "LOCKS",   "SIGPENDING", "MSGQUEUE", "NICE", "RTPRIO", "RTTIME"};
+
+/* The caller's soft RLIMIT_NOFILE: close_from()'s fallback must reach fds
+ * opened before the job's (maybe lower) limit was set. */
+static unsigned long inherited_nofile;
+
+/* Clear a process flag the caller may have set.  EINVAL: a kernel without
+ * it has nothing to clear. */
+static void prctl_clear(const struct child_ctx *c, int get, int set, const char *what)
+{
+    int on = prctl(get, 0, 0, 0, 0);
+    if (on < 0 && errno == EINVAL)
+        return;
+    if (on < 0 || (on > 0 && prctl(set, 0, 0, 0, 0) < 0))
+        fail(c, what, "0");
+}
+
+/* A starter without CAP_SYS_RESOURCE (in a container) cannot raise a hard
+ * limit: a default then stays at the caller's hard limit, which is only
+ * stricter; a limit the admin asked for fails the job. */
+static int set_rlimit(const struct shim_rlimit *r)
+{
+    int res = rlimit_res[r->resource];
+    struct {
+        uint64_t cur, max;
+    } v = {r->soft, r->hard}, cur;
+    if (syscall(SYS_prlimit64, 0, res, &v, NULL) == 0)
+        return 0;
+    if (errno != EPERM || r->asked || syscall(SYS_prlimit64, 0, res, NULL, &cur) < 0)
+        return -1;
+    if (v.max > cur.max)
+        v.max = cur.max;
+    if (v.cur > v.max)
+        v.cur = v.max;
+    return syscall(SYS_prlimit64, 0, res, &v, NULL) < 0 ? -1 : 0;
+}
+
+static void reset_inherited(const struct child_ctx *c)
+{
+    const struct shim_spec *s = c->s;
+    struct rlimit rl;
+    if (getrlimit(RLIMIT_NOFILE, &rl) == 0)
+        inherited_nofile = rl.rlim_cur;
+    for (int i = 0; i < s->nrlimits; i++) {
+        const struct shim_rlimit *r = &s->rlimits[i];
+        if (r->resource < 0 || r->resource >= SHIM_NRLIMITS)
+            fail_err(c, EINVAL, EXIT_STARTER, "setrlimit", "(unknown resource)");
+        if (set_rlimit(r) < 0)
+            fail(c, "setrlimit", rlimit_name[r->resource]);
+    }
+    /* The /proc the child just mounted, or the host's (shim_enter's helper,
+     * before setns): never one in a mount namespace a job has touched.
+     * With CAP_SYS_RESOURCE this also makes 0 the floor the job cannot go
+     * below (oom_score_adj_min is inherited too). */
+    write_proc_self(c, "/proc/self/oom_score_adj", "0");
+    if (syscall(SYS_setpriority, PRIO_PROCESS, 0, 0) < 0)
+        fail(c, "setpriority", "0");
+    struct sched_param sp = {.sched_priority = 0};
+    if (syscall(SYS_sched_setscheduler, 0, SCHED_OTHER, &sp) < 0) /* also clears RESET_ON_FORK */
+        fail(c, "sched_setscheduler", "SCHED_OTHER");
+    if (syscall(SYS_ioprio_set, 1 /* IOPRIO_WHO_PROCESS */, 0, 0 /* none: from nice */) < 0)
+        fail(c, "ioprio_set", NULL);
+    /* Every CPU; the kernel intersects it with the job's cpuset. */
+    unsigned long all[128];
+    memset(all, 0xff, sizeof all);
+    if (syscall(SYS_sched_setaffinity, 0, sizeof all, all) < 0)
+        fail(c, "sched_setaffinity", NULL);
+    if (syscall(SYS_set_mempolicy, 0 /* MPOL_DEFAULT */, NULL, 0) < 0 && errno != ENOSYS)
+        fail(c, "set_mempolicy", "MPOL_DEFAULT");
+    if (syscall(SYS_personality, 0 /* PER_LINUX */) < 0)
+        fail(c, "personality", "PER_LINUX");
+    umask(022);
+    if (prctl(PR_SET_TIMERSLACK, TIMER_SLACK_NS, 0, 0, 0) < 0)
+        fail(c, "PR_SET_TIMERSLACK", NULL);
+    prctl_clear(c, PR_GET_THP_DISABLE, PR_SET_THP_DISABLE, "PR_SET_THP_DISABLE");
+    /* KSM merging across processes is a timing side channel. */
+    prctl_clear(c, PR_GET_MEMORY_MERGE, PR_SET_MEMORY_MERGE, "PR_SET_MEMORY_MERGE");
+    /* Only how the job's allocations reclaim memory; without CAP_SYS_RESOURCE
+     * it can be neither read nor cleared. */
+    if (prctl(PR_SET_IO_FLUSHER, 0, 0, 0, 0) < 0 && errno != EINVAL && errno != EPERM)
+        fail(c, "PR_SET_IO_FLUSHER", "0");
+#ifdef PR_SET_TSC
+    if (prctl(PR_SET_TSC, PR_TSC_ENABLE, 0, 0, 0) < 0 && errno != EINVAL)
+        fail(c, "PR_SET_TSC", "PR_TSC_ENABLE");
+#endif
+    int sb = prctl(PR_GET_SECUREBITS, 0, 0, 0, 0);
+    if (sb > 0 && !(sb & SECBITS_LOCKED) && prctl(PR_SET_SECUREBITS, 0, 0, 0, 0) < 0)
+        fail(c, "PR_SET_SECUREBITS", "0");
+    /* The session keyring is inherited, and whoever has it in its session
+     * *possesses* its keys, whatever its uid: the job gets a fresh, empty
+     * one (root's key quota, not the job user's).  ENOSYS: no keys in this
+     * kernel; EPERM: the starter itself may not use keyctl (a filter). */
+    if (syscall(SYS_keyctl, 1 /* KEYCTL_JOIN_SESSION_KEYRING */, NULL) < 0 && errno != ENOSYS &&
+        errno != EPERM)
+        fail(c, "keyctl", "join a new session keyring");
+}
+
 /* ---- fds ---------------------------------------------------------------- */
 
 static int close_from(unsigned int lo, unsigned int hi)
@@ -630,6 +812,8 @@ static int close_from(unsigned int lo, unsigned int hi)
     unsigned int max = 65536;
     if (getrlimit(RLIMIT_NOFILE, &rl) == 0 && rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur < max)
         max = (unsigned int)rl.rlim_cur;
+    if (inherited_nofile > max)
+        max = inherited_nofile < 65536 ? (unsigned int)inherited_nofile : 65536;
     if (hi > max)
         hi = max;
     for (unsigned int fd = lo; fd <= hi; fd++)
@@ -790,9 +974,11 @@ static _Noreturn void become_job(const struct child_ctx *c, int creds)
     const struct shim_spec *s = c->s;
     if (creds && s->drop_privileges)
         drop_privileges(c);
+    close_fds(c);
+    if (s->userns_root) /* after close_fds: it is dumpable for a moment */
+        enter_userns_root(c);
     /* A credential change clears PDEATHSIG: arm it (again) now. */
     arm_pdeathsig(c);
-    close_fds(c);
     if (s->cwd && chdir(s->cwd) < 0)
         fail(c, "chdir", s->cwd);
     if (!s->cwd && s->ncwd_fallbacks > 0) {
@@ -891,6 +1077,8 @@ static _Noreturn void child_main(const struct child_ctx *c)
     if (setsid() < 0)
         fail(c, "setsid", NULL);
     setup_stdio(c);
+    if (c->s->reset_inherited)
+        reset_inherited(c);
     if (c->s->init)
         init_main(c);
     become_job(c, 1);
@@ -1197,6 +1385,12 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
         close(pidpipe[0]);
         child_ctx_init(&c, s, &p);
         reset_signals();
+        /* Here, before setns: the job may have made its PID 1's mount
+         * namespace its own (unshare -Urm), and root must not write to its
+         * /proc/self/oom_score_adj there.  The entering process inherits all
+         * of it from this helper. */
+        if (s->reset_inherited)
+            reset_inherited(&c);
         int nsflags = s->nsflags & ~SHIM_NEWCGROUP, cgns = -1; /* see enter_child_main */
         if (setns(s->enter_pidfd, nsflags) < 0) {
             if (errno != EINVAL)

@@ -57,6 +57,34 @@ struct shim_mount {
     int optional;             /* skip if dst does not exist in the job's view */
 };
 
+/* Resource limits the shim sets (issue 10): resource is a SHIM_RLIMIT_*
+ * (shim.c maps them to RLIMIT_*), 2**64-1 is unlimited. */
+#define SHIM_RLIMIT_CPU 0
+#define SHIM_RLIMIT_FSIZE 1
+#define SHIM_RLIMIT_DATA 2
+#define SHIM_RLIMIT_STACK 3
+#define SHIM_RLIMIT_CORE 4
+#define SHIM_RLIMIT_RSS 5
+#define SHIM_RLIMIT_NPROC 6
+#define SHIM_RLIMIT_NOFILE 7
+#define SHIM_RLIMIT_MEMLOCK 8
+#define SHIM_RLIMIT_AS 9
+#define SHIM_RLIMIT_LOCKS 10
+#define SHIM_RLIMIT_SIGPENDING 11
+#define SHIM_RLIMIT_MSGQUEUE 12
+#define SHIM_RLIMIT_NICE 13
+#define SHIM_RLIMIT_RTPRIO 14
+#define SHIM_RLIMIT_RTTIME 15
+#define SHIM_NRLIMITS 16
+
+struct shim_rlimit {
+    int resource;             /* SHIM_RLIMIT_* */
+    int asked;                /* 0: a default, capped at the caller's hard limit
+                               * where raising it needs CAP_SYS_RESOURCE we lack */
+    unsigned long long soft;
+    unsigned long long hard;
+};
+
 struct shim_spec {
     char *const *argv;        /* NULL-terminated, argv[0] is searched in path */
     char *const *envp;        /* NULL-terminated, exactly the job's environment */
@@ -92,6 +120,11 @@ struct shim_spec {
     const void *seccomp_filter;
     int seccomp_len;          /* bytes, a multiple of 8 */
     unsigned int seccomp_flags; /* SECCOMP_FILTER_FLAG_* (LOG, SPEC_ALLOW) */
+    /* The privilege boundary (issue 10); appended, other fields may follow. */
+    int userns_root;          /* job is 0:0 in a new user namespace mapping 0 to uid/gid */
+    int reset_inherited;      /* oom_score_adj, nice, sched, affinity, umask, ... (see shim.c) */
+    const struct shim_rlimit *rlimits; /* set while still root; needs reset_inherited */
+    int nrlimits;
 };
 
 struct shim_child {

@@ -254,7 +254,7 @@ def enter(state_dir, job_id, argv, user=None):
     job's user by default: what condor_ssh_to_job gives, for an admin."""
     from starter import cgroups, ns
     from starter.report import decode_status
-    from starter.spec import resolve_user
+    from starter.spec import resolve_user, rlimit_table
 
     st = _entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id) or not st.get("pid"):
@@ -284,7 +284,8 @@ def enter(state_dir, job_id, argv, user=None):
             raise StarterError(f"job {job_id!r} (pid {pid}) shares the host's mount namespace",
                                "its PID 1 is gone or was replaced; `starter ps` shows its state")
         child = ns.enter(pidfd, namespaces, list(argv), env, cwd="/", uid=uid, gid=gid,
-                         groups=groups, cgroup_fd=cg.clone_fd(), released=False, seccomp=sc_filter)
+                         groups=groups, cgroup_fd=cg.clone_fd(), released=False, seccomp=sc_filter,
+                         rlimits=rlimit_table())
         try:
             cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything
             child.release()

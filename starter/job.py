@@ -76,6 +76,7 @@ def run(spec):
             admin.gc_quick(spec.state_dir)
             job_state = JobState(spec.state_dir, spec.id).create(
                 state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
+                userns_root=spec.userns_root,
                 argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
                 seccomp=spec.seccomp, allow_userns=spec.allow_userns)
         except OSError as e:
@@ -123,6 +124,7 @@ def run(spec):
 def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     from starter import cgroups, ns
     from starter.mounts import Mount
+    from starter.spec import rlimit_table
     from starter.supervisor import Supervisor, classify
 
     # Scratch directory and verified inputs, before anything can run.
@@ -190,7 +192,8 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         argv=argv, env=spec.env, cwd=cwd, cwd_fallbacks=() if cwd else default_cwds(spec),
         uid=spec.uid, gid=spec.gid,
         groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
-        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter)
+        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter,
+        userns_root=spec.userns_root, rlimits=rlimit_table(spec.rlimits))
     child = ns.spawn(child_spec)
     undo.push(child.close)
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
@@ -284,7 +287,7 @@ def ns_exec(argv, namespaces):
     child = ns.spawn(ns.ChildSpec(
         argv=list(argv), env=_admin_env(), cwd=os.getcwd(), uid=0, gid=0,
         namespaces=namespaces | ({"mnt"} if "pid" in namespaces else set()),
-        private_tmp=False, drop_privileges=False, keep_fds=()))
+        private_tmp=False, drop_privileges=False, keep_fds=(), reset_inherited=False))
     try:
         child.release()
         child.wait_started()

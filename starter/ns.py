@@ -59,12 +59,14 @@ class ChildSpec:
 
     __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
                  "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
-                 "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks", "seccomp")
+                 "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks", "seccomp",
+                 "userns_root", "reset_inherited", "rlimits")
 
     def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
                  namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
                  keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
-                 drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=(), seccomp=None):
+                 drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=(), seccomp=None,
+                 userns_root=False, reset_inherited=True, rlimits=None):
         self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
         self.env = env                # dict[str, str]: exactly the job's environment
         self.cwd = cwd
@@ -83,6 +85,9 @@ class ChildSpec:
         self.stdio = stdio            # fds to become the job's 0, 1, 2 (None: inherit)
         self.cwd_fallbacks = cwd_fallbacks  # cwd=None: the first of these the job can chdir to
         self.seccomp = seccomp        # starter.seccomp.Filter installed before execve, or None
+        self.userns_root = userns_root  # uid/gid 0 in a new user namespace mapped to uid/gid
+        self.reset_inherited = reset_inherited  # oom_score_adj, nice, sched, affinity, umask...
+        self.rlimits = rlimits        # ((SHIM_RLIMIT index, soft, hard, asked), ...); None: keep
 
     def __repr__(self):
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
@@ -246,7 +251,7 @@ def spawn(spec):
 
 def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=None,
           *, released=True, drop_privileges=True, keep_fds=(), stdio=(None, None, None),
-          seccomp=None):
+          seccomp=None, rlimits=None):
     """Run argv inside a running job: join the namespaces of the job's PID 1
     (given by its pidfd) in a short-lived helper, and clone the process into
     `cgroup_fd`.  Returns a Child, already released unless released=False
@@ -254,7 +259,7 @@ def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup
     spec = ChildSpec(argv, env, cwd=cwd, uid=uid, gid=gid, groups=groups,
                      namespaces=frozenset(namespaces), mounts=(), private_tmp=False,
                      keep_fds=keep_fds, cgroup_fd=cgroup_fd, drop_privileges=drop_privileges,
-                     stdio=stdio, seccomp=seccomp)
+                     stdio=stdio, seccomp=seccomp, rlimits=rlimits)
     keep = []
     c = _build(spec, keep, entering=True)
     c.enter_pidfd = pidfd
@@ -350,6 +355,15 @@ def _build(spec, keep, entering=False, src_fds=None):
             raise SpecError("stdio", f"{fd!r} is not a fd")
     if spec.cgroup_fd is not None and (not isinstance(spec.cgroup_fd, int) or spec.cgroup_fd < 0):
         raise SpecError("cgroup_fd", f"{spec.cgroup_fd!r} is not a fd")
+    if spec.userns_root and (entering or not spec.drop_privileges or spec.uid == 0):
+        raise SpecError("userns_root", "needs a job that drops privileges to a non-root uid")
+    rlimits = tuple(spec.rlimits or ())
+    if rlimits and not spec.reset_inherited:
+        raise SpecError("rlimits", "are set with reset_inherited")
+    for r in rlimits:
+        if (len(r) != 4 or not all(isinstance(v, int) for v in r)
+                or not 0 <= r[0] < lib.SHIM_NRLIMITS or not 0 <= r[1] <= r[2] < 2**64):
+            raise SpecError("rlimits", f"{r!r} is not (resource, soft, hard, asked), soft <= hard")
 
     c = ffi.new("struct shim_spec *")
     keep.append(c)
@@ -394,6 +408,14 @@ def _build(spec, keep, entering=False, src_fds=None):
         c.seccomp_filter = bpf
         c.seccomp_len = len(spec.seccomp.bpf)
         c.seccomp_flags = spec.seccomp.flags
+    c.userns_root = 1 if spec.userns_root else 0
+    c.reset_inherited = 1 if spec.reset_inherited else 0
+    rl = ffi.new("struct shim_rlimit[]", max(len(rlimits), 1))
+    keep.append(rl)
+    for i, (res, soft, hard, asked) in enumerate(rlimits):
+        rl[i].resource, rl[i].soft, rl[i].hard, rl[i].asked = res, soft, hard, 1 if asked else 0
+    c.rlimits = rl
+    c.nrlimits = len(rlimits)
     return c
 
 
@@ -531,6 +553,12 @@ def _step_hint(step, err, spec):
         return "the host's cgroup hierarchies changed since the starter probed them (mount options differ)"
     if step.startswith("keyctl") and err == E.EDQUOT:
         return "the job user's key quota is full (kernel.keys.maxkeys/maxbytes): old keys of that user remain"
+    if step == "unshare user namespace" and err in (E.EPERM, E.ENOSPC, E.EACCES):
+        return ("--userns-root needs unprivileged user namespaces: sysctl user.max_user_namespaces > 0 "
+                "(and kernel.unprivileged_userns_clone=1 where it exists)")
+    if step.startswith("setrlimit") and err == E.EPERM:
+        return ("--rlimit above what the starter may grant: raising a hard limit needs "
+                "CAP_SYS_RESOURCE, and nofile cannot exceed the sysctl fs.nr_open")
     if step.startswith("setns") and err == E.EINVAL:
         return "the job's PID 1 is gone, or the kernel lacks setns() on pidfds (>= 5.8)"
     return None

@@ -23,6 +23,12 @@ MAX_PIDS = 4194304            # pid_max limit of the kernel
 MAX_WALL = 366 * 86400
 MAX_GRACE = 3600
 
+# The job's user when no --user is given: a system account of its own, with
+# its own group, no home, no login shell, owning no files (scripts/setup).
+JOB_ACCOUNT = "starter-job"
+JOB_ACCOUNT_CMD = (f"useradd --system --user-group --no-create-home --home-dir /nonexistent "
+                   f"--shell /usr/sbin/nologin {JOB_ACCOUNT}")
+
 NET_MODES = ("none", "host", "nat")
 REPORT_FORMATS = ("json", "classad")
 ACTIONS = ("vacate", "suspend", "resume", "kill")
@@ -86,12 +92,12 @@ class JobSpec(Spec):
         "report_format", "events", "grace", "on_signal", "state_dir", "cgroup_parent",
         "scratch", "execute_dir", "keep_scratch", "manifest",
         "manifest_digest", "inputs",
-        "seccomp", "allow_userns",
+        "seccomp", "allow_userns", "userns_root", "rlimits",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
         "on_signal": (), "keep_scratch": False, "report_format": "json",
-        "seccomp": "default", "allow_userns": False,
+        "seccomp": "default", "allow_userns": False, "userns_root": False, "rlimits": (),
     }
 
 
@@ -190,6 +196,75 @@ def parse_on_signal(field, items):
     return tuple(out)
 
 
+# The resource limits every job starts with (issue 10), whatever the node
+# daemon that started the starter had: systemd's defaults for a service.
+# Order and names as native/shim.h's SHIM_RLIMIT_*.  --rlimit changes them.
+RLIMIT_NAMES = ("cpu", "fsize", "data", "stack", "core", "rss", "nproc", "nofile", "memlock",
+                "as", "locks", "sigpending", "msgqueue", "nice", "rtprio", "rttime")
+RLIM_INFINITY = 2**64 - 1
+DEFAULT_RLIMITS = {
+    "stack": (8 << 20, RLIM_INFINITY),
+    "core": (0, RLIM_INFINITY),
+    "nofile": (1024, 524288),       # select() needs fds < 1024; raise the soft limit at will
+    "memlock": (8 << 20, 8 << 20),
+    "sigpending": None,             # the kernel's own default: threads-max / 2
+    "msgqueue": (819200, 819200),   # the kernel's default, bytes in POSIX message queues
+    "nice": (0, 0),
+    "rtprio": (0, 0),
+}                                   # all others unlimited (nproc too: the pids cgroup limits)
+
+
+def parse_rlimit(field, item):
+    """nofile=4096 | nofile=1024:65536 | core=unlimited | stack=16M -> (name, soft, hard)."""
+    name, sep, value = _str(field, item).partition("=")
+    name = name.strip().lower()
+    if name.startswith("rlimit_"):
+        name = name[7:]
+    if not sep or name not in RLIMIT_NAMES:
+        raise SpecError(field, f"{item!r} must be NAME=SOFT[:HARD], NAME one of {', '.join(RLIMIT_NAMES)}")
+    soft_s, colon, hard_s = value.partition(":")
+    soft = _rlimit_value(field, name, soft_s)
+    hard = _rlimit_value(field, name, hard_s) if colon else soft
+    if soft > hard:
+        raise SpecError(field, f"{item!r}: the soft limit is above the hard limit")
+    return (name, soft, hard)
+
+
+def _rlimit_value(field, name, text):
+    t = text.strip().lower()
+    if t in ("unlimited", "infinity"):
+        return RLIM_INFINITY
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS and t[-1:] else ""
+    num = t[: len(t) - len(unit)]
+    if not num.isdigit():
+        raise SpecError(field, f"{name}: {text!r} is not a number, a size (64M) or 'unlimited'")
+    if len(num) > 20 or int(num) * _SIZE_UNITS[unit] >= RLIM_INFINITY:
+        raise SpecError(field, f"{name}: {text!r} is too large (use 'unlimited')")
+    return int(num) * _SIZE_UNITS[unit]
+
+
+def rlimit_table(overrides=()):
+    """The job's full limit table: ((SHIM_RLIMIT index, soft, hard, asked), ...),
+    DEFAULT_RLIMITS with the (name, soft, hard) overrides on top (asked=True:
+    the shim fails rather than cap them at the starter's own hard limit)."""
+    given = {name: (soft, hard) for name, soft, hard in overrides}
+    table = []
+    for i, name in enumerate(RLIMIT_NAMES):
+        if name in given:
+            table.append((i, *given[name], True))
+            continue
+        lim = DEFAULT_RLIMITS.get(name, (RLIM_INFINITY, RLIM_INFINITY))
+        if lim is None:  # sigpending
+            try:
+                with open("/proc/sys/kernel/threads-max", "rb") as f:
+                    n = max(int(f.read()) // 2, 1)
+            except (OSError, ValueError):
+                n = 63936  # threads-max / 2 of a machine with 4 GiB
+            lim = (n, n)
+        table.append((i, lim[0], lim[1], False))
+    return tuple(table)
+
+
 def parse_host_port(field, value):
     proto, sep, port = _str(field, value).partition(":")
     if not sep or proto not in ("tcp", "udp"):
@@ -198,18 +273,23 @@ def parse_host_port(field, value):
 
 
 def resolve_user(user, group):
-    """-> (uid, gid, groups, home, name).  Numeric ids are taken as given."""
+    """-> (uid, gid, groups, home, name).  Numeric ids are taken as given.
+    No user: the JOB_ACCOUNT, never the starter's own uid (root)."""
     import pwd
     import grp
 
     if user is None:
-        uid, gid, name, home = os.getuid(), os.getgid(), None, "/root"
         try:
-            pw = pwd.getpwuid(uid)
-            name, home = pw.pw_name, pw.pw_dir
+            pw = pwd.getpwnam(JOB_ACCOUNT)
         except KeyError:
-            pass
-        groups = tuple(sorted(set(os.getgroups()) - {gid}))
+            raise SpecError("user", f"no --user given and the default job account {JOB_ACCOUNT!r} "
+                            f"does not exist", f"pass --user USER, or create the account: "
+                            f"scripts/setup, or {JOB_ACCOUNT_CMD}") from None
+        if pw.pw_uid == 0 or pw.pw_gid == 0:
+            raise SpecError("user", f"the default job account {JOB_ACCOUNT!r} has uid or gid 0",
+                            "it must be an unprivileged system account; fix it, or pass --user USER")
+        uid, gid, name, home = pw.pw_uid, pw.pw_gid, pw.pw_name, pw.pw_dir
+        groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
     else:
         numeric = V.is_numeric_id(user)
         try:
@@ -240,7 +320,7 @@ def build(cli, job_file=None):
     of option name -> value, only those given) into a checked JobSpec."""
     raw = dict(_flatten_file(job_file)) if job_file else {}
     for k, v in cli.items():
-        if k in ("env", "mounts", "lan", "allow-host-port", "on-signal") and k in raw:
+        if k in ("env", "mounts", "lan", "allow-host-port", "on-signal", "rlimit") and k in raw:
             raw[k] = list(raw[k]) + list(v)       # repeatable: file first, then flags
         else:
             raw[k] = v
@@ -258,6 +338,7 @@ _FILE_KEYS = {
     "keep_scratch": "keep-scratch", "manifest": "manifest",
     "manifest_digest": "manifest-digest", "inputs": "inputs",
     "seccomp": "seccomp", "allow_userns": "allow-userns",
+    "userns_root": "userns-root", "rlimits": None,
 }
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "pids": "pids", "wall_time": "wall-time"}
@@ -298,6 +379,15 @@ def _flatten_file(doc):
                 else:
                     mounts.append((kind, _str(f, m.get("src", "")) + ":" + _str(f, m.get("dst", m.get("src", "")))))
             yield "mounts", mounts
+        elif key == "rlimits":
+            if not isinstance(val, dict):
+                raise SpecError("rlimits", 'must be an object of NAME: "SOFT[:HARD]" (or a number)')
+            items = []
+            for k, v in val.items():
+                if isinstance(v, int) and not isinstance(v, bool):
+                    v = str(v)
+                items.append(f"{_str('rlimits', k)}={_str('rlimits.' + k, v)}")
+            yield "rlimit", items
         elif key == "command":
             if not isinstance(val, list) or not all(isinstance(a, str) for a in val):
                 raise SpecError("command", "must be a list of strings")
@@ -347,6 +437,8 @@ def _make(raw):
     if group is not None:
         V.user_or_id("group", group)
     uid, gid, groups, home, uname = resolve_user(user, group)
+    if user is None:
+        user = uname  # recorded in the state entry: who the job runs as
 
     given_env = parse_env("env", _list("env", raw.get("env", [])))
     env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", "HOME": home or "/"}
@@ -415,6 +507,14 @@ def _make(raw):
     report_format = _str("report-format", raw.get("report-format", "json"))
     if report_format not in REPORT_FORMATS:
         raise SpecError("report-format", f"{report_format!r} is not one of {', '.join(REPORT_FORMATS)}")
+    userns_root = _bool("userns-root", raw.get("userns-root", False))
+    if userns_root and uid == 0:
+        raise SpecError("userns-root", "maps root inside to the job's host uid, which is 0 here",
+                        "give an unprivileged --user (or none: the default account)")
+    rlimits = {}
+    for item in _list("rlimit", raw.get("rlimit", [])):
+        name, soft, hard = parse_rlimit("rlimit", item)
+        rlimits[name] = (name, soft, hard)  # a later one wins
 
     cwd = raw.get("cwd")
     return JobSpec(
@@ -443,6 +543,8 @@ def _make(raw):
         inputs=opt_path("inputs", must_exist=True),
         seccomp=_seccomp_choice(raw.get("seccomp", "default")),
         allow_userns=_bool("allow-userns", raw.get("allow-userns", False)),
+        userns_root=userns_root,
+        rlimits=tuple(rlimits.values()),
     )
 
 

@@ -180,6 +180,7 @@ def _counter_job():
 def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
     out = tmp_path / "out"
     out.mkdir()
+    out.chmod(0o777)  # the job is not root
     cmd = ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /srv/c; sleep 0.01; done"]
     proc, report, events = _start(tmp_path, "--bind", f"{out}:/srv", job_id="susp", cmd=cmd)
     counter = out / "c"

@@ -71,6 +71,7 @@ def test_missing_command_127_not_executable_126(starter, tmp_path):
     f = tmp_path / "data.txt"
     f.write_text("not a program\n")
     f.chmod(0o644)
+    tmp_path.chmod(0o755)  # the job (not root) may look in; only the x bit is missing
     p = starter("run", "--ro-bind", f"{tmp_path}:/srv", "--", "/srv/data.txt")  # /tmp is private in the job
     assert p.returncode == 126 and "EACCES" in p.stderr
 
@@ -149,8 +150,11 @@ def test_init_job_is_pid_2(starter):
 
 def test_sigterm_to_starter_reaches_job_with_init(tmp_path):
     report = tmp_path / "r.json"
-    marker = tmp_path / "got-term"
-    proc = subprocess.Popen([STARTER, "run", "--init", "--report", str(report), "--bind", f"{tmp_path}:/srv",
+    out = tmp_path / "out"
+    out.mkdir()
+    out.chmod(0o777)  # the job is not root
+    marker = out / "got-term"
+    proc = subprocess.Popen([STARTER, "run", "--init", "--report", str(report), "--bind", f"{out}:/srv",
                              "--", "sh", "-c", "trap 'echo term > /srv/got-term; exit 42' TERM; "
                              "while :; do sleep 0.05; done"])
     time.sleep(1.0)
@@ -198,6 +202,7 @@ def test_report_to_inherited_fd(tmp_path):
 
 def test_hostname_and_tmpfs_and_ro_bind(starter, tmp_path):
     (tmp_path / "in.txt").write_text("hello\n")
+    tmp_path.chmod(0o755)  # readable by the job's (unprivileged) user
     # /srv becomes a tmpfs; mount points inside it are made on the fly, in order
     p = starter("run", "--hostname", "job-host", "--tmpfs", "/srv:size=1m", "--ro-bind", f"{tmp_path}:/srv/data",
                 "--", "sh", "-c", "hostname; cat /srv/data/in.txt; touch /srv/data/x 2>/dev/null || echo ro; "

@@ -31,6 +31,7 @@ def test_fork_bomb_capped_and_killed(starter, tmp_path):
 def test_double_forked_daemon_dies_with_the_job(starter, tmp_path):
     out = tmp_path / "out"
     out.mkdir()
+    out.chmod(0o777)  # the job is not root
     # The daemon setsid()s away and re-parents; it must not outlive the job,
     # and the report is written only once the cgroup is empty.
     script = ("(setsid sh -c 'echo $$ > /srv/daemon.pid; exec sleep 300' &) ; "

@@ -65,6 +65,7 @@ def test_nat_job_counts_lan_and_wan_bytes(starter, site, tmp_path, netmode):
     plan = [("recv", site.lan_addr, servers[0].port, N), ("recv", site.wan_addr, servers[1].port, M),
             ("send", site.lan_addr, servers[2].port, K_LAN), ("send", site.wan_addr, servers[3].port, K_WAN)]
     (tmp_path / "client.py").write_text(nethosts.CLIENT)
+    tmp_path.chmod(0o755)  # readable by the job's (unprivileged) user
     script = "; ".join(f"/usr/bin/python3 /srv/client.py {m} {h} {port} {n} '' 20" for m, h, port, n in plan)
     report = tmp_path / "r.json"
     events = tmp_path / "e.jsonl"

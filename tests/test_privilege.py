@@ -1,0 +1,464 @@
+"""The privilege boundary (issue 10), through the real CLI: a job is never
+host root unless asked (--user root), --userns-root is root only inside its
+own user namespace, and nothing the node daemon set on the starter (limits,
+oom_score_adj, nice, affinity, ...) reaches the job.
+
+Each check runs for a default job (the starter-job account) and a `--user
+nobody` job.  Jobs that make a user namespace (`unshare -U`) will need
+`--allow-userns` or `--seccomp off` once the seccomp default blocks that.
+"""
+
+import ctypes
+import json
+import os
+import pwd
+import resource
+import shlex
+import socket
+import subprocess
+
+import pytest
+
+from conftest import REPO, STARTER
+
+USERS = {"default": [], "nobody": ["--user", "nobody"]}
+JOB_ACCOUNT = "starter-job"
+
+
+@pytest.fixture(params=sorted(USERS))
+def who(request):
+    """(options, host uid, host gid) of the job's user."""
+    name = JOB_ACCOUNT if request.param == "default" else request.param
+    pw = pwd.getpwnam(name)
+    return USERS[request.param], pw.pw_uid, pw.pw_gid
+
+
+def _one_line_error(p, *words):
+    assert p.returncode == 125, (p.returncode, p.stdout, p.stderr)
+    lines = p.stderr.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("starter: "), p.stderr
+    for w in words:
+        assert w in lines[0], p.stderr
+
+
+def _root_tree(tmp_path):
+    """A root-owned 0755 directory holding a root-owned 0644 file."""
+    d = tmp_path / "rootdir"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    f = d / "file"
+    f.write_text("root's\n")
+    os.chmod(f, 0o644)
+    return d, f
+
+
+# Opens each argument for writing (O_APPEND, nothing written: the open is the
+# permission check, so the starter's own files are never changed) and tries
+# truncating and creating where asked; prints what succeeded.
+_PROBE = r"""
+for p in "$@"; do
+  case "$p" in
+    trunc:*) p=${p#trunc:}; if ( : > "$p" ) 2>/dev/null; then echo "TRUNCATED $p"; fi ;;
+    new:*) p=${p#new:}; if ( : > "$p" ) 2>/dev/null; then echo "CREATED $p"; fi ;;
+    *) if ( : >> "$p" ) 2>/dev/null; then echo "OPENED $p"; fi ;;
+  esac
+done
+echo probed
+"""
+
+
+def test_root_owned_files_not_writable(starter, tmp_path, who):
+    opts, _, _ = who
+    d, f = _root_tree(tmp_path)
+    own = [os.path.join(REPO, "starter", n) for n in sorted(os.listdir(os.path.join(REPO, "starter")))
+           if n.endswith(".py")]
+    own += [STARTER, os.path.join(REPO, "native", "shim.c")]
+    before = {p: os.stat(p) for p in own}
+    p = starter("run", *opts, "--bind", f"{d}:/mnt", "--", "sh", "-c", _PROBE, "probe",
+                "/mnt/file", "trunc:/mnt/file", "new:/mnt/new", *own)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout == "probed\n", p.stdout
+    assert f.read_text() == "root's\n" and not (d / "new").exists()
+    for path, st in before.items():
+        now = os.stat(path)
+        assert (now.st_size, now.st_mtime_ns) == (st.st_size, st.st_mtime_ns), path
+
+
+def test_root_job_only_on_request(starter, tmp_path):
+    # The probe above does see a write where there is one: host root, named.
+    d, f = _root_tree(tmp_path)
+    for opts in (["--user", "root"], ["--user", "0"]):
+        p = starter("run", *opts, "--bind", f"{d}:/mnt", "--", "sh", "-c", "id -u; " + _PROBE,
+                    "probe", "/mnt/file", check=0)
+        assert p.stdout == "0\nOPENED /mnt/file\nprobed\n", p.stdout
+
+
+def _running(job_id, opts, script, state_dir, starter, probe=lambda entry: None):
+    """Start a job whose script prints lines and then "DONE"; -> (lines before
+    DONE, probe(its state entry) called while it still runs, the stderr), the
+    job killed and waited for."""
+    proc = subprocess.Popen([STARTER, "run", "--id", job_id, *opts, "--", "sh", "-c",
+                             script + "\necho DONE; exec sleep 300"],
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    out, entry, seen, err = [], None, None, ""
+    try:
+        for line in proc.stdout:  # the job says when it is done: no sleeps
+            if line.strip() == "DONE":
+                with open(os.path.join(state_dir, job_id + ".json")) as f:
+                    entry = json.load(f)
+                seen = probe(entry)
+                break
+            out.append(line.rstrip("\n"))
+    finally:
+        if proc.poll() is None and entry is not None:
+            starter("kill", job_id)
+        try:
+            _, err = proc.communicate(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            _, err = proc.communicate()
+    return out, seen, err
+
+
+def test_default_user_is_the_job_account(starter, state_dir):
+    pw = pwd.getpwnam(JOB_ACCOUNT)
+    assert pw.pw_uid != 0 and pw.pw_gid != 0 and pw.pw_shell.endswith("nologin")
+    assert pw.pw_dir == "/nonexistent" and not os.path.exists(pw.pw_dir)
+    out, entry, err = _running("priv-default", [], "id -u; id -g; id -G; echo $HOME $USER", state_dir, starter,
+                               probe=lambda entry: entry)
+    assert out == [str(pw.pw_uid), str(pw.pw_gid), str(pw.pw_gid), f"/nonexistent {JOB_ACCOUNT}"], err
+    assert (entry["user"], entry["uid"], entry["gid"]) == (JOB_ACCOUNT, pw.pw_uid, pw.pw_gid)
+
+
+def test_missing_job_account_is_one_clear_error(tmp_path, state_dir):
+    # A private mount namespace whose /etc/passwd and /etc/group lack the
+    # account: the node's own files stay as they are.
+    for name in ("passwd", "group"):
+        with open(f"/etc/{name}") as src:
+            kept = [l for l in src if not l.startswith(JOB_ACCOUNT + ":")]
+        (tmp_path / name).write_text("".join(kept))
+    script = ('mount --bind "$1/passwd" /etc/passwd && mount --bind "$1/group" /etc/group && '
+              'exec "$2" run -- true')
+    p = subprocess.run(["unshare", "--mount", "--propagation", "private", "sh", "-c", script, "sh",
+                        str(tmp_path), STARTER], capture_output=True, text=True, timeout=60)
+    _one_line_error(p, JOB_ACCOUNT, "--user", "useradd")
+
+
+# ---------------------------------------------------------------- cgroups
+
+# In a user namespace of its own (and a cgroup and mount namespace owned by
+# it), mount the pids and memory v1 hierarchies and cgroup2, and try to lift
+# the limits of the job's own cgroup at their roots.
+_CGROUP_ESCAPE = r"""
+echo in-userns $(id -u)
+mount -t tmpfs none /mnt || exit 3
+for t in pids memory unified; do
+  mkdir /mnt/$t
+  if [ $t = unified ]; then mount -t cgroup2 none /mnt/$t; else mount -t cgroup -o $t none /mnt/$t; fi 2>/dev/null ||
+    { echo "no-mount $t"; continue; }
+  echo "mounted $t"
+  for f in pids.max memory.max memory.limit_in_bytes memory.memsw.limit_in_bytes; do
+    [ -e /mnt/$t/$f ] || continue
+    if ( echo max > /mnt/$t/$f ) 2>/dev/null || ( echo -1 > /mnt/$t/$f ) 2>/dev/null; then
+      echo "RAISED $t/$f"
+    else
+      echo "refused $t/$f"
+    fi
+  done
+done
+"""
+
+
+def _limits_on_host(paths):
+    found = {}
+    for path in paths.values():
+        for name in ("pids.max", "memory.max", "memory.limit_in_bytes"):
+            try:
+                with open(os.path.join(path, name)) as f:
+                    found[name] = f.read().strip()
+            except FileNotFoundError:
+                pass
+    return found
+
+
+def test_userns_cgroup_mount_cannot_raise_limits(state_dir, starter, who):
+    opts, _, _ = who
+    job_id = "priv-cg-" + ("nobody" if opts else "default")
+    out, host, err = _running(job_id, [*opts, "--pids", "50", "--memory", "64M"],
+                              "unshare -UrmC --propagation private sh -c " + shlex.quote(_CGROUP_ESCAPE),
+                              state_dir, starter, probe=lambda entry: _limits_on_host(entry["cgroup"]))
+    if not any(l.startswith("in-userns") for l in out):
+        pytest.skip(f"unprivileged user namespaces are not available here: {err.strip()}")
+    assert "in-userns 0" in out, out
+    assert not [l for l in out if l.startswith("RAISED")], out
+    assert any(l.startswith(("refused", "no-mount")) for l in out), out
+    assert host.get("pids.max") == "50", host
+    assert (host.get("memory.max") or host.get("memory.limit_in_bytes")) == str(64 << 20), host
+
+
+def test_enter_never_writes_through_the_jobs_mount_namespace(starter, tmp_path, state_dir, who):
+    # The job's PID 1 moves into a mount namespace of its own whose /proc is
+    # a tmpfs: /proc/self/oom_score_adj there is a link to a root-owned file.
+    # `starter enter` resets the entering process's oom_score_adj as root,
+    # so it must do that before it joins the job's namespaces.
+    opts, _, _ = who
+    d, f = _root_tree(tmp_path)
+    job_id = "priv-enter-" + ("nobody" if opts else "default")
+    trap = ("mount -t tmpfs none /proc && mkdir /proc/self /proc/1 && ln -s /mnt/file /proc/self/oom_score_adj "
+            "&& ln -s /mnt/file /proc/1/oom_score_adj && echo trapped")
+    entered = []
+
+    def enter(entry):
+        entered.append(starter("enter", job_id, "--", "sh", "-c", "cat /proc/self/oom_score_adj; id -u"))
+
+    out, _, err = _running(job_id, [*opts, "--bind", f"{d}:/mnt"],
+                           "exec unshare -Urm --propagation private sh -c " + shlex.quote(trap + "; echo DONE; exec sleep 300"),
+                           state_dir, starter, probe=enter)
+    if out != ["trapped"]:
+        pytest.skip(f"unprivileged user namespaces are not available here: {out} {err.strip()}")
+    assert f.read_text() == "root's\n"
+    assert entered and entered[0].returncode == 0, entered
+
+
+# ---------------------------------------------------------------- sockets
+
+def test_root_only_unix_socket_refused(starter, tmp_path, who):
+    opts, _, _ = who
+    d = tmp_path / "sockdir"
+    d.mkdir()
+    os.chmod(d, 0o755)
+    os.chmod(tmp_path, 0o755)
+    srv = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        srv.bind(str(d / "root.sock"))
+        os.chmod(d / "root.sock", 0o600)
+        srv.listen(4)
+        code = ("import socket, sys\n"
+                "s = socket.socket(socket.AF_UNIX)\n"
+                "try:\n    s.connect('/mnt/root.sock')\nexcept PermissionError:\n    print('refused')\n"
+                "else:\n    print('CONNECTED')\n")
+        p = starter("run", *opts, "--bind", f"{d}:/mnt", "--", "/usr/bin/python3", "-c", code, check=0)
+        assert p.stdout == "refused\n", (p.stdout, p.stderr)
+        # The probe would see a connection where there is one: host root, named.
+        p = starter("run", "--user", "root", "--bind", f"{d}:/mnt", "--", "/usr/bin/python3", "-c", code,
+                    check=0)
+        assert p.stdout == "CONNECTED\n", (p.stdout, p.stderr)
+    finally:
+        srv.close()
+
+
+# ---------------------------------------------------------------- --userns-root
+
+def test_userns_root(starter, tmp_path, who):
+    opts, uid, gid = who
+    d, f = _root_tree(tmp_path)
+    out = tmp_path / "out"
+    out.mkdir()
+    os.chown(out, uid, gid)
+    script = ("id -u; id -g; stat -c %u:%g /mnt/file; " + _PROBE.replace("echo probed", "") +
+              "echo hi > /tmp/out/made && chown 0:0 /tmp/out/made && stat -c %u:%g /tmp/out/made; "
+              "chown 1 /tmp/out/made 2>/dev/null && echo CHOWNED-TO-1; "
+              "cat /proc/self/uid_map /proc/self/gid_map | tr -s ' ' ")
+    p = starter("run", *opts, "--userns-root", "--bind", f"{d}:/mnt", "--bind", f"{out}:/tmp/out", "--",
+                "sh", "-c", script, "probe", "/mnt/file", "trunc:/mnt/file", "new:/mnt/new", check=0)
+    lines = p.stdout.splitlines()
+    # root inside; host root's files show as the overflow id and stay out of reach
+    assert lines[:3] == ["0", "0", "65534:65534"], p.stdout
+    assert lines[3] == "0:0", p.stdout  # its own file, chowned to (its) root
+    assert not [l for l in lines if l.startswith(("OPENED", "TRUNCATED", "CREATED", "CHOWNED"))], p.stdout
+    assert lines[4:] == [f" 0 {uid} 1", f" 0 {gid} 1"], p.stdout
+    assert f.read_text() == "root's\n"
+    st = os.stat(out / "made")
+    assert (st.st_uid, st.st_gid) == (uid, gid)
+
+
+def test_userns_root_refuses_host_root(starter):
+    _one_line_error(starter("run", "--user", "root", "--userns-root", "--", "true"), "userns-root")
+
+
+def test_userns_root_from_job_file(starter, tmp_path):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"command": ["id", "-u"], "user": "nobody", "userns_root": True}))
+    assert starter("run", "--job", str(job), check=0).stdout == "0\n"
+    job.write_text(json.dumps({"command": ["id", "-u"], "userns_root": "yes"}))
+    _one_line_error(starter("run", "--job", str(job)), "userns")
+
+
+# ---------------------------------------------------------------- inherited attributes
+
+_libc = ctypes.CDLL(None, use_errno=True)
+PR_SET_TIMERSLACK = 29
+ADDR_NO_RANDOMIZE = 0x0040000
+
+
+def _hostile_daemon():
+    """preexec_fn: what a node daemon might hand the starter."""
+    try:
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("-1000")
+    except PermissionError:
+        # No CAP_SYS_RESOURCE here (a container): lowering is refused, so
+        # show the reset from the other side.
+        with open("/proc/self/oom_score_adj", "w") as f:
+            f.write("500")
+    os.nice(5)
+    os.sched_setscheduler(0, os.SCHED_BATCH, os.sched_param(0))
+    os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    resource.setrlimit(resource.RLIMIT_CORE, resource.getrlimit(resource.RLIMIT_CORE)[1:] * 2)
+    os.umask(0o077)
+    _libc.prctl(PR_SET_TIMERSLACK, 1000000, 0, 0, 0)
+    _libc.personality(ADDR_NO_RANDOMIZE)
+
+
+# The job's view of what it inherited, as JSON.
+_SHOW = r"""
+import json, os, resource
+status = dict(l.split(":", 1) for l in open("/proc/self/status").read().splitlines())
+print(json.dumps({
+    "oom": int(open("/proc/self/oom_score_adj").read()),
+    "nice": os.getpriority(os.PRIO_PROCESS, 0),
+    "policy": os.sched_getscheduler(0),
+    "personality": int(open("/proc/self/personality").read(), 16),
+    "slack": int(open("/proc/self/timerslack_ns").read()),
+    "umask": status["Umask"].strip(),
+    "cpus": sorted(os.sched_getaffinity(0)),
+    "limits": {n: resource.getrlimit(getattr(resource, "RLIMIT_" + n.upper()))
+               for n in ("nofile", "core", "stack", "memlock", "nproc", "nice", "cpu", "as", "msgqueue")},
+}))
+"""
+INF = resource.RLIM_INFINITY
+
+
+def _can_raise_limits():
+    """CAP_SYS_RESOURCE (24) in our effective set (not so in some containers)."""
+    with open("/proc/self/status") as f:
+        eff = next(int(l.split()[1], 16) for l in f if l.startswith("CapEff:"))
+    return bool(eff & (1 << 24))
+
+
+def _show(*opts, **kw):
+    p = subprocess.run([STARTER, "run", *opts, "--", "/usr/bin/python3", "-I", "-c", _SHOW],
+                       capture_output=True, text=True, timeout=60, **kw)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["pid1", "init"])
+def test_inherited_attributes_are_reset(who, init):
+    opts, _, _ = who
+    all_cpus = sorted(os.sched_getaffinity(0))
+    got = _show(*opts, *(["--init"] if init else []), preexec_fn=_hostile_daemon)
+    assert got["oom"] == 0, got
+    assert got["nice"] == 0, got
+    assert got["policy"] == os.SCHED_OTHER, got
+    assert got["personality"] == 0, got
+    assert got["slack"] == 50000, got
+    assert got["umask"] == "0022", got
+    assert got["cpus"] == all_cpus, got
+    lim = got["limits"]
+    # Hard limits are capped at the starter's own where it lacks CAP_SYS_RESOURCE.
+    nofile_hard = 524288 if _can_raise_limits() else min(524288, resource.getrlimit(resource.RLIMIT_NOFILE)[1])
+    assert lim["nofile"] == [1024, nofile_hard], lim
+    assert lim["core"] == [0, INF], lim
+    assert lim["stack"] == [8 << 20, INF], lim
+    assert lim["memlock"] == [8 << 20, 8 << 20], lim
+    assert lim["nice"] == [0, 0], lim
+    assert lim["cpu"] == lim["as"] == [INF, INF], lim
+    nproc = INF if _can_raise_limits() else resource.getrlimit(resource.RLIMIT_NPROC)[1]
+    assert lim["nproc"] == [nproc, nproc], lim
+
+
+def test_enter_resets_inherited_attributes(starter, state_dir, who):
+    opts, _, _ = who
+    job_id = "priv-enter-attrs-" + ("nobody" if opts else "default")
+
+    def enter(entry):
+        return subprocess.run([STARTER, "enter", job_id, "--", "/usr/bin/python3", "-I", "-c", _SHOW],
+                              preexec_fn=_hostile_daemon, capture_output=True, text=True, timeout=60)
+
+    _, p, _ = _running(job_id, opts, "true", state_dir, starter, probe=enter)
+    assert p.returncode == 0, p.stderr
+    got = json.loads(p.stdout)
+    assert (got["oom"], got["nice"], got["policy"], got["personality"], got["umask"]) == \
+        (0, 0, os.SCHED_OTHER, 0, "0022"), got
+    assert got["limits"]["nofile"][0] == 1024 and got["limits"]["core"][0] == 0, got
+
+
+def test_rlimit_option(tmp_path, who):
+    opts, _, _ = who
+    hard = min(resource.getrlimit(resource.RLIMIT_NOFILE)[1], 4096)
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"command": ["true"], "rlimits": {"stack": "16M", "core": 0}}))
+    lim = _show("--job", str(job), *opts, "--rlimit", f"nofile=512:{hard}", "--rlimit", "CORE=unlimited",
+                "--rlimit", "RLIMIT_MSGQUEUE=4096", "--rlimit", "cpu=100:200")["limits"]
+    assert lim["nofile"] == [512, hard], lim
+    assert lim["core"] == [INF, INF], lim          # the command line wins over the file
+    assert lim["stack"] == [16 << 20, 16 << 20], lim
+    assert lim["msgqueue"] == [4096, 4096], lim
+    assert lim["cpu"] == [100, 200], lim
+
+
+@pytest.mark.parametrize("value, words", [
+    ("nofile", ["NAME=SOFT"]), ("bogus=1", ["bogus"]), ("nofile=abc", ["abc"]),
+    ("nofile=10:5", ["soft limit is above"]), ("nofile=-1", ["-1"]),
+    ("nofile=99999999999999999999999", ["too large"]),
+])
+def test_rlimit_bad_values(starter, value, words):
+    _one_line_error(starter("run", "--user", "nobody", "--rlimit", value, "--", "true"), "rlimit", *words)
+
+
+def test_rlimit_above_the_kernel_ceiling(starter, state_dir):
+    with open("/proc/sys/fs/nr_open") as f:
+        nr_open = int(f.read())
+    p = starter("run", "--id", "priv-rl", "--user", "nobody", "--rlimit", f"nofile={nr_open + 1}", "--", "true")
+    _one_line_error(p, "setrlimit NOFILE", "EPERM")
+    assert not os.path.exists(os.path.join(state_dir, "priv-rl.json"))
+
+
+def test_rlimits_job_file_type_error(starter, tmp_path):
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"command": ["true"], "user": "nobody", "rlimits": ["nofile=1"]}))
+    _one_line_error(starter("run", "--job", str(job)), "rlimits")
+    job.write_text(json.dumps({"command": ["true"], "user": "nobody", "rlimits": {"nofile": [1, 2]}}))
+    _one_line_error(starter("run", "--job", str(job)), "rlimits")
+
+
+# keyctl(2) and friends by number (no keyutils needed, here or in the VM).
+_KEY_SYSCALLS = {"x86_64": (248, 249, 250), "aarch64": (217, 218, 219)}
+_KEY_PROBE = r"""
+import ctypes, os, platform, sys
+add_key, request_key, keyctl = {nums}[platform.machine()]
+libc = ctypes.CDLL(None, use_errno=True)
+k = libc.syscall(request_key, b"user", b"priv-test-secret", None, 0)
+print("FOUND" if k >= 0 else "not-found", ctypes.get_errno())
+"""
+
+
+def _session_key_holder():
+    """preexec_fn: the starter runs in a session keyring holding a key."""
+    add_key, _, keyctl = _KEY_SYSCALLS[os.uname().machine]
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(keyctl, 1, b"priv-test", 0, 0, 0) < 0:       # KEYCTL_JOIN_SESSION_KEYRING
+        raise OSError(ctypes.get_errno(), "join session keyring")
+    if libc.syscall(add_key, b"user", b"priv-test-secret", b"s3cret", 6, -3) < 0:  # @s
+        raise OSError(ctypes.get_errno(), "add_key")
+
+
+def test_session_keyring_not_inherited(who):
+    # A job that shared the starter's session keyring would possess (and so
+    # could read) its keys whatever its uid.
+    opts, _, _ = who
+    if os.uname().machine not in _KEY_SYSCALLS:
+        pytest.skip(f"no keyctl syscall numbers for {os.uname().machine} in this test")
+    probe = _KEY_PROBE.replace("{nums}", repr(_KEY_SYSCALLS))
+    # The probe itself finds the key where it shares the keyring: as host root
+    # without the reset, i.e. in the starter's own session.
+    p = subprocess.run(["/usr/bin/python3", "-I", "-c", probe], preexec_fn=_session_key_holder,
+                       capture_output=True, text=True, timeout=60)
+    assert p.stdout.startswith("FOUND"), (p.stdout, p.stderr)
+    p = subprocess.run([STARTER, "run", *opts, "--", "/usr/bin/python3", "-I", "-c", probe],
+                       preexec_fn=_session_key_holder, capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.startswith("not-found"), p.stdout
