@@ -234,13 +234,14 @@ def _rlimit_value(field, name, text):
     t = text.strip().lower()
     if t in ("unlimited", "infinity"):
         return RLIM_INFINITY
-    unit = t[-1:] if t[-1:] in _SIZE_UNITS and t[-1:] else ""
+    units = V._SIZE_UNITS
+    unit = t[-1:] if t[-1:] in units and t[-1:] else ""
     num = t[: len(t) - len(unit)]
-    if not num.isdigit():
-        raise SpecError(field, f"{name}: {text!r} is not a number, a size (64M) or 'unlimited'")
-    if len(num) > 20 or int(num) * _SIZE_UNITS[unit] >= RLIM_INFINITY:
-        raise SpecError(field, f"{name}: {text!r} is too large (use 'unlimited')")
-    return int(num) * _SIZE_UNITS[unit]
+    if not (num.isascii() and num.isdigit()):
+        raise SpecError(field, f"{name}: {V.show(text)} is not a number, a size (64M) or 'unlimited'")
+    if len(num) > 20 or int(num) * units[unit] >= RLIM_INFINITY:
+        raise SpecError(field, f"{name}: {V.show(text)} is too large (use 'unlimited')")
+    return int(num) * units[unit]
 
 
 def rlimit_table(overrides=()):
