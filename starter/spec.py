@@ -124,7 +124,7 @@ def check_cwd(field, value):
     norm = "/" + "/".join(c for c in value.split("/") if c not in ("", "."))
     for d in _MAGIC_DIRS:
         if norm == d or norm.startswith(d + "/"):
-            raise SpecError(field, f"{value!r} is under {d}, whose magic links lead outside the job",
+            raise SpecError(field, f"{V.show(value)} is under {d}, whose magic links lead outside the job",
                             "give a real directory, e.g. the job's scratch")
     return value
 
@@ -221,12 +221,12 @@ def parse_rlimit(field, item):
     if name.startswith("rlimit_"):
         name = name[7:]
     if not sep or name not in RLIMIT_NAMES:
-        raise SpecError(field, f"{item!r} must be NAME=SOFT[:HARD], NAME one of {', '.join(RLIMIT_NAMES)}")
+        raise SpecError(field, f"{V.show(item)} must be NAME=SOFT[:HARD], NAME one of {', '.join(RLIMIT_NAMES)}")
     soft_s, colon, hard_s = value.partition(":")
     soft = _rlimit_value(field, name, soft_s)
     hard = _rlimit_value(field, name, hard_s) if colon else soft
     if soft > hard:
-        raise SpecError(field, f"{item!r}: the soft limit is above the hard limit")
+        raise SpecError(field, f"{V.show(item)}: the soft limit is above the hard limit")
     return (name, soft, hard)
 
 
@@ -556,7 +556,7 @@ def _seccomp_choice(value):
     if value in ("default", "off"):
         return value
     if not value.startswith("/"):
-        raise SpecError("seccomp", f"{value!r} is not default, off or an absolute path to a profile")
+        raise SpecError("seccomp", f"{V.show(value)} is not default, off or an absolute path to a profile")
     return check_path("seccomp", value)
 
 
