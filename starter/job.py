@@ -20,26 +20,31 @@ import sys
 import time
 
 from starter.errors import EXIT_STARTER_FAILED, StarterError
-from starter.state import JobState, unlink_quiet, write_atomic
+from starter.state import JobState, fault, unlink_quiet, write_atomic
 
 
 class Undo:
-    """A stack of teardowns; every one runs even when an earlier one fails."""
+    """A stack of teardowns; every one runs even when an earlier one fails.
+    `label` names the step (for STARTER_FAULT=teardown-<label> and for what
+    the kept state entry says is still held)."""
 
     def __init__(self):
         self.steps = []
+        self.failed = []      # "label: error" of each step that failed
 
-    def push(self, fn, *args):
-        self.steps.append((fn, args))
+    def push(self, fn, *args, label=None):
+        self.steps.append((fn, args, label or getattr(fn, "__qualname__", str(fn))))
 
     def run(self):
         err = None
         while self.steps:
-            fn, args = self.steps.pop()
+            fn, args, label = self.steps.pop()
             try:
+                fault("teardown-" + label)
                 fn(*args)
             except Exception as e:  # keep unwinding; report the first failure
-                sys.stderr.write(f"starter: teardown {getattr(fn, '__qualname__', fn)} failed: {e}\n")
+                sys.stderr.write(f"starter: teardown {label} failed: {e}\n")
+                self.failed.append(f"{label}: {e}")
                 err = err or e
         return err
 
@@ -52,10 +57,11 @@ def run(spec):
     t0 = time.time()
     undo = Undo()
     signals = Signals(spec.on_signal)
-    undo.push(signals.close)
+    undo.push(signals.close, label="signals")
     events = Events(None, spec.id)
     report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
               "signal": None, "started_at": round(t0, 6)}
+    job_state = None
     try:
         try:
             events = Events(spec.events, spec.id)
@@ -65,9 +71,10 @@ def run(spec):
 
         admin.gc_quick(spec.state_dir)
         job_state = JobState(spec.state_dir, spec.id).create(
+            reclaim=admin.reclaim_for_start,
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
             argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
-        undo.push(job_state.remove)
+        fault("state-entry")
         events.emit("starting", argv=spec.argv, user=spec.uid)
         code = _run(spec, job_state, signals, events, undo, report)
     except StarterError as e:
@@ -84,6 +91,18 @@ def run(spec):
         code = EXIT_STARTER_FAILED
     finally:
         err = undo.run()
+        if job_state is not None:
+            # The entry lives until everything it names is gone: a failed
+            # teardown keeps it, "reclaiming", for `starter gc`.
+            try:
+                if undo.failed:
+                    job_state.keep(undo.failed)
+                else:
+                    job_state.remove()
+            except OSError as e:
+                sys.stderr.write(f"starter: teardown state entry failed: {e}\n")
+                job_state.keep([f"state entry: {e}"])
+                err = err or e
         if err is not None and report.get("reason") != "starter_error":
             report["teardown_error"] = str(err)
         report["ended_at"] = round(time.time(), 6)
@@ -109,13 +128,19 @@ def _run(spec, job_state, signals, events, undo, report):
     if spec.scratch or spec.execute_dir:
         from starter import scratch
 
+        # Recorded before it exists, so a crash at any point leaves gc a record.
+        path = os.path.abspath(spec.scratch or os.path.join(spec.execute_dir, f"job-{spec.id}"))
+        job_state.update(scratch=path, scratch_parent=os.path.dirname(path), keep_scratch=spec.keep_scratch,
+                         scratch_kind="scratch" if spec.scratch else "execute-dir")
+        fault("scratch-record")
         if spec.scratch:
-            sc = scratch.create(spec.scratch, spec.uid, spec.gid)
+            sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id)
         else:
             sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid)
         sc.keep = spec.keep_scratch
-        undo.push(sc.release)            # removes it, or with --keep-scratch only closes its fd
-        job_state.update(scratch=sc.path, scratch_id=[sc.dev, sc.ino], keep_scratch=spec.keep_scratch)
+        undo.push(sc.release, label="scratch")   # removes it, or with --keep-scratch only closes its fd
+        fault("scratch-create")
+        job_state.update(scratch_id=[sc.dev, sc.ino])
         cwd = cwd or sc.path
         if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
             # The job's /tmp is private: show the scratch at the same path inside it.
@@ -135,11 +160,13 @@ def _run(spec, job_state, signals, events, undo, report):
 
     # The cgroup, with its limits, before anything runs in it.
     backend = cgroups.open_backend(spec.cgroup_parent)
+    job_state.update(cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
+                     cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent)   # before it exists
     cg = backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
         memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
         cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
-    undo.push(cg.destroy)
-    job_state.update(cgroup=cg.paths, cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent)
+    undo.push(cg.destroy, label="cgroup")
+    fault("cgroup-create")
 
     netcfg = None
     if spec.network.mode == "nat":
@@ -148,7 +175,7 @@ def _run(spec, job_state, signals, events, undo, report):
         netcfg = _net_config(spec)
         resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
         write_atomic(resolv, net.resolv_conf_text(netcfg), 0o644)
-        undo.push(unlink_quiet, resolv)
+        undo.push(unlink_quiet, resolv, label="resolv")
         mounts.append(Mount(kind="ro-bind", src=resolv, dst="/etc/resolv.conf"))
 
     namespaces = {"pid", "mnt"}
@@ -161,9 +188,10 @@ def _run(spec, job_state, signals, events, undo, report):
         groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
         mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd())
     child = ns.spawn(child_spec)
-    undo.push(child.close)
+    undo.push(child.close, label="child")
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
     cg.add_pid(child.pid, cloned=child_spec.cgroup_fd is not None)
+    fault("clone")
 
     lease = None
     if netcfg is not None:
@@ -173,19 +201,22 @@ def _run(spec, job_state, signals, events, undo, report):
         try:
             # Also the normal end: reads the counters into the report, then
             # removes the rules (it runs first of all teardowns).
-            undo.push(_net_teardown, spec.id, netcfg, report)
+            undo.push(_net_teardown, spec.id, netcfg, report, label="net")
             lease = net.setup(spec.id, fd, netcfg)
         finally:
             os.close(fd)
+        fault("net-setup")
         job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway)
 
     child.release()
+    fault("release")
     try:
         child.wait_started()
     except StarterError as e:
         report.update(error=str(e), exit_code=e.exit_code)
         raise
     job_state.update(state="running", pid=child.pid)
+    fault("running")
     events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None)
 
     sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace)

@@ -13,6 +13,7 @@ import os
 
 from starter.errors import NetworkError
 from starter.net import ipam, nft
+from starter.state import fault
 
 
 def cfg_fingerprint(cfg):
@@ -215,12 +216,15 @@ class Wiring:
                     self._check_table_matches(store, cfg)
                 lease = store.acquire(job_id, key, pool, owner_pid)
                 undo.callback(store.release, key, lease["slot"])
+                fault("net-lease")
                 if first:
                     self._create_table(store, cfg, table)
                 self.links.create(key, netns_fd, lease["gateway"], lease["address"],
                                   lease["prefixlen"], forward=cfg.uplink is not None)
                 undo.callback(self.links.delete, key)
+                fault("net-veth")
                 self._add_job(store, cfg, table, key, lease["address"])
+                fault("net-nft")
                 undo.pop_all()
             except BaseException:
                 undo.close()
@@ -312,10 +316,13 @@ class Wiring:
         store = ipam.LeaseStore(cfg.state_dir)
         removed = []
         with store:
+            removed += store.remove_temp_files()
             live_keys = set()
             for lease in store.all():
                 job_id = lease.get("job_id")
-                if job_id is not None and job_id in live_job_ids:
+                # A lease whose starter lives is never gc's: live_job_ids was
+                # listed before we took the lock, and a job may have started since.
+                if job_id is not None and (job_id in live_job_ids or ipam.owner_alive(lease)):
                     live_keys.add(lease["key"])
                     continue
                 removed.append(f"job {job_id}: lease {lease.get('address')}, veth {lease['key']}, counters")
