@@ -4,6 +4,9 @@ ps, status, vacate/suspend/resume/kill, enter, gc.
 All of it starts from the state directory (starter/state.py): a job whose
 lock is held has a live starter; a job whose lock can be taken has none, and
 gc reclaims what it left (cgroups, network lease/rules/veth, scratch, entry).
+An entry is removed only once everything it records is gone; until then it
+stays "reclaiming" with what is still held and why.  gc acts only on what
+the starter recorded and would have made (job_cgroup, scratch.recorded_path).
 """
 
 import os

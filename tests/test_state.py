@@ -297,3 +297,27 @@ def test_planted_entries_make_gc_delete_nothing(starter, state_dir, tmp_path):
         sleeper.wait()
         cg.destroy()
         be.close()
+
+
+# ---------------------------------------------------------------- --cgroup-parent /PATH
+
+def test_an_absolute_cgroup_parent_must_exist_and_is_never_removed(starter, state_dir):
+    path = f"/starter-test-abs-{os.getpid()}"
+    be = cgroups.open_backend(path)
+    p = starter("run", "--user", "nobody", "--cgroup-parent", path, "--", "true")
+    assert p.returncode == 125 and "does not exist" in p.stderr and len(p.stderr.splitlines()) == 1, p.stderr
+    assert not any(os.path.exists(d) for d in be.distinct_parents())
+    made = []
+    try:
+        for d in be.distinct_parents():
+            os.mkdir(d)
+            made.append(d)
+        p = starter("run", "--user", "nobody", "--cgroup-parent", path, "--memory", "64M", "--",
+                    "cat", "/proc/self/cgroup")
+        assert p.returncode == 0 and f"{path}/job-" in p.stdout, (p.stdout, p.stderr)
+        assert all(os.path.isdir(d) for d in made)        # the admin's: not pruned
+        assert starter("gc").returncode == 0
+        assert all(os.path.isdir(d) for d in made)
+    finally:
+        for d in made:
+            os.rmdir(d)
