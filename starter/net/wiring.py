@@ -13,7 +13,7 @@ import os
 
 from starter.errors import NetworkError
 from starter.net import ipam, nft
-from starter.state import fault
+from starter.state import fault, is_live
 
 
 def cfg_fingerprint(cfg):
@@ -320,9 +320,10 @@ class Wiring:
             live_keys = set()
             for lease in store.all():
                 job_id = lease.get("job_id")
-                # A lease whose starter lives is never gc's: live_job_ids was
-                # listed before we took the lock, and a job may have started since.
-                if job_id is not None and (job_id in live_job_ids or ipam.owner_alive(lease)):
+                # A job whose entry is locked (its starter lives) is never gc's:
+                # live_job_ids was listed before we took the lock, and a job may
+                # have started since (its entry is made before its lease).
+                if job_id is not None and (job_id in live_job_ids or is_live(cfg.state_dir, job_id)):
                     live_keys.add(lease["key"])
                     continue
                 removed.append(f"job {job_id}: lease {lease.get('address')}, veth {lease['key']}, counters")
