@@ -321,3 +321,20 @@ def test_an_absolute_cgroup_parent_must_exist_and_is_never_removed(starter, stat
     finally:
         for d in made:
             os.rmdir(d)
+
+
+def test_gc_removes_temp_files_of_writers_killed_mid_write(state_dir):
+    # net/ is written only under the network lock, so under it any temp file is a dead writer's.
+    leases = os.path.join(state_dir, "net", "leases")
+    os.makedirs(leases, mode=0o700)
+    for p in (os.path.join(leases, "stj0123456789ab.json.tmp"), os.path.join(state_dir, "net", "table.json.tmp")):
+        with open(p, "w") as f:
+            f.write("{")
+    _plant(state_dir, "tmp1")
+    with open(os.path.join(state_dir, "tmp1.resolv.conf.tmp"), "w") as f:
+        f.write("nameserver")
+    lines, ok = admin.gc(state_dir)
+    assert ok, lines
+    assert "network: temp file table.json.tmp" in lines and "job tmp1: state entry removed" in lines, lines
+    left = [os.path.join(r, f) for r, _, fs in os.walk(state_dir) for f in fs] if os.path.isdir(state_dir) else []
+    assert left == []
