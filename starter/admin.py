@@ -94,7 +94,6 @@ def gc(state_dir, cgroup_parent=None):
             cgroups.open_backend(cgroup_parent).prune()
     except StarterError as e:
         lines.append(f"cgroups: parents not pruned ({e})")
-    _prune_state_dir(state_dir)
     return lines, ok
 
 
@@ -195,13 +194,6 @@ def job_cgroup(st, job_id):
 
 def _net_state_exists(state_dir):
     return os.path.isdir(os.path.join(state_dir, "net"))
-
-
-def _prune_state_dir(state_dir):
-    try:
-        os.rmdir(state_dir)       # only succeeds when empty
-    except OSError:
-        pass
 
 
 # ---------------------------------------------------------------- ps / status

@@ -11,7 +11,9 @@ under its lock.
                                   its one writer, the lock holder, replaces it)
 
 The directory is root-only (0700).  An empty state directory means nothing
-runs and nothing is left to reclaim.
+runs and nothing is left to reclaim.  It is never removed once made: it is
+also the network lock (net/ipam.py), and a starter may be about to create an
+entry in it.
 
 The protocol
 ------------
