@@ -48,7 +48,7 @@ def main():
     state_dir = os.path.join(work, "state")
     ex = os.path.join(work, "exec")
     os.mkdir(ex, 0o755)
-    pool = f"10.{216 + rnd.randrange(32)}.0.0/16"
+    pool = free_pool(rnd)
     env = dict(os.environ, STARTER_STATE_DIR=state_dir)
     env.pop("STARTER_FAULT", None)
 
@@ -162,8 +162,25 @@ def main():
     if not bad:
         shutil.rmtree(work, ignore_errors=True)
     else:
-        print(f"  (work directory kept: {work})", file=sys.stderr)
+        with open(os.path.join(work, "problems.txt"), "w") as f:
+            f.write("\n".join(problems) + "\n")
+        print(f"  (all {len(problems)} in {work}/problems.txt)", file=sys.stderr)
     return 1 if bad else 0
+
+
+def free_pool(rnd):
+    """A /16 for the soak's jobs that no address on this host overlaps, outside
+    the 10.216-247 range the tests draw their pools from (a test running at
+    the same time would otherwise refuse our jobs, or we its)."""
+    import ipaddress
+
+    out = subprocess.run(["ip", "-o", "-4", "addr", "show"], capture_output=True, text=True).stdout
+    used = [ipaddress.ip_interface(line.split()[3]).network for line in out.splitlines() if " inet " in line]
+    for _ in range(100):
+        pool = ipaddress.ip_network(f"10.{180 + rnd.randrange(30)}.0.0/16")
+        if not any(pool.overlaps(u) for u in used):
+            return str(pool)
+    sys.exit("scripts/soak: no free /16 in 10.180-209.0.0 for the jobs")
 
 
 def count_leftovers(state_dir, ex, ids):
