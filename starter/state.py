@@ -306,7 +306,11 @@ class JobState:
         self.save()
 
     def save(self):
-        write_atomic(self.path, dumps(self.data) + "\n")
+        try:
+            write_atomic(self.path, dumps(self.data) + "\n")
+        except OSError as e:
+            raise StarterError(f"cannot write the state entry {self.path}: {e.strerror}",
+                               "the state directory must be a writable local directory with free space") from None
 
     def remove(self):
         """Last step of a job: every name, the lock last, while we hold it."""
@@ -318,8 +322,12 @@ class JobState:
         """A teardown failed: keep the entry as "reclaiming" with what is still
         held and why, for `starter gc`; then let go of the lock."""
         self.data.update(state="reclaiming", held=list(held))
-        self.save()
-        self.close()
+        try:
+            self.save()
+        except StarterError:
+            pass        # the entry stays as last written; gc reclaims it all the same
+        finally:
+            self.close()
 
     def close(self):
         if self.fd is not None:
@@ -353,21 +361,25 @@ def load(state_dir, job_id, lock_fd=None):
     return st if isinstance(st, dict) else {}
 
 
-def list_ids(state_dir):
+def _listdir(state_dir):
     try:
-        names = os.listdir(state_dir)
+        return os.listdir(state_dir)
     except FileNotFoundError:
         return []
+    except OSError as e:
+        raise StarterError(f"cannot read state directory {state_dir}: {e.strerror}",
+                           "run as root, with --state-dir naming the starters' state directory") from None
+
+
+def list_ids(state_dir):
+    names = _listdir(state_dir)
     return sorted(n[:-5] for n in names if n.endswith(".lock") and not n.startswith("."))
 
 
 def stray_names(state_dir):
     """Files of the state directory that belong to no entry (no <id>.lock):
     not made by this protocol (planted, or an older version's); left alone."""
-    try:
-        names = os.listdir(state_dir)
-    except FileNotFoundError:
-        return []
+    names = _listdir(state_dir)
     ids = {n[:-5] for n in names if n.endswith(".lock")}
     out = []
     for n in names:
