@@ -117,6 +117,14 @@ def main():
                 else:
                     counts["failed"] += 1
                     problems.append(f"job {i} rc {rc}: {err.strip()[-300:]}")
+            if rc not in (0, -9) and " on stj" in err:
+                # Which job's veth, and in what state (for the NAT layer's maintainers).
+                ifname = err.split(" on stj", 1)[1].split()[0]
+                info = subprocess.run(["ip", "-d", "-o", "link", "show", "dev", "stj" + ifname],
+                                      capture_output=True, text=True)
+                owner = [j for j in range(a.jobs) if ipam.job_key(f"soak-{tag}-{j}") == "stj" + ifname]
+                with lock:
+                    problems.append(f"  veth stj{ifname} (job {owner}): {(info.stdout or info.stderr).strip()[:400]}")
 
     def gc_loop():
         while not stop_gc.wait(a.gc_every):

@@ -89,3 +89,32 @@ def test_a_failed_teardown_step_keeps_the_entry_until_gc_succeeds(site, state_di
     g = subprocess.run([STARTER, "gc", "--state-dir", state_dir], capture_output=True, text=True, timeout=120)
     assert g.returncode == 0 and f"job {job_id}: state entry removed" in g.stdout, (g.stdout, g.stderr)
     assert _left(state_dir, ex, job_id) == [], g.stdout
+
+
+@pytest.mark.net
+def test_table_removed_under_running_jobs_is_rebuilt_without_refusing_the_next(site, tmp_path):
+    # What the soak found: another state dir's last job removed the shared
+    # table; the rebuild took this state dir's own live veths for a conflict.
+    from starter import net
+
+    cfg = net.NetConfig(state_dir=str(tmp_path / "state"), pool=POOL, table=f"startert{os.getpid()}")
+    a, b = site.job(), site.job()
+    try:
+        fd = a.open_fd()
+        try:
+            net.setup("rebuild-a", fd, cfg)
+        finally:
+            os.close(fd)
+        subprocess.run(["nft", "delete", "table", "inet", cfg.table], check=True)
+        fd = b.open_fd()
+        try:
+            assert net.setup("rebuild-b", fd, cfg).address
+        finally:
+            os.close(fd)
+        assert net.counters("rebuild-a", cfg) is not None and net.counters("rebuild-b", cfg) is not None
+    finally:
+        net.teardown("rebuild-b", cfg)
+        net.teardown("rebuild-a", cfg)
+        a.close()
+        b.close()
+    assert net.gc(cfg, set()) == []

@@ -154,18 +154,19 @@ class Wiring:
             self._queue.join()
 
     # -- the table -------------------------------------------------------
-    def _check_pool_is_free(self, cfg):
-        """The pool must not overlap any host address (the site's own nets)."""
+    def _check_pool_is_free(self, cfg, own=()):
+        """The pool must not overlap any host address (the site's own nets);
+        `own`: veths of this state dir's leases (a table rebuilt under them)."""
         pool = ipam.Pool(cfg.pool)
         for cidr, ifname in self.links.host_addresses():
-            if pool.overlaps(cidr):
+            if pool.overlaps(cidr) and ifname not in own:
                 hint = ("a job veth left by a crash or by a starter with another state dir: "
                         "run `starter gc`" if ipam.is_job_key(ifname)
                         else "configure a job address pool that is not used on this node")
                 raise NetworkError(f"pool: {cfg.pool} overlaps {cidr} on {ifname}", hint)
 
     def _create_table(self, store, cfg, table):
-        self._check_pool_is_free(cfg)
+        self._check_pool_is_free(cfg, own={lease.get("key") for lease in store.all()})
         guard = []
         if cfg.uplink is not None:
             if not _if_exists(cfg.uplink):
