@@ -56,6 +56,14 @@ Interleavings this survives (S = starter, G = gc or another starter's quick gc):
     the lock.  G: S2 is refused ("being reclaimed", retry).  S2: G skips;
     S2 reclaims, removes, links its own entry.
   * Two Gs: one gets the lock, the other skips.
+  * A teardown step of S fails: S writes state "reclaiming" with what is
+    still held, then lets go of the lock; every G retries it and removes the
+    entry only once nothing is held; an S2 with that id is refused meanwhile.
+  * The scratch and cgroup are recorded before they are made, so S killed
+    between recording and making leaves G a record of something that may not
+    exist: every reclaim step tolerates that.  G acts on a record only where
+    it names what the starter would have made (admin.job_cgroup,
+    scratch.recorded_path): a planted entry makes G delete nothing.
 
 JSON is encoded and decoded here with the C helpers in `_json` rather than
 `import json` (~10 ms: it pulls in `re`), so a start pays for neither.
