@@ -4,6 +4,9 @@ ps, status, vacate/suspend/resume/kill, enter, gc.
 All of it starts from the state directory (starter/state.py): a job whose
 lock is held has a live starter; a job whose lock can be taken has none, and
 gc reclaims what it left (cgroups, network lease/rules/veth, scratch, entry).
+An entry is removed only once everything it records is gone; until then it
+stays "reclaiming" with what is still held and why.  gc acts only on what
+the starter recorded and would have made (job_cgroup, scratch.recorded_path).
 """
 
 import os
@@ -15,103 +18,188 @@ from starter.errors import StarterError
 
 # ---------------------------------------------------------------- gc
 
+# gc at the start of every run scans for at most this long (wall clock) and
+# reclaims at most one dead entry, and only what is cheap: slow reclaims (a
+# cgroup still emptying, a scratch tree, the network) are left to `starter gc`.
+QUICK_BUDGET_S = 0.003
+
+
 def gc_quick(state_dir):
-    """At the start of every run: reclaim dead starters' jobs.  Cheap when
-    there is nothing to do (a listdir and one flock per entry)."""
-    for job_id in S.list_ids(state_dir):
-        if not S.is_live(state_dir, job_id):
-            _reclaim(state_dir, job_id)
+    """At the start of every run: reclaim one dead starter's entry, if the
+    scan finds one within a small time budget.  Cheap when there is nothing
+    to do (a listdir, one flock per entry).  Starts at a different entry each
+    time, so one entry cannot starve the rest.  What it costs at most: the
+    scan plus one empty cgroup's rmdir (about 1 ms on an idle node)."""
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return
+    ids = [n[:-5] for n in names if n.endswith(".lock")]
+    if not ids:
+        return
+    deadline = time.monotonic() + QUICK_BUDGET_S
+    k = os.getpid() % len(ids)
+    for job_id in ids[k:] + ids[:k]:
+        if time.monotonic() >= deadline:
+            break
+        fd = S.lock_dead(state_dir, job_id)
+        if fd is None:
+            continue
+        try:
+            st = S.load(state_dir, job_id, fd)
+            if st.get("state") == "reclaiming":    # it waits for `starter gc`
+                continue
+            _reclaim_locked(state_dir, job_id, st, quick=True)
+        finally:
+            os.close(fd)
+        return
 
 
 def gc(state_dir, cgroup_parent=None):
-    """`starter gc`: dead starters' jobs, cgroups with no live job, network
-    leftovers, then the empty parents.  Safe while other jobs run."""
-    done = []
-    live = set()
+    """`starter gc`: dead starters' entries, network leftovers, the empty
+    cgroup parents.  Safe while other jobs run.  -> (lines, ok): ok is False
+    while anything is still held or was left alone."""
+    lines, ok = [], True
     for job_id in S.list_ids(state_dir):
-        if S.is_live(state_dir, job_id):
-            live.add(job_id)
-        else:
-            done += _reclaim(state_dir, job_id)
-    # A job's cgroup exists only while its state entry does (the entry is
-    # made first and removed last), so reclaiming dead entries reclaims every
+        fd = S.lock_dead(state_dir, job_id)
+        if fd is None:
+            continue
+        try:
+            st = S.load(state_dir, job_id, fd)
+            done, held = _reclaim_locked(state_dir, job_id, st)
+        finally:
+            os.close(fd)
+        lines += [f"job {job_id}: {d}" for d in done]
+        if held:
+            ok = False
+            lines += [f"job {job_id}: still held: {h}" for h in held]
+    for name in S.stray_names(state_dir):
+        ok = False
+        lines.append(f"{os.path.join(state_dir, name)}: not an entry of this state directory; left alone")
+    # A job's cgroup exists only while its state entry does (recorded before
+    # it is made, removed after), so reclaiming dead entries reclaims every
     # cgroup a crashed starter left.  A job cgroup with no entry here belongs
     # to another state directory (or to something else): not ours to touch.
-    from starter import cgroups
-
-    try:
-        backend = cgroups.open_backend(cgroup_parent)
-    except StarterError as e:
-        done.append(f"cgroups: skipped ({e})")
-        backend = None
     if _net_state_exists(state_dir):
         from starter import net
 
-        cfg = net.NetConfig(state_dir=state_dir)
-        live_now = {j for j in S.list_ids(state_dir) if S.is_live(state_dir, j)}
-        done += [f"network: {x}" for x in net.gc(cfg, live_now)]
-    if backend is not None and not any(S.is_live(state_dir, j) for j in S.list_ids(state_dir)):
-        backend.prune()
-    _prune_state_dir(state_dir)
-    return done
-
-
-def _reclaim(state_dir, job_id):
-    fd = S.claim_dead(state_dir, job_id)
-    if fd is None:
-        return []
-    done = []
-    try:
         try:
-            st = S.load(state_dir, job_id)
-        except (OSError, ValueError):
-            st = {}
+            cfg = net.NetConfig(state_dir=state_dir)
+            live_now = {j for j in S.list_ids(state_dir) if S.is_live(state_dir, j)}
+            lines += [f"network: {x}" for x in net.gc(cfg, live_now)]
+        except StarterError as e:
+            ok = False
+            lines.append(f"network: still held: {e}")
+    try:
+        from starter import cgroups
+
+        if not any(S.is_live(state_dir, j) for j in S.list_ids(state_dir)):
+            cgroups.open_backend(cgroup_parent).prune()
+    except StarterError as e:
+        lines.append(f"cgroups: parents not pruned ({e})")
+    return lines, ok
+
+
+def reclaim_for_start(state_dir, job_id, st):
+    """JobState.create found a dead entry with its own id: reclaim it fully."""
+    return _reclaim_locked(state_dir, job_id, st)[1]
+
+
+def _reclaim_locked(state_dir, job_id, st, quick=False):
+    """Reclaim what a dead job's entry records, holding its lock.  Removes the
+    entry when nothing is left; else keeps it as "reclaiming" with what is
+    still held and why.  -> (done, held)."""
+    done, held = [], []
+    if not st or st.get("id") != job_id:
+        held.append("its entry cannot be read (or names another job): left alone")
+        S.mark_reclaiming(state_dir, job_id, st or {"id": job_id}, held)
+        return done, held
+    # cgroup: only where the starter recorded it, and only under its parent.
+    if st.get("cgroup"):
         try:
             cg = job_cgroup(st, job_id)
-            cg.destroy()
-            done.append(f"job {job_id}: cgroup removed")
-        except StarterError as e:
-            done.append(f"job {job_id}: cgroup: {e}")
-        if st.get("net") == "nat":
+            if quick and cg.exists() and not cg.is_empty():
+                cg.kill(timeout=0)     # never wait here
+                held.append("cgroup: processes still exiting (`starter gc` finishes it)")
+            elif cg.exists():
+                cg.destroy()
+                done.append("cgroup removed")
+        except (StarterError, OSError) as e:
+            held.append(f"cgroup: {e}")
+    if st.get("net") == "nat":
+        if quick:
+            held.append("network: left for `starter gc`")
+        else:
             from starter import net
 
-            net.teardown(job_id, net.NetConfig(state_dir=state_dir))
-            done.append(f"job {job_id}: network removed")
-        if st.get("scratch") and not st.get("keep_scratch"):
+            try:
+                net.teardown(job_id, net.NetConfig(state_dir=state_dir))
+                done.append("network removed")
+            except (StarterError, OSError) as e:
+                held.append(f"network: {e}")
+    if st.get("scratch") and not st.get("keep_scratch"):
+        if quick:
+            held.append(f"scratch {st['scratch']}: left for `starter gc`")
+        else:
             from starter import scratch
 
             try:
-                scratch.remove_path(st["scratch"], expect=tuple(st["scratch_id"]) if st.get("scratch_id") else None)
-                done.append(f"job {job_id}: scratch {st['scratch']} removed")
-            except StarterError as e:
-                done.append(f"job {job_id}: scratch: {e}")
-        for suffix in (".json", ".resolv.conf", ".lock"):
-            S.unlink_quiet(os.path.join(state_dir, job_id + suffix))
-        done.append(f"job {job_id}: state entry removed")
-    finally:
-        os.close(fd)
-    return done
+                if scratch.remove_recorded(st, job_id):
+                    done.append(f"scratch {st['scratch']} removed")
+            except (StarterError, OSError) as e:
+                held.append(f"scratch: {e}")
+    if held:
+        S.mark_reclaiming(state_dir, job_id, st, held)
+    else:
+        S.remove_entry(state_dir, job_id)
+        done.append("state entry removed")
+    return done, held
 
 
 def job_cgroup(st, job_id, backends=None):
-    """The job's cgroup where its starter made it (recorded in the state
-    entry): the default parent depends on the cgroup of whoever runs gc.
-    backends: a dict to reuse backends in (metrics reads many jobs)."""
+    """The job's cgroup where its starter recorded it: each path must be
+    <parent>/job-<id>, the parent where the starter puts jobs (the recorded
+    --cgroup-parent, inside the hierarchy this host mounts for that role).
+    Anything else is not ours: StarterError, and nothing is touched.
+    backends: a dict to reuse probed backends in (metrics reads many jobs)."""
     from starter import cgroups
+    from starter.cgroups.base import JOB_PREFIX, check_parent
 
-    parent = st.get("cgroup_parent")
-    backend = backends.get(parent) if backends is not None else None
-    if backend is None:
-        backend = cgroups.open_backend(parent)
-        if backends is not None:
-            backends[parent] = backend
-    paths = st.get("cgroup")
-    if not paths:
-        return backend.open_job(job_id)
-    suffix = "/job-" + job_id
-    for p in paths.values():
-        if not (p.startswith("/sys/fs/cgroup/") and p.endswith(suffix) and "/../" not in p):
-            raise StarterError(f"state entry of job {job_id!r} names an unexpected cgroup {p!r}")
+    paths, parents, setting = st.get("cgroup"), st.get("cgroup_parents"), st.get("cgroup_parent")
+
+    def refuse(why):
+        return StarterError(f"state entry of job {job_id!r}: {why}: not a cgroup this starter made; left alone")
+
+    if not isinstance(paths, dict) or not isinstance(parents, dict) or set(paths) != set(parents):
+        raise refuse("no cgroup parents recorded")
+    try:
+        check_parent("starter" if setting is None else setting)
+        backend = backends.get(setting) if backends is not None else None
+        if backend is None:
+            backend = cgroups.open_backend(setting)
+            if backends is not None:
+                backends[setting] = backend
+        import copy
+
+        backend = copy.copy(backend)       # its parents become this job's below
+    except StarterError as e:
+        raise refuse(str(e)) from None
+    if set(paths) != set(backend.roles()):
+        raise refuse(f"roles {sorted(paths)} are not this host's {sorted(backend.roles())}")
+    for role, p in paths.items():
+        parent = parents[role]
+        mount = backend.mount_for(role).mount_point
+        if not (isinstance(p, str) and isinstance(parent, str)) or p != parent + "/" + JOB_PREFIX + job_id \
+                or os.path.normpath(parent) != parent or not parent.startswith(mount.rstrip("/") + "/"):
+            raise refuse(f"{role} cgroup {p!r} is not <parent>/job-{job_id} under {mount}")
+        want = (setting or "starter").strip("/")
+        rel = parent[len(mount.rstrip("/")) + 1:]
+        absolute = (setting or "").startswith("/")
+        if not (rel == want or (not absolute and rel.endswith("/" + want))):
+            raise refuse(f"{role} parent {parent!r} is not where --cgroup-parent {setting or 'starter'} puts jobs")
+        if os.path.islink(parent) or os.path.islink(p):
+            raise refuse(f"{p!r} is a symlink")
+    backend.parents = dict(parents)        # prune what the job's starter used
     return backend.job_class(backend, job_id, dict(paths))
 
 
@@ -119,21 +207,14 @@ def _net_state_exists(state_dir):
     return os.path.isdir(os.path.join(state_dir, "net"))
 
 
-def _prune_state_dir(state_dir):
-    try:
-        os.rmdir(state_dir)       # only succeeds when empty
-    except OSError:
-        pass
-
-
 # ---------------------------------------------------------------- ps / status
 
 def _live_entries(state_dir):
     for job_id in S.list_ids(state_dir):
-        try:
-            st = S.load(state_dir, job_id)
-        except (OSError, ValueError):
+        st = S.load(state_dir, job_id)
+        if not st:
             continue
+        st["id"] = job_id
         st["live"] = S.is_live(state_dir, job_id)
         yield st
 
@@ -168,7 +249,8 @@ def ps(state_dir, as_json):
             netb = sum(c.get("bytes", 0) for c in u["network"].values() if isinstance(c, dict))
         rows.append({
             "id": st["id"], "user": st.get("user") or st.get("uid"),
-            "state": st.get("state") if st["live"] else "dead", "pid": st.get("pid"),
+            "state": st.get("state") if st["live"] or st.get("state") == "reclaiming" else "dead",
+            "pid": st.get("pid"), "held": st.get("held"),
             "address": st.get("address"), "cpu_s": u.get("cpu_s"),
             "memory_bytes": u.get("memory_bytes"), "net_bytes": netb,
         })
@@ -181,6 +263,9 @@ def ps(state_dir, as_json):
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]
     for row in table:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
+    for r in rows:
+        for h in r["held"] or ():
+            print(f"{r['id']}: still held: {h}")
     return 0
 
 
@@ -211,10 +296,10 @@ def _entry(state_dir, job_id):
     from starter.spec import check_id
 
     check_id("job", job_id)
-    try:
-        return S.load(state_dir, job_id)
-    except FileNotFoundError:
-        raise StarterError(f"no job {job_id!r} on this node", "`starter ps` lists the jobs") from None
+    st = S.load(state_dir, job_id) if os.path.exists(os.path.join(state_dir, job_id + ".lock")) else {}
+    if not st:
+        raise StarterError(f"no job {job_id!r} on this node", "`starter ps` lists the jobs")
+    return st
 
 
 # ---------------------------------------------------------------- control

@@ -71,7 +71,7 @@ RUN_OPTIONS = {
     "--report-format": ("report-format", "value", "FMT  json (default) or classad (HTCondor job attributes)"),
     "--events": ("events", "value", "FILE|fd:N  write JSON lines, one per state change"),
     "--state-dir": ("state-dir", "value", "DIR  per-job state (default /run/starter)"),
-    "--cgroup-parent": ("cgroup-parent", "value", "PATH  job cgroups' parent: a NAME goes under the starter's own cgroup (default: starter), a /PATH is used as is"),
+    "--cgroup-parent": ("cgroup-parent", "value", "PATH  job cgroups' parent: a NAME goes under the starter's own cgroup (default: starter), a /PATH (must exist) is used as is"),
     "--lan": ("lan", "multi", "CIDR  network counted as LAN (repeatable); the rest is WAN"),
     "--pool": ("pool", "value", "CIDR  address pool for job networks (default 10.213.0.0/16)"),
     "--uplink": ("uplink", "value", "IFACE  interface jobs are NATed out of"),
@@ -331,9 +331,10 @@ def cmd_gc(argv):
     need_root("starter gc")
     from starter import admin
 
-    for line in admin.gc(_state_dir(values)):
+    lines, ok = admin.gc(_state_dir(values))
+    for line in lines:
         print(line)
-    return 0
+    return 0 if ok else 1     # 1: something is still held (each line says what and why)
 
 
 def cmd_netd(argv):

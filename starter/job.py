@@ -20,26 +20,31 @@ import sys
 import time
 
 from starter.errors import EXIT_STARTER_FAILED, StarterError, from_oserror, one_line
-from starter.state import JobState, unlink_quiet, write_atomic
+from starter.state import JobState, fault, unlink_quiet, write_atomic
 
 
 class Undo:
-    """A stack of teardowns; every one runs even when an earlier one fails."""
+    """A stack of teardowns; every one runs even when an earlier one fails.
+    `label` names the step (for STARTER_FAULT=teardown-<label> and for what
+    the kept state entry says is still held)."""
 
     def __init__(self):
         self.steps = []
+        self.failed = []      # "label: error" of each step that failed
 
-    def push(self, fn, *args):
-        self.steps.append((fn, args))
+    def push(self, fn, *args, label=None):
+        self.steps.append((fn, args, label or getattr(fn, "__qualname__", str(fn))))
 
     def run(self):
         err = None
         while self.steps:
-            fn, args = self.steps.pop()
+            fn, args, label = self.steps.pop()
             try:
+                fault("teardown-" + label)
                 fn(*args)
             except Exception as e:  # keep unwinding; report the first failure
-                sys.stderr.write(f"starter: teardown {getattr(fn, '__qualname__', fn)} failed: {one_line(e)}\n")
+                sys.stderr.write(f"starter: teardown {label} failed: {one_line(e)}\n")
+                self.failed.append(f"{label}: {one_line(e)}")
                 err = err or e
         return err
 
@@ -52,11 +57,12 @@ def run(spec):
     t0 = time.time()
     undo = Undo()
     signals = Signals(spec.on_signal)
-    undo.push(signals.close)
+    undo.push(signals.close, label="signals")
     events = Events(None, spec.id)
     report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
               "signal": None, "started_at": round(t0, 6)}
     report_dest = None
+    job_state = None
     try:
         # The syscall filter first: a bad profile must create nothing.
         from starter import seccomp
@@ -72,17 +78,13 @@ def run(spec):
             raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
         from starter import admin
 
-        try:
-            admin.gc_quick(spec.state_dir)
-            job_state = JobState(spec.state_dir, spec.id).create(
-                state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
-                userns_root=spec.userns_root,
-                argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
-                seccomp=spec.seccomp, allow_userns=spec.allow_userns)
-        except OSError as e:
-            raise StarterError(f"state directory {spec.state_dir} is unusable: {e.strerror or e}",
-                               "set --state-dir or STARTER_STATE_DIR to a writable local directory") from None
-        undo.push(job_state.remove)
+        admin.gc_quick(spec.state_dir)
+        job_state = JobState(spec.state_dir, spec.id).create(
+            reclaim=admin.reclaim_for_start,
+            state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
+            userns_root=spec.userns_root, seccomp=spec.seccomp, allow_userns=spec.allow_userns,
+            argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
+        fault("state-entry")
         events.emit("starting", argv=spec.argv, user=spec.uid)
         code = _run(spec, job_state, signals, events, undo, report, sc_filter)
     except StarterError as e:
@@ -107,6 +109,18 @@ def run(spec):
         code = EXIT_STARTER_FAILED
     finally:
         err = undo.run()
+        if job_state is not None:
+            # The entry lives until everything it names is gone: a failed
+            # teardown keeps it, "reclaiming", for `starter gc`.
+            try:
+                if undo.failed:
+                    job_state.keep(undo.failed)
+                else:
+                    job_state.remove()
+            except OSError as e:
+                sys.stderr.write(f"starter: teardown state entry failed: {one_line(e)}\n")
+                job_state.keep([f"state entry: {e}"])
+                err = err or e
         if err is not None and report.get("reason") != "starter_error":
             report["teardown_error"] = str(err)
         report["ended_at"] = round(time.time(), 6)
@@ -134,13 +148,19 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     if spec.scratch or spec.execute_dir:
         from starter import scratch
 
+        # Recorded before it exists, so a crash at any point leaves gc a record.
+        path = os.path.abspath(spec.scratch or os.path.join(spec.execute_dir, f"job-{spec.id}"))
+        job_state.update(scratch=path, scratch_parent=os.path.dirname(path), keep_scratch=spec.keep_scratch,
+                         scratch_kind="scratch" if spec.scratch else "execute-dir")
+        fault("scratch-record")
         if spec.scratch:
-            sc = scratch.create(spec.scratch, spec.uid, spec.gid)
+            sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id)
         else:
             sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid)
         sc.keep = spec.keep_scratch
-        undo.push(_release_scratch, sc, report)   # removes it, or with --keep-scratch only closes its fd
-        job_state.update(scratch=sc.path, scratch_id=[sc.dev, sc.ino], keep_scratch=spec.keep_scratch)
+        undo.push(_release_scratch, sc, report, label="scratch")   # removes it, or with --keep-scratch only closes its fd
+        fault("scratch-create")
+        job_state.update(scratch_id=[sc.dev, sc.ino])
         cwd = cwd or sc.path
         if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
             # The job's /tmp is private: show the scratch at the same path inside it.
@@ -161,11 +181,13 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
 
     # The cgroup, with its limits, before anything runs in it.
     backend = cgroups.open_backend(spec.cgroup_parent)
+    job_state.update(cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
+                     cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent)   # before it exists
     cg = backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
         memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
         cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
-    undo.push(cg.destroy)
-    job_state.update(cgroup=cg.paths, cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent)
+    undo.push(cg.destroy, label="cgroup")
+    fault("cgroup-create")
 
     netcfg = None
     if spec.network.mode == "nat":
@@ -174,7 +196,7 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         netcfg = _net_config(spec)
         resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
         write_atomic(resolv, net.resolv_conf_text(netcfg), 0o644)
-        undo.push(unlink_quiet, resolv)
+        undo.push(unlink_quiet, resolv, label="resolv")
         mounts.append(Mount(kind="ro-bind", src=resolv, dst="/etc/resolv.conf"))
 
     # The job's own cgroup tree, /dev/shm and temp dirs first (the spec's
@@ -195,9 +217,10 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter,
         userns_root=spec.userns_root, rlimits=rlimit_table(spec.rlimits))
     child = ns.spawn(child_spec)
-    undo.push(child.close)
+    undo.push(child.close, label="child")
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
     cg.add_pid(child.pid, cloned=child_spec.cgroup_fd is not None)
+    fault("clone")
 
     lease = None
     if netcfg is not None:
@@ -207,19 +230,22 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         try:
             # Also the normal end: reads the counters into the report, then
             # removes the rules (it runs first of all teardowns).
-            undo.push(_net_teardown, spec.id, netcfg, report)
+            undo.push(_net_teardown, spec.id, netcfg, report, label="net")
             lease = net.setup(spec.id, fd, netcfg)
         finally:
             os.close(fd)
+        fault("net-setup")
         job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway)
 
     child.release()
+    fault("release")
     try:
         child.wait_started()
     except StarterError as e:
         report.update(error=str(e), exit_code=e.exit_code)
         raise
     job_state.update(state="running", pid=child.pid)
+    fault("running")
     events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None)
 
     sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace)

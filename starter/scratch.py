@@ -86,8 +86,19 @@ class Scratch:
                 setattr(self, attr, None)
 
 
-def create(path, uid, gid, *, keep=False):
-    """Make `path` (must not exist) as the job's scratch: mode 0700, owned uid:gid."""
+# Set on every scratch as it is made, value the job id: only a process with
+# CAP_SYS_ADMIN on the host can set or remove a trusted.* attribute, so gc
+# knows a directory it is asked to remove after a crash is one the starter
+# made for that job, whatever a state entry says.
+MARK = "trusted.starter.job"
+
+
+def create(path, uid, gid, *, keep=False, mark=None):
+    """Make `path` (must not exist) as the job's scratch: mode 0700, owned uid:gid.
+
+    It is born mode 0000 and root-owned, then gets the MARK (`mark`, the job
+    id), and only then its owner and mode: a directory of a starter killed in
+    between is recognisable (see remove_recorded)."""
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
     if not name or name in (".", ".."):
@@ -96,7 +107,7 @@ def create(path, uid, gid, *, keep=False):
     try:
         _check_parent(pfd, parent, uid, gid)
         try:
-            os.mkdir(name, 0o700, dir_fd=pfd)
+            os.mkdir(name, 0, dir_fd=pfd)
         except FileExistsError:
             raise StagingError(
                 f"scratch: {path} already exists",
@@ -107,9 +118,11 @@ def create(path, uid, gid, *, keep=False):
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
             try:
-                st = os.fstat(fd)
-                os.fchmod(fd, 0o700)  # umask may have taken bits; be exact
+                if mark is not None:
+                    _set_mark(fd, mark)
                 os.fchown(fd, uid, gid)
+                os.fchmod(fd, 0o700)
+                st = os.fstat(fd)
             except BaseException:
                 os.close(fd)
                 raise
@@ -132,7 +145,84 @@ def create_in(execute_dir, job_id, uid, gid, *, keep=False):
     values.job_id("job_id", job_id)
     execute_dir = os.path.abspath(execute_dir)
     os.close(_open_dir(execute_dir, "scratch: execute dir", create=0o755))
-    return create(os.path.join(execute_dir, f"job-{job_id}"), uid, gid, keep=keep)
+    return create(os.path.join(execute_dir, f"job-{job_id}"), uid, gid, keep=keep, mark=job_id)
+
+
+def _set_mark(fd, job_id):
+    try:
+        os.setxattr(fd, MARK, job_id.encode())
+    except OSError as e:
+        if e.errno not in (errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        # No trusted xattrs here (some network filesystems): the job runs; a
+        # scratch its crashed starter left is reported by gc, not removed.
+
+
+def _get_mark(fd):
+    try:
+        return os.getxattr(fd, MARK).decode(errors="replace")
+    except OSError:
+        return None
+
+
+def recorded_path(st, job_id):
+    """The scratch a state entry records, if it is one the starter would have
+    made for `job_id`: <execute_dir>/job-<id> for --execute-dir, the --scratch
+    path otherwise, with a root-owned parent nobody else may write.  Raises
+    StagingError ("not ours") for anything else: planted entries name /etc."""
+    path, parent, kind = st.get("scratch"), st.get("scratch_parent"), st.get("scratch_kind")
+    if not (isinstance(path, str) and isinstance(parent, str) and path.startswith("/")):
+        raise StagingError(f"scratch {path!r}: no parent recorded: not a scratch the starter made; left alone")
+    name = os.path.basename(path)
+    if (os.path.normpath(path) != path or os.path.dirname(path) != parent or name in ("", ".", "..")
+            or kind not in ("execute-dir", "scratch") or (kind == "execute-dir" and name != f"job-{job_id}")):
+        raise StagingError(f"scratch {path!r} is not what the starter makes for job {job_id!r} "
+                           f"({kind} under {parent!r}); left alone")
+    return path
+
+
+def remove_recorded(st, job_id):
+    """gc after a crashed starter: remove the scratch its entry records, only
+    if it is one the starter made for this job (recorded_path, and the MARK on
+    the directory itself, and its recorded (st_dev, st_ino) if it got that
+    far).  A directory still mode 0000, root-owned and empty is one whose
+    starter died before marking it: rmdir.  -> True if something was removed."""
+    path = recorded_path(st, job_id)
+    parent, name = os.path.split(path)
+    try:
+        pfd = _open_dir(parent, "scratch: parent directory")   # no link followed
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise StagingError(f"scratch: cannot open {parent}: {e.strerror}") from None
+    try:
+        pst = os.fstat(pfd)
+        if pst.st_uid != 0 or pst.st_mode & 0o002:
+            raise StagingError(f"scratch {path}: its parent is not root-owned or is world-writable; "
+                               "not a place the starter makes scratches; left alone")
+        try:
+            lst = os.stat(name, dir_fd=pfd, follow_symlinks=False)
+        except FileNotFoundError:
+            return False
+        if not stat.S_ISDIR(lst.st_mode):
+            raise StagingError(f"scratch {path} is not a directory; left alone")
+        fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+        try:
+            mark = _get_mark(fd)
+            empty = not os.listdir(fd)
+        finally:
+            os.close(fd)
+        if mark == job_id:
+            expect = tuple(st["scratch_id"]) if st.get("scratch_id") else None
+            remove_tree(pfd, name, expect=expect, path=path)
+            return True
+        if mark is None and stat.S_IMODE(lst.st_mode) == 0 and lst.st_uid == 0 and empty:
+            os.rmdir(name, dir_fd=pfd)
+            return True
+        raise StagingError(f"scratch {path} does not carry the starter's mark for job {job_id!r}; "
+                           "left alone", hint="if it is a leftover, remove it by hand")
+    finally:
+        os.close(pfd)
 
 
 def remove_path(path, expect=None):

@@ -1,17 +1,72 @@
-"""The per-job state directory: one entry per job, written atomically, locked
-by the live starter.
+"""The per-job state directory: one entry per job, born locked, removed only
+under its lock.
 
-    <state_dir>/<id>.lock   flock()ed (LOCK_EX) by the starter for the job's
-                            whole life; whoever can take it knows the starter
-                            is gone (gc)
-    <state_dir>/<id>.json   what ps/status/enter/gc need: pids, cgroup paths,
-                            network lease, user; replaced atomically
+    <state_dir>/<id>.lock         the entry's identity and its lock: flock()ed
+                                  (LOCK_EX) by the starter for the job's whole
+                                  life; holds the entry as first written
+    <state_dir>/<id>.json         the entry as last updated (replaced by rename
+                                  from <id>.json.tmp); readers prefer it
+    <state_dir>/<id>.resolv.conf  the NAT job's resolv.conf
+                                  (each of these may have a .tmp beside it while
+                                  its one writer, the lock holder, replaces it)
 
-The directory is root-only (0700).  When a job ends its two files go; an empty
-state directory means nothing runs.
+The directory is root-only (0700).  An empty state directory means nothing
+runs and nothing is left to reclaim.  It is never removed once made: it is
+also the network lock (net/ipam.py), and a starter may be about to create an
+entry in it.
 
-JSON is encoded here with a few lines over the C helpers in `_json` rather
-than `import json` (~6 ms of interpreter start per job).
+The protocol
+------------
+Create (starter run):
+    T = open(dir, O_TMPFILE); flock(T, EX); write the entry into T
+    linkat(T -> <id>.lock)                        the entry and its lock appear
+                                                  at once, already locked
+      EEXIST: E = open(<id>.lock); flock(E, EX|NB)
+              held  -> refuse: "already running" (its starter lives) or
+                       "being reclaimed" (a gc holds a dead job's lock)
+              taken -> if <id>.lock no longer names E's inode: retry;
+                       else its starter is dead: reclaim it under E (as gc
+                       does), remove it, retry; if something is still held,
+                       refuse and leave it "reclaiming"
+Update (the owner only): write <id>.json.tmp, rename to <id>.json.
+Remove (the owner, or gc holding the lock): unlink every name of the entry,
+    <id>.lock last, while holding the lock; then close it.
+gc: E = open(<id>.lock); flock(E, EX|NB); held -> live, skip; taken -> check
+    that <id>.lock still names E's inode (else it was removed, or replaced by
+    a new job's: skip), then reclaim under E.
+
+Invariants: a lock file has a name only while it holds an entry, and from
+the first moment it has a name it is locked by its creator; only the lock
+holder writes or unlinks an entry's names; whoever takes a lock checks that
+the name still names that inode before acting on it.  Temp files are either
+O_TMPFILE (no name until linked) or per-entry .tmp names written and removed
+only by the lock holder.
+
+Interleavings this survives (S = starter, G = gc or another starter's quick gc):
+  * G lists <id>.lock while S creates it: S linked it locked, G's LOCK_NB
+    fails; S is never refused and its file never unlinked (the bug of the
+    open();flock() version, where G could lock and unlink a fresh file).
+  * G opens <id>.lock, S ends and removes its entry, G then gets the lock:
+    the name is gone (or names a new job's lock): G skips, acts on nothing.
+  * S is killed anywhere: the kernel drops its lock, every name stays, and G
+    reclaims from the entry.  Killed before linkat: the O_TMPFILE vanishes.
+    Killed while removing: the names left are reclaimed (everything they
+    recorded was already gone, and every teardown tolerates that).
+  * S2 starts with the id of a dead S1 while G reclaims it: one of them gets
+    the lock.  G: S2 is refused ("being reclaimed", retry).  S2: G skips;
+    S2 reclaims, removes, links its own entry.
+  * Two Gs: one gets the lock, the other skips.
+  * A teardown step of S fails: S writes state "reclaiming" with what is
+    still held, then lets go of the lock; every G retries it and removes the
+    entry only once nothing is held; an S2 with that id is refused meanwhile.
+  * The scratch and cgroup are recorded before they are made, so S killed
+    between recording and making leaves G a record of something that may not
+    exist: every reclaim step tolerates that.  G acts on a record only where
+    it names what the starter would have made (admin.job_cgroup,
+    scratch.recorded_path): a planted entry makes G delete nothing.
+
+JSON is encoded and decoded here with the C helpers in `_json` rather than
+`import json` (~10 ms: it pulls in `re`), so a start pays for neither.
 """
 
 import errno
@@ -21,9 +76,29 @@ import os
 from starter.errors import StarterError
 
 try:
-    from _json import encode_basestring_ascii as _enc_str
+    from _json import encode_basestring_ascii as _enc_str, make_scanner as _make_scanner
 except ImportError:  # pragma: no cover - CPython always has it
     from json.encoder import py_encode_basestring_ascii as _enc_str
+    from json.scanner import py_make_scanner as _make_scanner
+
+# STARTER_FAULT=STEP makes the starter SIGKILL itself at STEP (no cleanup
+# runs, like a crash); STEP:fail makes that step raise instead (a teardown
+# that fails).  Read once; unset, fault() costs a compare.  The steps are
+# listed in FAULT_STEPS; tests/test_faults.py goes through every one.
+_FAULT = os.environ.get("STARTER_FAULT") or None
+FAULT_STEPS = (
+    "state-entry", "scratch-record", "scratch-create", "cgroup-create", "clone",
+    "net-lease", "net-veth", "net-nft", "net-setup", "release", "running",
+    "teardown-net", "teardown-child", "teardown-cgroup", "teardown-scratch",
+    "teardown-resolv", "teardown-entry",
+)
+
+
+def fault(step):
+    if _FAULT is not None and _FAULT.partition(":")[0] == step:
+        if _FAULT.endswith(":fail"):
+            raise OSError(errno.EIO, f"planted fault at {step} (STARTER_FAULT)")
+        os.kill(os.getpid(), 9)
 
 
 def dumps(obj):
@@ -49,43 +124,39 @@ def dumps(obj):
     raise TypeError(f"cannot encode {type(obj).__name__}")
 
 
-class _ScanContext:
-    """What `_json.make_scanner` asks of json.JSONDecoder, without it."""
-
+class _Ctx:
     strict = True
-    object_hook = object_pairs_hook = None
-    parse_float, parse_int = float, int
+    object_hook = None
+    object_pairs_hook = None
+    parse_float = float
+    parse_int = int
+    memo = {}
 
     @staticmethod
-    def parse_constant(name):
-        return float(name.replace("Infinity", "inf"))
+    def parse_constant(s):
+        raise ValueError(f"{s} is not allowed")
 
 
-_scan = None
+_scan = _make_scanner(_Ctx())
 
 
 def loads(text):
-    """JSON text -> object with the C scanner of `_json`: `import json`
-    pulls in `re` and `enum` (~10-25 ms), which `starter metrics` would pay
-    once per scrape."""
-    global _scan
-    if _scan is None:
-        from _json import make_scanner
-
-        _scan = make_scanner(_ScanContext)
-    text = text.strip()
+    """JSON text -> object (ValueError if it is not exactly one JSON value)."""
+    s = text.strip()
     try:
-        obj, end = _scan(text, 0)
-    except StopIteration as e:
-        raise ValueError(f"not JSON (at offset {e.value})") from None
-    if end != len(text):
-        raise ValueError(f"not JSON (trailing data at offset {end})")
+        obj, end = _scan(s, 0)
+    except StopIteration:
+        raise ValueError("not JSON") from None
+    if end != len(s):
+        raise ValueError("trailing data after JSON")
     return obj
 
 
 def write_atomic(path, text, mode=0o600):
-    """temp file + fsync-free rename: a reader sees the old or the new file."""
-    tmp = f"{path}.{os.getpid()}.tmp"
+    """<path>.tmp + rename: a reader sees the old or the new file.  The caller
+    must be the only writer of `path` (hold its lock): the temp name is fixed,
+    so a crash leaves at most one, which the next lock holder removes."""
+    tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
         os.write(fd, text.encode())
@@ -104,6 +175,10 @@ def process_start_time(pid):
     return int(data[data.rindex(b")") + 2:].split()[19])
 
 
+def process_alive(pid, start):
+    return bool(pid) and start is not None and process_start_time(pid) == start
+
+
 def ensure_dir(state_dir):
     try:
         os.mkdir(state_dir, 0o700)
@@ -114,93 +189,255 @@ def ensure_dir(state_dir):
                            "set --state-dir or STARTER_STATE_DIR to a writable local directory") from None
 
 
+# Every name an entry may have, <id> + suffix; removed in this order (lock last).
+ENTRY_SUFFIXES = (".json.tmp", ".json", ".resolv.conf.tmp", ".resolv.conf", ".lock")
+
+
+def _lock_path(state_dir, job_id):
+    return os.path.join(state_dir, job_id + ".lock")
+
+
+def names_inode(fd, path):
+    """True while `path` is the file open as `fd` (not unlinked, not replaced)."""
+    try:
+        st = os.stat(path, follow_symlinks=False)
+    except FileNotFoundError:
+        return False
+    fst = os.fstat(fd)
+    return (st.st_dev, st.st_ino) == (fst.st_dev, fst.st_ino)
+
+
+def remove_entry(state_dir, job_id):
+    """Unlink every name of the entry, the lock last.  Call holding its lock."""
+    for suffix in ENTRY_SUFFIXES:
+        unlink_quiet(os.path.join(state_dir, job_id + suffix))
+
+
+def read_fd(fd):
+    """The entry as first written, from its lock file."""
+    data = b""
+    while True:
+        chunk = os.pread(fd, 65536, len(data))
+        if not chunk:
+            return data.decode()
+        data += chunk
+
+
 class JobState:
     """The live starter's handle on its job's entry."""
 
     def __init__(self, state_dir, job_id):
         self.dir = state_dir
         self.id = job_id
-        self.lock_path = os.path.join(state_dir, job_id + ".lock")
+        self.lock_path = _lock_path(state_dir, job_id)
         self.path = os.path.join(state_dir, job_id + ".json")
         self.fd = None
         self.data = {}
 
-    def create(self, **fields):
+    def create(self, reclaim=None, **fields):
+        """Make the entry, locked (see the protocol above).  `reclaim(state_dir,
+        id, st) -> [what is still held]` reclaims a dead predecessor's entry
+        with the same id while we hold its lock."""
         ensure_dir(self.dir)
-        fd = os.open(self.lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError as e:
-            os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
-                raise StarterError(f"a job with id {self.id!r} is already running on this node",
-                                   "job ids must be unique; `starter ps` lists the running ones") from None
-            raise
-        self.fd = fd
         self.data = {"id": self.id, "starter_pid": os.getpid(),
                      "starter_start": process_start_time(os.getpid()), **fields}
+        text = dumps(self.data) + "\n"
+        t_dir = None
+        try:
+            t_dir = os.open(self.dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+            t = os.open(".", os.O_TMPFILE | os.O_RDWR | os.O_CLOEXEC, 0o600, dir_fd=t_dir)
+        except OSError as e:
+            if t_dir is not None:
+                os.close(t_dir)
+            if e.errno in (errno.EOPNOTSUPP, errno.EISDIR, errno.EINVAL):
+                raise StarterError(f"state directory {self.dir}: its filesystem has no O_TMPFILE",
+                                   "put the state directory on a local filesystem (tmpfs, ext4, xfs)") from None
+            raise StarterError(f"cannot create an entry in state directory {self.dir}: {e.strerror}",
+                               "set --state-dir or STARTER_STATE_DIR to a writable local directory") from None
+        try:
+            fcntl.flock(t, fcntl.LOCK_EX)      # nobody else can reach it yet
+            os.write(t, text.encode())
+            name = self.id + ".lock"
+            for _ in range(100):
+                try:
+                    # linkat(AT_SYMLINK_FOLLOW) through /proc gives the O_TMPFILE
+                    # its name (a dir_fd makes Python call linkat, not link()).
+                    os.link(f"/proc/self/fd/{t}", name, dst_dir_fd=t_dir, follow_symlinks=True)
+                except FileExistsError:
+                    self._take_over(reclaim)
+                    continue
+                self.fd, t = t, None
+                break
+            else:
+                raise StarterError(f"job {self.id!r}: its state entry keeps changing under us; giving up",
+                                   "is something else creating and removing entries with this id?")
+        except OSError as e:
+            raise StarterError(f"cannot create the state entry {self.lock_path}: {e.strerror}",
+                               "the state directory must be a writable local directory") from None
+        finally:
+            os.close(t_dir)
+            if t is not None:
+                os.close(t)
         self.save()
         return self
+
+    def _take_over(self, reclaim):
+        """<id>.lock exists: refuse if it is held; reclaim it if its starter is dead."""
+        try:
+            fd = os.open(self.lock_path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except FileNotFoundError:
+            return
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                st = load(self.dir, self.id, fd)
+                if process_alive(st.get("starter_pid"), st.get("starter_start")):
+                    raise StarterError(f"a job with id {self.id!r} is already running on this node",
+                                       "job ids must be unique; `starter ps` lists the running ones") from None
+                raise StarterError(f"job {self.id!r}: what an earlier run with this id left is being reclaimed "
+                                   "right now", "retry in a moment, or pick another job id") from None
+            if not names_inode(fd, self.lock_path):
+                return
+            st = load(self.dir, self.id, fd)
+            held = reclaim(self.dir, self.id, st) if reclaim is not None else ["not reclaimed"]
+            if held:
+                mark_reclaiming(self.dir, self.id, st, held)
+                raise StarterError(f"job {self.id!r}: an earlier run with this id left {'; '.join(held)}",
+                                   "`starter gc` retries and says what is still held; or pick another job id")
+            remove_entry(self.dir, self.id)
+        finally:
+            os.close(fd)
 
     def update(self, **fields):
         self.data.update(fields)
         self.save()
 
     def save(self):
-        write_atomic(self.path, dumps(self.data) + "\n")
+        try:
+            write_atomic(self.path, dumps(self.data) + "\n")
+        except OSError as e:
+            raise StarterError(f"cannot write the state entry {self.path}: {e.strerror}",
+                               "the state directory must be a writable local directory with free space") from None
 
     def remove(self):
-        """Last step of a job: entry first, then the lock we still hold."""
-        for p in (self.path, self.lock_path):
-            unlink_quiet(p)
+        """Last step of a job: every name, the lock last, while we hold it."""
+        fault("teardown-entry")
+        remove_entry(self.dir, self.id)
+        self.close()
+
+    def keep(self, held):
+        """A teardown failed: keep the entry as "reclaiming" with what is still
+        held and why, for `starter gc`; then let go of the lock."""
+        self.data.update(state="reclaiming", held=list(held))
+        try:
+            self.save()
+        except StarterError:
+            pass        # the entry stays as last written; gc reclaims it all the same
+        finally:
+            self.close()
+
+    def close(self):
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
 
 
-def load(state_dir, job_id):
-    import json
+def mark_reclaiming(state_dir, job_id, st, held):
+    """The lock holder (gc) keeps a dead job's entry with what is still held."""
+    st = dict(st)
+    st.update(state="reclaiming", held=list(held))
+    write_atomic(os.path.join(state_dir, job_id + ".json"), dumps(st) + "\n")
 
-    with open(os.path.join(state_dir, job_id + ".json")) as f:
-        return json.load(f)
+
+def load(state_dir, job_id, lock_fd=None):
+    """The entry: <id>.json, else what its lock file holds (a starter killed
+    before its first update).  {} if neither can be read."""
+    try:
+        with open(os.path.join(state_dir, job_id + ".json"), "rb") as f:
+            return loads(f.read().decode())
+    except (OSError, ValueError, UnicodeDecodeError):
+        pass
+    try:
+        if lock_fd is not None:
+            st = loads(read_fd(lock_fd))
+        else:
+            with open(_lock_path(state_dir, job_id), "rb") as f:
+                st = loads(f.read().decode())
+    except (OSError, ValueError, UnicodeDecodeError):
+        return {}
+    return st if isinstance(st, dict) else {}
+
+
+def _listdir(state_dir):
+    try:
+        return os.listdir(state_dir)
+    except FileNotFoundError:
+        return []
+    except OSError as e:
+        raise StarterError(f"cannot read state directory {state_dir}: {e.strerror}",
+                           "run as root, with --state-dir naming the starters' state directory") from None
 
 
 def list_ids(state_dir):
-    try:
-        names = os.listdir(state_dir)
-    except FileNotFoundError:
-        return []
-    return sorted(n[:-5] for n in names if n.endswith(".lock"))
+    names = _listdir(state_dir)
+    return sorted(n[:-5] for n in names if n.endswith(".lock") and not n.startswith("."))
 
 
-def _lock_nb(state_dir, job_id, op):
-    """The job's lock file, flock()ed with `op` without waiting: an fd (ours
-    to close), None if a live starter holds it, -1 if there is none."""
+def stray_names(state_dir):
+    """Files of the state directory that belong to no entry (no <id>.lock):
+    not made by this protocol (planted, or an older version's); left alone."""
+    names = _listdir(state_dir)
+    ids = {n[:-5] for n in names if n.endswith(".lock")}
+    out = []
+    for n in names:
+        if n in ("net", "netd.sock") or n.endswith(".lock"):
+            continue
+        if not any(n.endswith(s) and n[:-len(s)] in ids for s in ENTRY_SUFFIXES):
+            out.append(n)
+    return sorted(out)
+
+
+def lock_dead(state_dir, job_id):
+    """Take the lock of a job whose starter is gone: an fd (ours to close) once
+    <id>.lock is locked by us and still names that file; None if a live
+    starter (or another gc) holds it, or the entry is gone."""
+    path = _lock_path(state_dir, job_id)
     try:
-        fd = os.open(os.path.join(state_dir, job_id + ".lock"), os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return -1
-    try:
-        fcntl.flock(fd, op | fcntl.LOCK_NB)
+        fd = os.open(path, os.O_RDWR | os.O_CLOEXEC | os.O_NOFOLLOW)
     except OSError:
-        os.close(fd)
         return None
-    return fd
+    return fd if lock_if_current(fd, path) else None
+
+
+def lock_if_current(fd, path):
+    """flock(fd, EX|NB), then check `path` still names fd's file.  False (and
+    fd closed) if someone holds it, or the entry was removed or replaced
+    between our open() and flock()."""
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if names_inode(fd, path):
+            return True
+    except OSError:
+        pass
+    os.close(fd)
+    return False
 
 
 def is_live(state_dir, job_id):
-    """True while a starter holds the job's lock."""
-    fd = _lock_nb(state_dir, job_id, fcntl.LOCK_SH)
-    if fd is not None and fd >= 0:
+    """True while someone holds the job's lock (its starter, or a gc for a
+    moment).  Only a probe: it never acts on what it locked."""
+    try:
+        fd = os.open(_lock_path(state_dir, job_id), os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW)
+    except OSError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        return False
+    except OSError:
+        return True
+    finally:
         os.close(fd)
-    return fd is None
-
-
-def claim_dead(state_dir, job_id):
-    """Take the lock of a job whose starter is gone; None if it is alive (or
-    has no entry).  The caller removes the entry and closes the fd."""
-    fd = _lock_nb(state_dir, job_id, fcntl.LOCK_EX)
-    return None if fd is None or fd < 0 else fd
 
 
 def unlink_quiet(path):

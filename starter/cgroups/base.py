@@ -485,7 +485,7 @@ class Backend:
         else:
             parent = self.parents[role]
             probe = os.path.join(parent, f"probe-{os.getpid()}")
-            made_parent = mkdir(parent)
+            made_parent = self._make_parent(parent)
             try:
                 mkdir(probe)
                 found = os.path.exists(os.path.join(probe, name))
@@ -557,7 +557,24 @@ class Backend:
 
     def _ensure_parents(self):
         for p in self.distinct_parents():
-            mkdir(p)
+            self._make_parent(p)
+
+    @property
+    def parent_is_absolute(self):
+        return str(self.parent_setting or "").startswith("/")
+
+    def _make_parent(self, p):
+        """A relative parent (NAME, below the starter's own cgroup) is made
+        when missing and pruned when empty.  An absolute --cgroup-parent /PATH
+        is the admin's: it must exist, and is never created or removed (the
+        starter never makes cgroups at arbitrary places in a hierarchy)."""
+        if not self.parent_is_absolute:
+            return mkdir(p)
+        if not os.path.isdir(p):
+            raise CgroupError(f"cgroup parent {p} does not exist",
+                              f"create {self.parent_setting} in every hierarchy (delegated to the starter), "
+                              "or give a relative NAME to use a cgroup below the starter's own")
+        return False
 
     def open_job(self, job_id, must_exist=True):
         job = self.job_class(self, job_id, self.job_paths(job_id))
@@ -585,6 +602,8 @@ class Backend:
         clean = True
         for p in self.distinct_parents():
             self._prune_extra(p)
+            if self.parent_is_absolute:
+                continue
             try:
                 os.rmdir(p)
             except FileNotFoundError:

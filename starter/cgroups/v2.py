@@ -296,7 +296,7 @@ class V2Backend(Backend):
     def _ensure_parents(self):
         p = self.parents["unified"]
         up = os.path.dirname(p)
-        mkdir(p)
+        self._make_parent(p)
         avail = set((files.read_text_or_none(os.path.join(up, "cgroup.controllers")) or "").split())
         have = _controllers(p)
         missing = [c for c in CONTROLLERS if c in avail and c not in have]

@@ -243,6 +243,20 @@ class LeaseStore:
             except FileNotFoundError:
                 pass
 
+    def remove_temp_files(self):
+        """Temp files of writers killed mid-write.  Call with the lock held:
+        every writer of net/ holds it, so none is being written now."""
+        out = []
+        for d in (self.dir, self.leases):
+            try:
+                names = [n for n in os.listdir(d) if n.endswith(".tmp")]
+            except FileNotFoundError:
+                continue
+            for n in names:
+                _unlink(os.path.join(d, n))
+                out.append(f"temp file {n}")
+        return out
+
     def orphan_slots(self):
         """Slots whose lease file is gone (a crash between the two writes)."""
         out = []

@@ -13,6 +13,7 @@ import os
 
 from starter.errors import NetworkError
 from starter.net import ipam, nft
+from starter.state import fault, is_live
 
 
 def cfg_fingerprint(cfg):
@@ -153,18 +154,19 @@ class Wiring:
             self._queue.join()
 
     # -- the table -------------------------------------------------------
-    def _check_pool_is_free(self, cfg):
-        """The pool must not overlap any host address (the site's own nets)."""
+    def _check_pool_is_free(self, cfg, own=()):
+        """The pool must not overlap any host address (the site's own nets);
+        `own`: veths of this state dir's leases (a table rebuilt under them)."""
         pool = ipam.Pool(cfg.pool)
         for cidr, ifname in self.links.host_addresses():
-            if pool.overlaps(cidr):
+            if pool.overlaps(cidr) and ifname not in own:
                 hint = ("a job veth left by a crash or by a starter with another state dir: "
                         "run `starter gc`" if ipam.is_job_key(ifname)
                         else "configure a job address pool that is not used on this node")
                 raise NetworkError(f"pool: {cfg.pool} overlaps {cidr} on {ifname}", hint)
 
     def _create_table(self, store, cfg, table):
-        self._check_pool_is_free(cfg)
+        self._check_pool_is_free(cfg, own={lease.get("key") for lease in store.all()})
         guard = []
         if cfg.uplink is not None:
             if not _if_exists(cfg.uplink):
@@ -215,12 +217,15 @@ class Wiring:
                     self._check_table_matches(store, cfg)
                 lease = store.acquire(job_id, key, pool, owner_pid)
                 undo.callback(store.release, key, lease["slot"])
+                fault("net-lease")
                 if first:
                     self._create_table(store, cfg, table)
                 self.links.create(key, netns_fd, lease["gateway"], lease["address"],
                                   lease["prefixlen"], forward=cfg.uplink is not None)
                 undo.callback(self.links.delete, key)
+                fault("net-veth")
                 self._add_job(store, cfg, table, key, lease["address"])
+                fault("net-nft")
                 undo.pop_all()
             except BaseException:
                 undo.close()
@@ -312,10 +317,14 @@ class Wiring:
         store = ipam.LeaseStore(cfg.state_dir)
         removed = []
         with store:
+            removed += store.remove_temp_files()
             live_keys = set()
             for lease in store.all():
                 job_id = lease.get("job_id")
-                if job_id is not None and job_id in live_job_ids:
+                # A job whose entry is locked (its starter lives) is never gc's:
+                # live_job_ids was listed before we took the lock, and a job may
+                # have started since (its entry is made before its lease).
+                if job_id is not None and (job_id in live_job_ids or is_live(cfg.state_dir, job_id)):
                     live_keys.add(lease["key"])
                     continue
                 removed.append(f"job {job_id}: lease {lease.get('address')}, veth {lease['key']}, counters")
