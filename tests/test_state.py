@@ -312,8 +312,10 @@ def test_an_absolute_cgroup_parent_must_exist_and_is_never_removed(starter, stat
         for d in be.distinct_parents():
             os.mkdir(d)
             made.append(d)
-        p = starter("run", "--user", "nobody", "--cgroup-parent", path, "--memory", "64M", "--",
-                    "cat", "/proc/self/cgroup")
+        # The job's own /proc/self/cgroup shows "/" (its cgroup namespace):
+        # where it ran is in the "running" event.
+        p = starter("run", "--user", "nobody", "--cgroup-parent", path, "--memory", "64M",
+                    "--events", "fd:1", "--", "true")
         assert p.returncode == 0 and f"{path}/job-" in p.stdout, (p.stdout, p.stderr)
         assert all(os.path.isdir(d) for d in made)        # the admin's: not pruned
         assert starter("gc").returncode == 0
