@@ -245,6 +245,7 @@ def cmd_status(argv):
                            usage="starter status JOB [--json] [--processes] [--state-dir DIR]")
     if not pos:
         raise UsageError("which job? (starter ps lists them)")
+    need_root("starter status")       # the state directory is root-only
     from starter import admin
 
     return admin.status(_state_dir(values), pos[0], values.get("json", False), values.get("processes", False))
