@@ -179,9 +179,17 @@ def cgroup_view(view, writable=False):
 SHM_SIZE_DEFAULT = None
 
 
+# World-writable directories a job gets empty, private copies of.  Besides
+# temp files, these are where same-uid daemons keep their sockets (tmux in
+# /tmp, screen in /run/screen, systemd --user and D-Bus in /run/user/UID): a
+# job that reached a host daemon of its own uid could have it start
+# processes outside the job's cgroup.
+PRIVATE_TMP_DIRS = ("/var/tmp", "/run/lock", "/run/screen")
+
+
 def private_dirs(uid, gid, shm_bytes=None):
     """The job's own /dev/shm (at most shm_bytes, else SHM_SIZE_DEFAULT),
-    /var/tmp, /run/lock and /run/user/UID, each only where the host has the
+    PRIVATE_TMP_DIRS and /run/user/UID, each only where the host has the
     directory, and a fresh mqueue at /dev/mqueue where the host mounts one
     (it shows the job's IPC namespace).  All tmpfs, nosuid and nodev; their
     pages are charged to the job's memory cgroup (the job faults them in)
@@ -191,7 +199,7 @@ def private_dirs(uid, gid, shm_bytes=None):
     if os.path.isdir("/dev/shm"):
         out.append(Mount.fs("tmpfs", "/dev/shm", "mode=1777" + (f",size={size}" if size else ""),
                             ("nosuid", "nodev")))
-    for d in ("/var/tmp", "/run/lock"):
+    for d in PRIVATE_TMP_DIRS:
         if os.path.isdir(d):
             out.append(Mount.fs("tmpfs", d, "mode=1777", ("nosuid", "nodev")))
     run_user = f"/run/user/{uid}"
