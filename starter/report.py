@@ -10,7 +10,7 @@ import time
 
 from starter.state import dumps
 
-REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "starter_error")
+REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "unkillable", "starter_error")
 
 
 def open_dest(dest):

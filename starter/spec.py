@@ -23,10 +23,12 @@ MAX_CPUS = 4096
 MAX_PIDS = 4194304            # pid_max limit of the kernel
 MAX_WALL = 366 * 86400
 MAX_GRACE = 3600
+KILL_TIMEOUT = 10.0           # $STARTER_KILL_TIMEOUT: then the job's processes are "unkillable"
 
 NET_MODES = ("none", "host", "nat")
 ACTIONS = ("vacate", "suspend", "resume", "kill")
 MOUNT_KINDS = ("bind", "ro-bind", "tmpfs")
+OOM_POLICIES = ("kill", "continue")
 
 _ID_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
 _NAME_CHARS = frozenset("abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789_.-")
@@ -90,11 +92,11 @@ class JobSpec(Spec):
         "env", "hostname", "init", "mounts", "limits", "network", "report",
         "events", "grace", "on_signal", "state_dir", "cgroup_parent",
         "scratch", "execute_dir", "keep_scratch", "manifest",
-        "manifest_digest", "inputs",
+        "manifest_digest", "inputs", "oom_policy", "kill_timeout",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
-        "on_signal": (), "keep_scratch": False,
+        "on_signal": (), "keep_scratch": False, "oom_policy": "kill", "kill_timeout": KILL_TIMEOUT,
     }
 
 
@@ -321,7 +323,7 @@ _FILE_KEYS = {
     "state_dir": "state-dir", "cgroup_parent": "cgroup-parent",
     "scratch": "scratch", "execute_dir": "execute-dir",
     "keep_scratch": "keep-scratch", "manifest": "manifest",
-    "manifest_digest": "manifest-digest", "inputs": "inputs",
+    "manifest_digest": "manifest-digest", "inputs": "inputs", "oom_policy": "oom-policy",
 }
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "pids": "pids", "wall_time": "wall-time"}
@@ -491,6 +493,10 @@ def _make(raw):
     if raw.get("scratch") is not None and raw.get("execute-dir") is not None:
         raise SpecError("scratch", "give --scratch or --execute-dir, not both")
 
+    oom_policy = _str("oom-policy", raw.get("oom-policy", "kill"))
+    if oom_policy not in OOM_POLICIES:
+        raise SpecError("oom-policy", f"{oom_policy!r} is not one of {', '.join(OOM_POLICIES)}")
+
     cwd = raw.get("cwd")
     return JobSpec(
         id=job_id,
@@ -515,6 +521,9 @@ def _make(raw):
         manifest=opt_path("manifest", must_exist=True),
         manifest_digest=digest,
         inputs=opt_path("inputs", must_exist=True),
+        oom_policy=oom_policy,
+        kill_timeout=parse_number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
+                                  0.1, MAX_GRACE),
     )
 
 

@@ -108,6 +108,60 @@ class V1Resources:
         return out
 
 
+    def oom_kills(self):
+        mem = self.paths.get("memory")
+        return _oom_kills_v1(mem) if mem else None
+
+    def end_on_oom(self):
+        """v1 has no memory.oom.group: register an eventfd for
+        memory.oom_control through cgroup.event_control; the supervisor
+        polls it and kills the job.  The kernel signals it when the job's
+        memory cgroup goes under OOM (before the OOM killer has picked a
+        victim), and once more when the cgroup is removed."""
+        mem = self.paths.get("memory")
+        if mem is None:
+            return None
+        if self._oom is None:
+            self._oom = OomEventfd(mem)
+        return self._oom
+
+
+class OomEventfd:
+    """The cgroup v1 OOM notification (Documentation/admin-guide/cgroup-v1/
+    memory.rst, "OOM Control").  Closing the eventfd unregisters it."""
+
+    mask = 0x1  # POLLIN
+
+    def __init__(self, mem):
+        ctl = os.path.join(mem, "memory.oom_control")
+        try:
+            cfd = os.open(ctl, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CgroupError(f"cannot open {ctl}: {os.strerror(e.errno)}", files.hint_for(e.errno)) from None
+        try:
+            self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            try:
+                files.write(os.path.join(mem, "cgroup.event_control"), f"{self.fd} {cfd}",
+                            hint="the kernel has no cgroup v1 OOM notification; "
+                            "use --oom-policy continue (the report still counts OOM kills)")
+            except BaseException:
+                os.close(self.fd)
+                raise
+        finally:
+            os.close(cfd)
+
+    def drain(self):
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def _oom_kills_v1(mem):
     """Sum of memory.oom_control "oom_kill" over the job's memory subtree.
 
@@ -177,31 +231,37 @@ class V1Tracking:
     def kill(self, timeout=5.0):
         """Freeze, SIGKILL every pid in every hierarchy's subtree, thaw
         (every sub-cgroup too: a job may have frozen its own), repeat until
-        empty.  Returns the survivors after `timeout`."""
+        empty.  Returns the survivors after `timeout`.
+
+        v1 has no notification for "empty": re-check with an exponential
+        back-off up to 1 s, and repeat the kill round on a back-off of its
+        own, so a process stuck in D state costs no CPU while we wait."""
         deadline = time.monotonic() + timeout
         has_freezer = self.paths.get("freezer") and os.path.isdir(self.paths["freezer"])
+        check, again, next_round = 0.001, 0.2, 0.0
         while True:
             left = self.pids()
             if not left:
                 return []
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return left
-            if has_freezer:
-                try:
-                    files.write(os.path.join(self.paths["freezer"], "freezer.state"), "FROZEN")
-                    self._wait_state("FROZEN", max(0.0, min(1.0, deadline - time.monotonic())), "freeze")
-                except CgroupError:
-                    pass  # kill anyway; the next round catches what forked
-                left = self.pids()
-            kill_pids(left)
-            if has_freezer:
-                self._thaw_tree(self.paths["freezer"])
-            # Killed tasks leave their cgroups as they exit; give them a moment.
-            end = min(deadline, time.monotonic() + 0.2)
-            delay = 0.001
-            while time.monotonic() < end and self.pids():
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
+            if now >= next_round:
+                if has_freezer:
+                    try:
+                        files.write(os.path.join(self.paths["freezer"], "freezer.state"), "FROZEN")
+                        self._wait_state("FROZEN", max(0.0, min(0.2, deadline - now)), "freeze")
+                    except CgroupError:
+                        pass  # kill anyway; the next round catches what forked
+                    left = self.pids()
+                kill_pids(left)
+                if has_freezer:
+                    self._thaw_tree(self.paths["freezer"])
+                next_round = time.monotonic() + again
+                again = min(again * 2, 1.0)
+            # Killed tasks leave their cgroups as they exit.
+            time.sleep(max(0.0, min(check, deadline - time.monotonic())))
+            check = min(check * 2, 1.0)
 
     def _tracking_stats(self):
         out = {}
