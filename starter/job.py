@@ -214,8 +214,9 @@ def _run(spec, job_state, signals, events, undo, report):
         report.update(unkillable=out.unkillable, kill_reason=out.reason)
         undo.keep_only(signals.close, child.close)
         job_state.update(state="reclaiming", reclaim_reason=f"{len(out.unkillable)} unkillable processes")
-        sys.stderr.write(f"starter: job {spec.id}: processes survived the kill for {spec.kill_timeout:g}s: "
-                         f"{out.unkillable}; `starter gc` reclaims the job once they are gone\n")
+        stuck = ", ".join(f"{u['pid']} ({u['state']}, wchan {u['wchan']})" for u in out.unkillable)
+        sys.stderr.write(f"starter: job {spec.id}: unkillable processes survived the kill for "
+                         f"{spec.kill_timeout:g}s: {stuck}; `starter gc` reclaims the job once they are gone\n")
         return code
     job_state.update(state="exited")
     return code
