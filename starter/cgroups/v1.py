@@ -191,7 +191,7 @@ class V1Tracking:
     def freeze(self, timeout=5.0):
         p = _need(self, "freezer", "freezer.state", "freezing")
         files.write(p, "FROZEN")
-        self._wait_state("FROZEN", timeout, "freeze")
+        self._wait_state("FROZEN", timeout, "freeze", again=p)
 
     def thaw(self, timeout=5.0):
         p = _need(self, "freezer", "freezer.state", "freezing")
@@ -201,8 +201,13 @@ class V1Tracking:
     def frozen(self):
         return self._freezer_state() == "FROZEN"
 
-    def _wait_state(self, want, timeout, what):
+    def _wait_state(self, want, timeout, what, again=None):
         # v1 passes through FREEZING; the kernel offers no notification.
+        # again: write FROZEN to it on every round.  The v1 freezer tries
+        # each task once per write: a task that was running then and went to
+        # sleep without passing a freezing point (seen on 6.1: a vfork
+        # parent waiting for its frozen child, wchan kernel_clone) keeps the
+        # cgroup FREEZING until the next write.  runc repeats it too.
         deadline = time.monotonic() + timeout
         delay = 0.001
         while True:
@@ -216,6 +221,8 @@ class V1Tracking:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+            if again is not None:
+                files.write(again, "FROZEN")
 
     def _thaw_tree(self, d):
         if d != self.paths.get("freezer"):
@@ -249,8 +256,9 @@ class V1Tracking:
             if now >= next_round:
                 if has_freezer:
                     try:
-                        files.write(os.path.join(self.paths["freezer"], "freezer.state"), "FROZEN")
-                        self._wait_state("FROZEN", max(0.0, min(0.2, deadline - now)), "freeze")
+                        fs = os.path.join(self.paths["freezer"], "freezer.state")
+                        files.write(fs, "FROZEN")
+                        self._wait_state("FROZEN", max(0.0, min(0.2, deadline - now)), "freeze", again=fs)
                     except CgroupError:
                         pass  # kill anyway; the next round catches what forked
                     left = self.pids()
