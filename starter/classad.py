@@ -114,7 +114,11 @@ def attributes(report):
                 for unit in ("bytes", "packets"):
                     if c.get(unit) is not None:
                         out.append((prefix + camel(unit), c[unit]))
-    known = set(MAPPING) | {"signal", "network"}
+    survivors = report.get("unkillable")
+    if isinstance(survivors, list):       # [{pid, state, wchan}]: the pids, and where they hang
+        out.append(("StarterUnkillable", [s.get("pid") if isinstance(s, dict) else s for s in survivors]))
+        out.append(("StarterUnkillableWchan", [str(s.get("wchan")) if isinstance(s, dict) else "" for s in survivors]))
+    known = set(MAPPING) | {"signal", "network", "unkillable"}
     for field in report:
         if field not in known:
             _flatten(out, "Starter" + camel(field), report[field])

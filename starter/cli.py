@@ -65,6 +65,7 @@ RUN_OPTIONS = {
     "--cpu-weight": ("cpu-weight", "value", "N  cpu weight 1..10000 (default 100)"),
     "--pids": ("pids", "value", "N  most processes/threads at once"),
     "--wall-time": ("wall-time", "value", "SECONDS  wall-clock limit; then the job is killed (reason timeout)"),
+    "--oom-policy": ("oom-policy", "value", "kill|continue  kill: an OOM kill of any process ends the job (reason oom; default); continue: only that process dies"),
     "--grace": ("grace", "value", "SECONDS  vacate: time between SIGTERM and the kill (default 10)"),
     "--on-signal": ("on-signal", "multi", "SIG=ACTION  map a signal to vacate|suspend|resume|kill"),
     "--report": ("report", "value", "FILE|fd:N  write the JSON usage report here when the job ends"),

@@ -35,6 +35,11 @@ class Undo:
     def push(self, fn, *args, label=None):
         self.steps.append((fn, args, label or getattr(fn, "__qualname__", str(fn))))
 
+    def keep_only(self, *fns):
+        """Drop every teardown but these (closing our fds): what the job
+        holds stays for `starter gc`."""
+        self.steps = [(fn, args) for fn, args in self.steps if fn in fns]
+
     def run(self):
         err = None
         while self.steps:
@@ -188,6 +193,7 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
     undo.push(cg.destroy, label="cgroup")
     fault("cgroup-create")
+    oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None
 
     netcfg = None
     if spec.network.mode == "nat":
@@ -248,19 +254,30 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     fault("running")
     events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None)
 
-    sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace)
+    sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace,
+                     oom_watch=oom_watch, kill_timeout=spec.kill_timeout)
     out = sup.run()
 
     # Measure before anything is destroyed.
     stats = cg.stats()
-    reason, code, sig = classify(out, stats.get("oom_kills"))
-    if reason == "oom":
+    reason, code, sig = classify(out, stats.get("oom_kills"), spec.oom_policy)
+    if stats.get("oom_kills"):
         events.emit("oom", oom_kills=stats.get("oom_kills"))
     report.update(reason=reason, exit_code=code, signal=sig,
                   wall_s=round(time.monotonic() - sup.started, 6),
                   cgroup=backend.kind, **stats)
+    report.update(oom=None if stats.get("oom_kills") is None else stats["oom_kills"] > 0,
+                  oom_policy=spec.oom_policy)
     if out.unkillable:
-        report["unkillable"] = out.unkillable
+        # Nothing the job holds may be reused while its processes live: the
+        # cgroup, address, scratch and entry stay for `starter gc`.
+        report.update(unkillable=out.unkillable, kill_reason=out.reason)
+        undo.keep_only(signals.close, child.close)
+        job_state.update(state="reclaiming", reclaim_reason=f"{len(out.unkillable)} unkillable processes")
+        stuck = ", ".join(f"{u['pid']} ({u['state']}, wchan {u['wchan']})" for u in out.unkillable)
+        sys.stderr.write(f"starter: job {spec.id}: unkillable processes survived the kill for "
+                         f"{spec.kill_timeout:g}s: {stuck}; `starter gc` reclaims the job once they are gone\n")
+        return code
     job_state.update(state="exited")
     return code
 

@@ -15,7 +15,7 @@ from starter.state import dumps
 # Version of the event schema (docs/events.md): bumped when a field changes
 # meaning or goes away; new fields and events may appear without a bump.
 EVENTS_VERSION = 1
-REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "starter_error")
+REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "unkillable", "starter_error")
 
 
 # Paths that are links by nature, taken as the starter's own fds instead.

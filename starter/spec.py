@@ -22,6 +22,7 @@ MAX_CPUS = 4096
 MAX_PIDS = 4194304            # pid_max limit of the kernel
 MAX_WALL = 366 * 86400
 MAX_GRACE = 3600
+KILL_TIMEOUT = 10.0           # $STARTER_KILL_TIMEOUT: then the job's processes are "unkillable"
 
 # The job's user when no --user is given: a system account of its own, with
 # its own group, no home, no login shell, owning no files (scripts/setup).
@@ -33,6 +34,7 @@ NET_MODES = ("none", "host", "nat")
 REPORT_FORMATS = ("json", "classad")
 ACTIONS = ("vacate", "suspend", "resume", "kill")
 MOUNT_KINDS = ("bind", "ro-bind", "tmpfs")
+OOM_POLICIES = ("kill", "continue")
 
 
 
@@ -93,11 +95,13 @@ class JobSpec(Spec):
         "scratch", "execute_dir", "keep_scratch", "manifest",
         "manifest_digest", "inputs",
         "seccomp", "allow_userns", "userns_root", "rlimits",
+        "oom_policy", "kill_timeout",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
         "on_signal": (), "keep_scratch": False, "report_format": "json",
         "seccomp": "default", "allow_userns": False, "userns_root": False, "rlimits": (),
+        "oom_policy": "kill", "kill_timeout": KILL_TIMEOUT,
     }
 
 
@@ -340,6 +344,7 @@ _FILE_KEYS = {
     "manifest_digest": "manifest-digest", "inputs": "inputs",
     "seccomp": "seccomp", "allow_userns": "allow-userns",
     "userns_root": "userns-root", "rlimits": None,
+    "oom_policy": "oom-policy",
 }
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "pids": "pids", "wall_time": "wall-time"}
@@ -516,6 +521,9 @@ def _make(raw):
     for item in _list("rlimit", raw.get("rlimit", [])):
         name, soft, hard = parse_rlimit("rlimit", item)
         rlimits[name] = (name, soft, hard)  # a later one wins
+    oom_policy = _str("oom-policy", raw.get("oom-policy", "kill"))
+    if oom_policy not in OOM_POLICIES:
+        raise SpecError("oom-policy", f"{oom_policy!r} is not one of {', '.join(OOM_POLICIES)}")
 
     cwd = raw.get("cwd")
     return JobSpec(
@@ -546,6 +554,9 @@ def _make(raw):
         allow_userns=_bool("allow-userns", raw.get("allow-userns", False)),
         userns_root=userns_root,
         rlimits=tuple(rlimits.values()),
+        oom_policy=oom_policy,
+        kill_timeout=parse_number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
+                                  0.1, MAX_GRACE),
     )
 
 

@@ -5,13 +5,29 @@ One poll() over these, no busy loop, no /proc walking:
     pidfd             readable when the job's main process exits
     signal pipe       control signals (vacate/suspend/resume/kill), written
                       by the interpreter's wakeup fd, one byte per signal
-    (timeout)         wall-clock limit, end of a vacate's grace period
+    OOM watch         --oom-policy kill where the kernel cannot end the job
+                      by itself (cgroup v1 memory: an eventfd); see below
+    (timeout)         wall-clock limit, end of a vacate's grace period,
+                      re-check of an OOM notification
 
 The job is over when its main process has exited AND its cgroup is empty:
 whatever is left when the main process exits is killed through the cgroup,
 and cg.kill() returns once cgroup.events says "populated 0" (it waits on the
 file with poll(POLLPRI); v1-only hosts have no such file and re-check on a
-short timer).
+timer that backs off to 1 s).
+
+OOM policy "kill" (the default): an OOM kill of any process ends the job
+with reason "oom", as Slurm's OUT_OF_MEMORY and HTCondor's hold do.  cgroup
+v2 does it in the kernel (memory.oom.group); elsewhere cg.end_on_oom() gives
+a watch, and when it fires the loop checks the OOM kill counter (v1 notifies
+before the victim is picked, so an uncounted notification is re-checked a few
+times) and kills the job.  "continue": only the victim dies; the report
+still says oom: true.
+
+Processes that do not die (D state: a hung NFS server, a stuck device):
+after the kill timeout ($STARTER_KILL_TIMEOUT, default 10 s) the loop stops
+waiting for them, reason "unkillable", with their pids, state and wchan;
+job.py then leaves the cgroup, address and entry for `starter gc`.
 
 Signals are handled with `_signal` (the C module): `import signal` builds
 enums and costs ~5 ms per start.
@@ -23,6 +39,7 @@ import time
 
 import _signal
 
+from starter.errors import EXIT_STARTER_FAILED
 from starter.report import decode_status
 
 SIGRTMIN = _signal.SIGRTMIN
@@ -36,6 +53,9 @@ DEFAULT_ACTIONS = {
     _signal.SIGUSR1: "suspend", _signal.SIGUSR2: "resume", _signal.SIGQUIT: "kill",
 }
 UNKILLABLE_AFTER = 10.0
+# v1 OOM notifications come before the kill is counted: re-check after
+# 10, 20, 40, ... ms, then give up (the OOM was resolved without a kill).
+OOM_RECHECKS = 7
 
 
 def _ignore(signum, frame):
@@ -76,30 +96,39 @@ class Outcome:
     __slots__ = ("status", "reason", "unkillable", "job_status")
 
     def __init__(self):
-        self.status = None      # raw wait status of the main process
-        self.reason = None      # set by the starter's own actions (vacated, timeout, killed)
-        self.unkillable = []
+        self.status = None      # raw wait status of the main process (None: never seen)
+        self.reason = None      # set by the starter's own actions (vacated, timeout, killed, oom)
+        self.unkillable = []    # [{"pid", "state", "wchan"}] of processes that outlived the kill
         self.job_status = None
 
 
 class Supervisor:
-    def __init__(self, child, cgroup, signals, events, state, wall_time=None, grace=10.0):
+    def __init__(self, child, cgroup, signals, events, state, wall_time=None, grace=10.0,
+                 oom_watch=None, kill_timeout=UNKILLABLE_AFTER):
         self.child = child
         self.cg = cgroup
         self.signals = signals
         self.events = events
         self.state = state
         self.grace = grace
+        self.oom = oom_watch
+        self.kill_timeout = kill_timeout
         self.started = time.monotonic()
         self.wall_deadline = self.started + wall_time if wall_time else None
         self.kill_deadline = None
+        self.oom_recheck = None
+        self.oom_tries = 0
+        self.killed = False
         self.out = Outcome()
 
     def run(self):
         poller = select.poll()
         poller.register(self.child.pidfd, select.POLLIN)
         poller.register(self.signals.r, select.POLLIN)
-        while self.out.status is None:
+        oom_fd = self.oom.fd if self.oom is not None else None
+        if oom_fd is not None:
+            poller.register(oom_fd, self.oom.mask)
+        while self.out.status is None and not self.out.unkillable:
             ready = {fd for fd, _ in poller.poll(self._timeout_ms())}
             # Signals first: under Slurm a scancel sends SIGTERM to the job and
             # to us at once, and the job may be gone in the same wakeup; the
@@ -109,26 +138,56 @@ class Supervisor:
                     self.act(action)
             if self.child.pidfd in ready:
                 self.out.status = self.child.poll()
+            if oom_fd is not None and oom_fd in ready and self.out.status is None:
+                self.oom.drain()
+                self._check_oom()
             now = time.monotonic()
-            if self.wall_deadline is not None and now >= self.wall_deadline and self.out.reason is None:
-                self.out.reason = "timeout"
-                self.events.emit("timeout")
+            if self.wall_deadline is not None and now >= self.wall_deadline:
+                self.wall_deadline = None
+                if self.out.reason is None:
+                    self.out.reason = "timeout"
+                    self.events.emit("timeout")
                 self._kill()
             if self.kill_deadline is not None and now >= self.kill_deadline:
                 self.kill_deadline = None
                 self._kill()
-        self.out.job_status = self.child.job_status()
+            if self.oom_recheck is not None and now >= self.oom_recheck and self.out.status is None:
+                self._check_oom()
+        if self.out.status is None:
+            # Gave up on unkillable processes; the main one may be among them.
+            self.out.status = self.child.poll()
+        if self.out.status is not None:
+            self.out.job_status = self.child.job_status()
         # The main process is gone; in its PID namespace the kernel kills the
         # rest, but anything that entered the cgroup otherwise goes this way.
-        if not self.cg.is_empty():
-            self.out.unkillable = self.cg.kill(timeout=UNKILLABLE_AFTER)
+        if not self.out.unkillable and not self.cg.is_empty():
+            self.out.unkillable = self.cg.kill(timeout=self.kill_timeout)
+        if self.out.unkillable:
+            self.out.unkillable = describe(self.out.unkillable)
         return self.out
 
     def _timeout_ms(self):
-        deadlines = [d for d in (self.wall_deadline, self.kill_deadline) if d is not None]
+        deadlines = [d for d in (self.wall_deadline, self.kill_deadline, self.oom_recheck) if d is not None]
         if not deadlines:
             return None
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _check_oom(self):
+        """The OOM watch fired (or a re-check is due): end the job if the
+        OOM killer has killed one of its processes."""
+        if self.cg.oom_kills():
+            self.oom_recheck = None
+            if self.out.reason is None:
+                self.out.reason = "oom"
+            if not self.killed:
+                self._kill()
+            return
+        if self.oom_tries < OOM_RECHECKS:
+            self.oom_recheck = time.monotonic() + 0.01 * (2 ** self.oom_tries)
+            self.oom_tries += 1
+        else:
+            self.oom_recheck = None
+            self.oom_tries = 0
 
     def act(self, action):
         if self.out.status is not None:
@@ -158,17 +217,44 @@ class Supervisor:
             self._kill()
 
     def _kill(self):
+        self.killed = True
         self.state.update(state="killing")
-        self.out.unkillable = self.cg.kill(timeout=UNKILLABLE_AFTER)
+        # Blocks until the cgroup is empty or the kill timeout has passed,
+        # waiting on cgroup.events (or a back-off timer on v1), not spinning.
+        self.out.unkillable = self.cg.kill(timeout=self.kill_timeout)
 
 
-def classify(outcome, oom_kills):
-    """-> (reason, exit_code, signal) for the report and the starter's exit."""
+def describe(pids):
+    """[{"pid", "state", "wchan"}] of processes that would not die: what an
+    admin needs to find the stuck mount or device (wchan "0": running)."""
+    out = []
+    for pid in pids:
+        st = wchan = None
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                data = f.read()
+            st = data[data.rindex(b")") + 2:].split()[0].decode()
+            with open(f"/proc/{pid}/wchan") as f:
+                wchan = f.read().strip() or None
+        except (OSError, ValueError):
+            pass
+        out.append({"pid": pid, "state": st, "wchan": wchan})
+    return out
+
+
+def classify(outcome, oom_kills, oom_policy="kill"):
+    """-> (reason, exit_code, signal) for the report and the starter's exit.
+
+    oom: the main process was OOM-killed, or (policy kill) any process was,
+    even if the main process then exited on its own.  unkillable: the job
+    could not be ended; the starter exits 125 (the node needs attention)."""
+    if outcome.unkillable:
+        return "unkillable", EXIT_STARTER_FAILED, None
     status = outcome.job_status if outcome.job_status is not None else outcome.status
     code, sig = decode_status(status)
     if outcome.reason:
         reason = outcome.reason
-    elif oom_kills and sig == 9:
+    elif oom_kills and (sig == 9 or oom_policy == "kill"):
         reason = "oom"
     elif sig is not None:
         reason = "signaled"

@@ -453,8 +453,9 @@ def test_cpu_accounting(backend, jobs):
     assert cg.is_empty()
     st = cg.stats()
     cpu = st["cpu_user_s"] + st["cpu_system_s"]
-    # 2 s of the loop plus interpreter start-up and exit.
-    assert 1.9 <= cpu <= 2.2, st
+    # 2 s of the loop plus interpreter start-up and exit (slower under
+    # emulation: scripts/vm-test sets STARTER_VM).
+    assert 1.9 <= cpu <= (2.8 if os.environ.get("STARTER_VM") else 2.2), st
     assert st["cpu_user_s"] > st["cpu_system_s"]
     assert st["oom_kills"] in (0, None)
     if backend.supports_psi:

@@ -55,7 +55,8 @@ def test_cpu_time_of_a_busy_loop(starter, tmp_path):
     loop = "import time\nt = time.process_time()\nwhile time.process_time() - t < 2.0:\n    pass\n"
     p, r, _ = _report(starter, tmp_path, "--", PY, "-c", loop)
     cpu = r["cpu_user_s"] + r["cpu_system_s"]
-    assert abs(cpu - 2.0) <= 0.2, r
+    # Plus interpreter start-up and exit, slower under emulation (STARTER_VM).
+    assert 1.8 <= cpu <= (2.8 if os.environ.get("STARTER_VM") else 2.2), r
 
 
 def test_memory_peak_of_512_mib(starter, tmp_path):

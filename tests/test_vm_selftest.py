@@ -4,9 +4,10 @@ They run only inside the VM (vm-init sets STARTER_VM=1):
 
     scripts/vm-test -- python -m pytest -q tests/test_vm_selftest.py
 
-and prove that the VM gives the cgroup v2 tests what they need: one pure v2
-hierarchy with its controllers enabled below the root, and the project built
-inside the VM rather than borrowed from the host checkout.
+and prove that the VM gives the tests the layout it promises: one pure v2
+hierarchy with its controllers enabled below the root, or (--cgroup v1) the
+v1 controller hierarchies and no cgroup2; and the project built inside the
+VM rather than borrowed from the host checkout.
 test_deliberate_failure fails on request, to prove that a failing test makes
 scripts/vm-test exit non-zero:
 
@@ -23,8 +24,20 @@ pytestmark = pytest.mark.skipif(
 )
 
 CGROOT = Path("/sys/fs/cgroup")
+LAYOUT = os.environ.get("STARTER_VM_CGROUP", "v2")
+v2_only = pytest.mark.skipif(LAYOUT != "v2", reason=f"the VM runs the cgroup {LAYOUT} layout")
+v1_only = pytest.mark.skipif(LAYOUT != "v1", reason=f"the VM runs the cgroup {LAYOUT} layout")
 
 
+def _cgroup_mounts():
+    return [
+        line.split()[1:4]
+        for line in Path("/proc/self/mounts").read_text().splitlines()
+        if line.split()[2] in ("cgroup", "cgroup2")
+    ]
+
+
+@v2_only
 @pytest.mark.cgroup_v2
 def test_one_pure_cgroup2_hierarchy():
     cgroup_mounts = [
@@ -38,6 +51,7 @@ def test_one_pure_cgroup2_hierarchy():
     assert Path("/proc/1/cgroup").read_text() == "0::/init\n"
 
 
+@v2_only
 @pytest.mark.cgroup_v2
 def test_controllers_enabled_below_the_root():
     wanted = {"cpu", "memory", "pids", "io"}
@@ -51,6 +65,26 @@ def test_controllers_enabled_below_the_root():
         assert "oom_kill" in (child / "memory.events").read_text()
     finally:
         child.rmdir()
+
+
+@v1_only
+@pytest.mark.cgroup_v1
+def test_v1_hierarchies_and_no_cgroup2():
+    mounts = _cgroup_mounts()
+    assert all(fstype == "cgroup" for _, fstype, _ in mounts), mounts
+    by_point = {point: set(opts.split(",")) for point, _, opts in mounts}
+    for ctrl in ("memory", "pids", "freezer", "blkio"):
+        assert ctrl in by_point[f"/sys/fs/cgroup/{ctrl}"]
+    assert {"cpu", "cpuacct"} <= by_point["/sys/fs/cgroup/cpu,cpuacct"]  # co-mounted, as systemd does
+    assert (CGROOT / "cpu").resolve() == CGROOT / "cpu,cpuacct"
+    # No v2 line in /proc/self/cgroup; every hierarchy at its root.
+    lines = Path("/proc/self/cgroup").read_text().splitlines()
+    assert not any(l.startswith("0::") for l in lines), lines
+    assert all(l.endswith(":/") for l in lines), lines
+    # What the starter's v1 backend and OOM policy use.
+    for f in ("memory.oom_control", "cgroup.event_control", "memory.memsw.limit_in_bytes"):
+        assert (CGROOT / "memory" / f).exists(), f
+    assert "oom_kill" in (CGROOT / "memory" / "memory.oom_control").read_text()
 
 
 def test_project_built_in_the_vm():

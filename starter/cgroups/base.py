@@ -8,7 +8,7 @@ from version numbers.
     Backend.create(id) -> JobCgroup      make job-<id> under the parent in every hierarchy
     Backend.view() -> [(fstype, path, options)]   the job's cgroup namespace view
     JobCgroup: clone_fd add_pid set_limits freeze thaw frozen kill is_empty pids
-               events_fd stats oom_kills destroy paths
+               events_fd stats oom_kills end_on_oom destroy paths
 
 Layout on disk (one `starter` parent per hierarchy, under the starter's own
 cgroup unless configured otherwise):
@@ -202,6 +202,9 @@ class EventsWatch:
     (measured 15 ms of every job here), and reaching it from Python needs
     ctypes (~2 ms to import)."""
 
+    # What to poll() it for: kernfs files always poll readable (POLLIN).
+    mask = 0x2 | 0x8  # POLLPRI | POLLERR; `import select` only where we wait
+
     def __init__(self, path):
         try:
             self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
@@ -254,6 +257,7 @@ class JobCgroup:
         self.paths = dict(paths)
         self._clone_fd = None
         self._events = None
+        self._oom = None
 
     def __repr__(self):
         return f"<{type(self).__name__} {self.id} {self.paths}>"
@@ -301,7 +305,19 @@ class JobCgroup:
         return sorted(found)
 
     def oom_kills(self):
+        """Processes of the job killed by the OOM killer so far (None: the
+        kernel does not count them)."""
         return self.stats().get("oom_kills")
+
+    def end_on_oom(self):
+        """Make an OOM kill anywhere in the job end the whole job.
+
+        Returns None when the kernel does that by itself (cgroup v2
+        memory.oom.group), else a watch (.fd, .mask for poll(), .drain())
+        that fires when the job may have had an OOM kill: the supervisor
+        then checks oom_kills() and kills the job.  Owned by this object.
+        Call before the job runs."""
+        return None
 
     def destroy(self, timeout=5.0, prune=True):
         """Kill what is left, then rmdir depth-first in every hierarchy.
@@ -332,6 +348,9 @@ class JobCgroup:
         if self._events is not None:
             self._events.close()
             self._events = None
+        if self._oom is not None:
+            self._oom.close()
+            self._oom = None
 
     def _thaw_tree(self, d):
         """Hook: make sure nothing under `d` stays frozen before rmdir."""
@@ -503,6 +522,11 @@ class Backend:
     def supports_kill(self):
         """cgroup.kill exists: the whole tree dies in one write."""
         return "unified" in self.parents and self._probe_file("unified", "cgroup.kill")
+
+    @property
+    def supports_oom_group(self):
+        """memory.oom.group: the kernel itself ends a job on an OOM kill."""
+        return "unified" in self.parents and self._probe_file("unified", "memory.oom.group")
 
     @property
     def supports_psi(self):

@@ -111,6 +111,60 @@ class V1Resources:
         return out
 
 
+    def oom_kills(self):
+        mem = self.paths.get("memory")
+        return _oom_kills_v1(mem) if mem else None
+
+    def end_on_oom(self):
+        """v1 has no memory.oom.group: register an eventfd for
+        memory.oom_control through cgroup.event_control; the supervisor
+        polls it and kills the job.  The kernel signals it when the job's
+        memory cgroup goes under OOM (before the OOM killer has picked a
+        victim), and once more when the cgroup is removed."""
+        mem = self.paths.get("memory")
+        if mem is None:
+            return None
+        if self._oom is None:
+            self._oom = OomEventfd(mem)
+        return self._oom
+
+
+class OomEventfd:
+    """The cgroup v1 OOM notification (Documentation/admin-guide/cgroup-v1/
+    memory.rst, "OOM Control").  Closing the eventfd unregisters it."""
+
+    mask = 0x1  # POLLIN
+
+    def __init__(self, mem):
+        ctl = os.path.join(mem, "memory.oom_control")
+        try:
+            cfd = os.open(ctl, os.O_RDONLY | os.O_CLOEXEC)
+        except OSError as e:
+            raise CgroupError(f"cannot open {ctl}: {os.strerror(e.errno)}", files.hint_for(e.errno)) from None
+        try:
+            self.fd = os.eventfd(0, os.EFD_CLOEXEC | os.EFD_NONBLOCK)
+            try:
+                files.write(os.path.join(mem, "cgroup.event_control"), f"{self.fd} {cfd}",
+                            hint="the kernel has no cgroup v1 OOM notification; "
+                            "use --oom-policy continue (the report still counts OOM kills)")
+            except BaseException:
+                os.close(self.fd)
+                raise
+        finally:
+            os.close(cfd)
+
+    def drain(self):
+        try:
+            os.eventfd_read(self.fd)
+        except BlockingIOError:
+            pass
+
+    def close(self):
+        if self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
+
+
 def _oom_kills_v1(mem):
     """Sum of memory.oom_control "oom_kill" over the job's memory subtree.
 
@@ -140,7 +194,7 @@ class V1Tracking:
     def freeze(self, timeout=5.0):
         p = _need(self, "freezer", "freezer.state", "freezing")
         files.write(p, "FROZEN")
-        self._wait_state("FROZEN", timeout, "freeze")
+        self._wait_state("FROZEN", timeout, "freeze", again=p)
 
     def thaw(self, timeout=5.0):
         p = _need(self, "freezer", "freezer.state", "freezing")
@@ -150,8 +204,13 @@ class V1Tracking:
     def frozen(self):
         return self._freezer_state() == "FROZEN"
 
-    def _wait_state(self, want, timeout, what):
+    def _wait_state(self, want, timeout, what, again=None):
         # v1 passes through FREEZING; the kernel offers no notification.
+        # again: write FROZEN to it on every round.  The v1 freezer tries
+        # each task once per write: a task that was running then and went to
+        # sleep without passing a freezing point (seen on 6.1: a vfork
+        # parent waiting for its frozen child, wchan kernel_clone) keeps the
+        # cgroup FREEZING until the next write.  runc repeats it too.
         deadline = time.monotonic() + timeout
         delay = 0.001
         while True:
@@ -165,6 +224,8 @@ class V1Tracking:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.05)
+            if again is not None:
+                files.write(again, "FROZEN")
 
     def _thaw_tree(self, d):
         if d != self.paths.get("freezer"):
@@ -180,45 +241,62 @@ class V1Tracking:
     def kill(self, timeout=5.0):
         """Freeze, SIGKILL every pid in every hierarchy's subtree, thaw
         (every sub-cgroup too: a job may have frozen its own), repeat until
-        empty.  Returns the survivors after `timeout`."""
+        empty.  Returns the survivors after `timeout`.
+
+        v1 has no notification for "empty": re-check with an exponential
+        back-off up to 1 s, and repeat the kill round on a back-off of its
+        own, so a process stuck in D state costs no CPU while we wait."""
         deadline = time.monotonic() + timeout
         has_freezer = self.paths.get("freezer") and os.path.isdir(self.paths["freezer"])
+        check, again, next_round = 0.001, 0.2, 0.0
         while True:
             left = self.pids()
             if not left:
                 return []
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return left
-            if has_freezer:
-                try:
-                    files.write(os.path.join(self.paths["freezer"], "freezer.state"), "FROZEN")
-                    self._wait_state("FROZEN", max(0.0, min(1.0, deadline - time.monotonic())), "freeze")
-                except CgroupError:
-                    pass  # kill anyway; the next round catches what forked
-                left = self.pids()
-            kill_pids(left)
-            if has_freezer:
-                self._thaw_tree(self.paths["freezer"])
-            # Killed tasks leave their cgroups as they exit; give them a moment.
-            end = min(deadline, time.monotonic() + 0.2)
-            delay = 0.001
-            while time.monotonic() < end and self.pids():
-                time.sleep(delay)
-                delay = min(delay * 2, 0.02)
+            if now >= next_round:
+                if has_freezer:
+                    try:
+                        fs = os.path.join(self.paths["freezer"], "freezer.state")
+                        files.write(fs, "FROZEN")
+                        self._wait_state("FROZEN", max(0.0, min(0.2, deadline - now)), "freeze", again=fs)
+                    except CgroupError:
+                        pass  # kill anyway; the next round catches what forked
+                    left = self.pids()
+                kill_pids(left)
+                if has_freezer:
+                    self._thaw_tree(self.paths["freezer"])
+                next_round = time.monotonic() + again
+                again = min(again * 2, 1.0)
+            # Killed tasks leave their cgroups as they exit.
+            time.sleep(max(0.0, min(check, deadline - time.monotonic())))
+            check = min(check * 2, 1.0)
 
     def _tracking_stats(self):
         out = {}
         acct = self.paths.get("cpuacct")
         if acct:
+            # cpuacct.usage is exact (ns, from the scheduler); the user/system
+            # split (usage_user/usage_sys since 4.16 and cpuacct.stat) is
+            # sampled at timer ticks, which miss or double-count time when
+            # ticks are late (seen: 1.49 s and 2.4 s for 2 s of CPU in a VM).
+            # Like the kernel's cputime_adjust(): the exact total, split in
+            # the sampled ratio.
+            total = files.read_int_or_none(os.path.join(acct, "cpuacct.usage"))
             u = files.read_int_or_none(os.path.join(acct, "cpuacct.usage_user"))
             s = files.read_int_or_none(os.path.join(acct, "cpuacct.usage_sys"))
-            if u is not None and s is not None:
-                out["cpu_user_s"], out["cpu_system_s"] = u / 1e9, s / 1e9
-            else:
+            if u is None or s is None:
                 st = files.parse_flat_keyed(files.read_text_or_none(os.path.join(acct, "cpuacct.stat")))
                 if "user" in st:
                     hz = os.sysconf("SC_CLK_TCK")
-                    out["cpu_user_s"], out["cpu_system_s"] = st["user"] / hz, st.get("system", 0) / hz
+                    u, s = st["user"] * 1e9 / hz, st.get("system", 0) * 1e9 / hz
+            if total is not None and u is not None:
+                user = total * u / (u + s) if u + s > 0 else total
+                out["cpu_user_s"], out["cpu_system_s"] = user / 1e9, (total - user) / 1e9
+            elif u is not None:
+                out["cpu_user_s"], out["cpu_system_s"] = u / 1e9, s / 1e9
         out["psi"] = None
         return out
 

@@ -135,6 +135,7 @@ class UnifiedTracking:
         if not os.path.isdir(self.upath):
             return self._kill_v1_leftovers(deadline)
         w = EventsWatch(self._ufile("cgroup.events"))
+        gap = 0.25
         try:
             while True:
                 if has_kill:
@@ -147,9 +148,11 @@ class UnifiedTracking:
                 else:
                     self._kill_by_freezing()
                 # populated drops when the last task has exited; wait on
-                # cgroup.events, re-sending every 0.5 s in case of stragglers
-                # (processes attached with add_pid after the write).
-                resend = time.monotonic() + 0.5
+                # cgroup.events, re-sending in case of stragglers (processes
+                # attached with add_pid after the write) at growing intervals
+                # up to 1 s: a task stuck in D state costs no CPU.
+                resend = time.monotonic() + gap
+                gap = min(gap * 2, 1.0)
                 while not self.is_empty():
                     now = time.monotonic()
                     if now >= deadline:
@@ -181,14 +184,17 @@ class UnifiedTracking:
     def _kill_v1_leftovers(self, deadline):
         """Hybrid: a process in a v1 job cgroup but not in the cgroup2 one
         (attached halfway) would keep rmdir busy; kill those too."""
+        delay = 0.01
         while True:
             left = self.pids()
             if not left:
                 return []
-            if time.monotonic() >= deadline:
+            now = time.monotonic()
+            if now >= deadline:
                 return left
             kill_pids(left)
-            time.sleep(0.01)
+            time.sleep(min(delay, deadline - now))
+            delay = min(delay * 2, 1.0)
 
     # -- accounting on the cgroup2 side -----------------------------------------
     def _tracking_stats(self):
@@ -262,6 +268,24 @@ class V2Resources:
             # it counts OOM kills in sub-cgroups the job made too.
             out["oom_kills"] = files.parse_flat_keyed(ev).get("oom_kill", 0)
         return out
+
+
+    def oom_kills(self):
+        ev = files.read_text_or_none(os.path.join(self.upath, "memory.events"))
+        return None if ev is None else files.parse_flat_keyed(ev).get("oom_kill", 0)
+
+    def end_on_oom(self):
+        """memory.oom.group=1: when the OOM killer picks a task of the job
+        (limit or global OOM), the kernel kills every task in it at once
+        (those with oom_score_adj -1000 excepted).  Kernels before 4.19 lack
+        the file: then memory.events (POLLPRI on change) is the watch."""
+        group = os.path.join(self.upath, "memory.oom.group")
+        if os.path.exists(group):
+            files.write(group, 1)
+            return None
+        if self._oom is None and os.path.exists(os.path.join(self.upath, "memory.events")):
+            self._oom = EventsWatch(os.path.join(self.upath, "memory.events"))
+        return self._oom
 
 
 def _swap_active():
