@@ -38,7 +38,7 @@ class Undo:
     def keep_only(self, *fns):
         """Drop every teardown but these (closing our fds): what the job
         holds stays for `starter gc`."""
-        self.steps = [(fn, args) for fn, args in self.steps if fn in fns]
+        self.steps = [step for step in self.steps if step[0] in fns]
 
     def run(self):
         err = None
@@ -273,8 +273,9 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         # cgroup, address, scratch and entry stay for `starter gc`.
         report.update(unkillable=out.unkillable, kill_reason=out.reason)
         undo.keep_only(signals.close, child.close)
-        job_state.update(state="reclaiming", reclaim_reason=f"{len(out.unkillable)} unkillable processes")
         stuck = ", ".join(f"{u['pid']} ({u['state']}, wchan {u['wchan']})" for u in out.unkillable)
+        # run() keeps the entry "reclaiming" with this as what is still held.
+        undo.failed.append(f"cgroup: {len(out.unkillable)} unkillable processes: {stuck}")
         sys.stderr.write(f"starter: job {spec.id}: unkillable processes survived the kill for "
                          f"{spec.kill_timeout:g}s: {stuck}; `starter gc` reclaims the job once they are gone\n")
         return code
