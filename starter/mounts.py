@@ -171,6 +171,12 @@ def cgroup_view(view, writable=False):
             out.append(Mount.fs(fstype, dst, options, flags))
     if out and out[0].fstype == "tmpfs":
         out.append(Mount.fs(None, out[0].dst, "", ("remount", "bind", "ro") + _SAFE))
+    elif out and out[0].dst == CGROUP_ROOT:
+        # v2: one cgroup2 mount at /sys/fs/cgroup.  Where the job shares the
+        # host's /sys (--net host) that is the host's cgroup2 mount, and the
+        # same file system on its own root is refused (EBUSY): stack it on a
+        # small tmpfs instead.
+        out.insert(0, Mount.fs("tmpfs", CGROUP_ROOT, "mode=755,size=4k", _SAFE))
     return out
 
 

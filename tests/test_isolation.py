@@ -251,7 +251,8 @@ def test_enter_joins_every_namespace(starter, state_dir):
         p = starter("enter", a.id, "--", "sh", "-c",
                     "ipcs -m; hostname; for n in " + " ".join(names) +
                     "; do echo $n=$(readlink /proc/self/ns/$n); done; "
-                    "echo me=$$; cat /sys/fs/cgroup/cgroup.procs /sys/fs/cgroup/unified/cgroup.procs 2>/dev/null; true",
+                    "echo me=$$; cat /sys/fs/cgroup/cgroup.procs /sys/fs/cgroup/unified/cgroup.procs "
+                    "/sys/fs/cgroup/pids/cgroup.procs 2>/dev/null; true",
                     check=0)
         lines = p.stdout.splitlines()
         assert any(l.split()[1:2] == [a.value("shm")] for l in lines if l.startswith("0x")), p.stdout
