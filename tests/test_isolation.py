@@ -32,6 +32,7 @@ def run_state():
     yield d
     subprocess.run([STARTER, "gc", "--state-dir", d], capture_output=True, timeout=60)
     shutil.rmtree(d, ignore_errors=True)
+    shutil.rmtree(d + ".seccomp", ignore_errors=True)   # the filter cache beside the state dir
 
 
 class Job:
