@@ -83,7 +83,7 @@ def _job_cgroups():
     found = set()
     for root, dirs, _ in os.walk("/sys/fs/cgroup"):
         for d in dirs:
-            if d.startswith("job-") or d == "starter" or d.startswith("starter-"):
+            if d.startswith("job-") or d == "starter" or d.startswith(("starter-", "slurm_starter")):
                 found.add(os.path.join(root, d))
         # do not descend into job cgroups or very deep trees
         depth = root.count("/")
@@ -131,7 +131,7 @@ def snapshot():
         "veth": _veths(),
         "netns": _lines(["ip", "netns", "list"]),
         "nft tables": _lines(["nft", "list", "tables"]),
-        "job cgroups": {c for c in _job_cgroups() if os.path.basename(c).startswith("job-")},
+        "job cgroups": {c for c in _job_cgroups() if os.path.basename(c).startswith(("job-", "slurm_starter"))},
         "mounts": _mounts(),
         "child processes": _children(),
         "state entries": _state_entries(),
@@ -164,6 +164,8 @@ def node_clean_at_end(state_root):
     if os.path.exists(STARTER):
         subprocess.run([STARTER, "gc", "--state-dir", state_root], capture_output=True, timeout=60)
     left = {c for c in _job_cgroups()}
-    if left:
-        sys.stderr.write(f"\nLEAK: cgroups left after the session: {sorted(left)}\n")
-        raise RuntimeError(f"cgroups left after the session: {sorted(left)}")
+    # Test tables (test_net's starter_t*) and private Slurm trees (slurm_starter*) too.
+    tables = {t for t in _lines(["nft", "list", "tables"]) if t.split()[-1].startswith("starter_t")}
+    if left or tables:
+        sys.stderr.write(f"\nLEAK: left after the session: cgroups {sorted(left)}, nft tables {sorted(tables)}\n")
+        raise RuntimeError(f"left after the session: cgroups {sorted(left)}, nft tables {sorted(tables)}")
