@@ -205,7 +205,7 @@ def parse_on_signal(field, items):
 # Order and names as native/shim.h's SHIM_RLIMIT_*.  --rlimit changes them.
 RLIMIT_NAMES = ("cpu", "fsize", "data", "stack", "core", "rss", "nproc", "nofile", "memlock",
                 "as", "locks", "sigpending", "msgqueue", "nice", "rtprio", "rttime")
-RLIM_INFINITY = 2**64 - 1
+RLIM_INFINITY = V.RLIM_INFINITY
 DEFAULT_RLIMITS = {
     "stack": (8 << 20, RLIM_INFINITY),
     "core": (0, RLIM_INFINITY),
@@ -227,25 +227,11 @@ def parse_rlimit(field, item):
     if not sep or name not in RLIMIT_NAMES:
         raise SpecError(field, f"{V.show(item)} must be NAME=SOFT[:HARD], NAME one of {', '.join(RLIMIT_NAMES)}")
     soft_s, colon, hard_s = value.partition(":")
-    soft = _rlimit_value(field, name, soft_s)
-    hard = _rlimit_value(field, name, hard_s) if colon else soft
+    soft = V.rlimit_value(field, name, soft_s)
+    hard = V.rlimit_value(field, name, hard_s) if colon else soft
     if soft > hard:
         raise SpecError(field, f"{V.show(item)}: the soft limit is above the hard limit")
     return (name, soft, hard)
-
-
-def _rlimit_value(field, name, text):
-    t = text.strip().lower()
-    if t in ("unlimited", "infinity"):
-        return RLIM_INFINITY
-    units = V._SIZE_UNITS
-    unit = t[-1:] if t[-1:] in units and t[-1:] else ""
-    num = t[: len(t) - len(unit)]
-    if not (num.isascii() and num.isdigit()):
-        raise SpecError(field, f"{name}: {V.show(text)} is not a number, a size (64M) or 'unlimited'")
-    if len(num) > 20 or int(num) * units[unit] >= RLIM_INFINITY:
-        raise SpecError(field, f"{name}: {V.show(text)} is too large (use 'unlimited')")
-    return int(num) * units[unit]
 
 
 def rlimit_table(overrides=()):

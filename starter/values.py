@@ -284,3 +284,20 @@ def hex_digest(field, value, length=64):
     if len(value) != length or set(value) - set("0123456789abcdef"):
         raise SpecError(field, f"must be {length} hex digits (SHA-256)")
     return value
+
+
+RLIM_INFINITY = 2**64 - 1
+
+
+def rlimit_value(field, name, text):
+    """One side of a resource limit: a count, a size (64M) or 'unlimited'."""
+    t = text.strip().lower()
+    if t in ("unlimited", "infinity"):
+        return RLIM_INFINITY
+    unit = t[-1:] if t[-1:] in _SIZE_UNITS and t[-1:] else ""
+    num = t[: len(t) - len(unit)]
+    if not (num.isascii() and num.isdigit()):
+        raise SpecError(field, f"{name}: {show(text)} is not a number, a size (64M) or 'unlimited'")
+    if len(num) > 20 or int(num) * _SIZE_UNITS[unit] >= RLIM_INFINITY:
+        raise SpecError(field, f"{name}: {show(text)} is too large (use 'unlimited')")
+    return int(num) * _SIZE_UNITS[unit]
