@@ -97,7 +97,9 @@ class Pool:
 
 
 def _ntoa(n):
-    return f"{n >> 24 & 255}.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+    import ipaddress  # already loaded: Pool() needs it first
+
+    return str(ipaddress.IPv4Address(n))
 
 
 def owner_alive(lease):
