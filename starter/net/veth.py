@@ -16,7 +16,6 @@ Importing this module imports pyroute2 (~140 ms, ~23 MB): only netd and the
 in-process fallback do.
 """
 
-import ctypes
 import errno
 import fcntl
 import os
@@ -28,19 +27,12 @@ from pyroute2.netlink.exceptions import NetlinkError
 
 from starter.errors import NetworkError
 from starter.net.ipam import check_ifname
+from starter.ns import setns
 
 CLONE_NEWNET = 0x40000000
 SIOCGSKNS = 0x894C
 JOB_IFNAME = "eth0"
 LOOPBACK_IFINDEX = 1  # the kernel gives lo index 1 in every netns
-
-_libc = ctypes.CDLL(None, use_errno=True)
-
-
-def _setns(fd):
-    if _libc.setns(fd, CLONE_NEWNET) != 0:
-        e = ctypes.get_errno()
-        raise OSError(e, f"setns(CLONE_NEWNET) failed: {os.strerror(e)}")
 
 
 def netlink_socket_in(netns_fd):
@@ -50,12 +42,12 @@ def netlink_socket_in(netns_fd):
     def work():
         home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            _setns(netns_fd)
+            setns(netns_fd, CLONE_NEWNET)
             try:
                 box["sock"] = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 0)
             finally:
                 try:
-                    _setns(home)
+                    setns(home, CLONE_NEWNET)
                 except OSError:  # pragma: no cover - cannot happen with a valid fd
                     # A thread stuck in the job's namespace must not live on.
                     os._exit(125)
