@@ -26,7 +26,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from starter.errors import NetworkError
-from starter.net.ipam import check_ifname
+from starter.net.sysctl import forwarding_path, write_sysctl
 from starter.ns import setns
 
 CLONE_NEWNET = 0x40000000
@@ -74,19 +74,6 @@ def netlink_socket_in(netns_fd):
         sock.close()
         raise
     return sock
-
-
-def write_sysctl(path, value):
-    try:
-        with open(path, "w") as f:
-            f.write(value)
-    except FileNotFoundError:
-        return False
-    return True
-
-
-def forwarding_path(ifname):
-    return f"/proc/sys/net/ipv4/conf/{check_ifname('ifname', ifname)}/forwarding"
 
 
 class Links:

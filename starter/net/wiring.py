@@ -13,6 +13,7 @@ import os
 
 from starter.errors import NetworkError
 from starter.net import ipam, nft
+from starter.net.sysctl import forwarding_path, read_sysctl, write_sysctl
 from starter.state import fault, is_live
 
 
@@ -54,29 +55,8 @@ def validate(cfg):
     return pool
 
 
-def _fwd_path(ifname):
-    return f"/proc/sys/net/ipv4/conf/{ipam.check_ifname('ifname', ifname)}/forwarding"
-
-
 def _if_exists(ifname):
     return os.path.exists(f"/sys/class/net/{ipam.check_ifname('ifname', ifname)}")
-
-
-def _read(path):
-    try:
-        with open(path) as f:
-            return f.read().strip()
-    except FileNotFoundError:
-        return None
-
-
-def _write(path, value):
-    try:
-        with open(path, "w") as f:
-            f.write(value)
-        return True
-    except FileNotFoundError:
-        return False
 
 
 class Wiring:
@@ -173,7 +153,7 @@ class Wiring:
                 raise NetworkError(f"uplink: interface {cfg.uplink!r} does not exist",
                                    "set the uplink to the interface that reaches the LAN/WAN "
                                    "(`ip route get <address>` names it)")
-            if _read(_fwd_path(cfg.uplink)) == "0":
+            if read_sysctl(forwarding_path(cfg.uplink)) == "0":
                 guard.append(cfg.uplink)
         # Record first: a crash after the sysctl write must still restore it.
         store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard})
@@ -181,7 +161,7 @@ class Wiring:
             self.nft.run(table.create(cfg.pool, cfg.lan, [cfg.uplink] if cfg.uplink else [],
                                       guard, cfg.allow_host_ports), "create table")
             for ifname in guard:
-                _write(_fwd_path(ifname), "1")
+                write_sysctl(forwarding_path(ifname), "1")
         except BaseException:
             self._delete_table(store, table)
             raise
@@ -192,7 +172,7 @@ class Wiring:
         self.nft.run(table.delete(), "delete table")
         for ifname in rec.get("guard", ()):
             if _if_exists(ifname):
-                _write(_fwd_path(ifname), "0")
+                write_sysctl(forwarding_path(ifname), "0")
         store.set_table_record(None)
 
     def _check_table_matches(self, store, cfg):
