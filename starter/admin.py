@@ -278,7 +278,7 @@ def status(state_dir, job_id, as_json, processes=False):
     if processes:
         from starter import top
 
-        procs = top.sample(st, job_id, top.DEFAULT_ONCE_WINDOW)
+        procs = top.sample(job_cgroup(st, job_id), job_id, top.DEFAULT_ONCE_WINDOW)
     if as_json:
         if procs is not None:
             doc["processes"] = procs
@@ -290,6 +290,19 @@ def status(state_dir, job_id, as_json, processes=False):
             print("processes:")
             print(top.table(procs))
     return 0
+
+
+def top(state_dir, job_id, interval=None, once=False, as_json=False):
+    """`starter top JOB`: the job's processes (top.py), from its cgroup."""
+    from starter import top
+
+    try:
+        st = _entry(state_dir, job_id)
+        if not S.starter_alive(st):
+            raise StarterError(f"job {job_id!r} has no live starter", "run `starter gc` to clean it up")
+        return top.main(st, job_cgroup(st, job_id), job_id, interval, once, as_json)
+    except PermissionError as e:
+        raise StarterError(f"cannot read {e.filename}: {e.strerror}", "run it as root") from None
 
 
 def _entry(state_dir, job_id):

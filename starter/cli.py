@@ -275,9 +275,13 @@ def cmd_top(argv):
             raise UsageError(f"--interval {values['interval']!r}: want seconds between 0.05 and 3600")
     if values.get("json") and not values.get("once"):
         raise UsageError("--json needs --once")
-    from starter import top
+    from starter import admin
 
-    return top.main(_state_dir(values), pos[0], interval, values.get("once", False), values.get("json", False))
+    try:
+        return admin.top(_state_dir(values), pos[0], interval, values.get("once", False), values.get("json", False))
+    except BrokenPipeError:         # `starter top JOB | head`: the reader is done
+        quiet_stdout()
+        return 0
 
 
 def cmd_metrics(argv):
@@ -306,8 +310,6 @@ def cmd_metrics(argv):
         sys.stdout.write(metrics.text(state))
         sys.stdout.flush()
     except BrokenPipeError:
-        from starter.top import quiet_stdout
-
         quiet_stdout()
     return 0
 
@@ -513,8 +515,16 @@ def main(argv=None):
         return code
     except BrokenPipeError:
         # The reader went away (`starter ps | head -1`): nothing to report.
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        quiet_stdout()
         return 128 + 13   # as if killed by SIGPIPE, like other tools
+
+
+def quiet_stdout():
+    """After EPIPE: point stdout at /dev/null so the interpreter's final
+    flush does not complain."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def _main(argv):

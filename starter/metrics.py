@@ -155,7 +155,7 @@ def collect(state_dir):
             continue  # ended (or not yet written) between the listing and now
         if not isinstance(entry, dict) or entry.get("id") != job_id:
             continue
-        live = starter_alive(entry)
+        live = S.starter_alive(entry)
         usage = network = None
         try:
             if entry.get("cgroup"):
@@ -174,15 +174,6 @@ def collect(state_dir):
     samples["starter_jobs"] = [(labels(state=s), n) for s, n in counts.items()]
     samples["starter_metrics_read_errors"] = [("", errors)]
     return samples
-
-
-def starter_alive(entry):
-    """Is the job's starter still running?  Decided from its pid and start
-    time (recorded in the entry) rather than by trying the job's lock: a
-    scrape must not hold a lock, even briefly, that a starting job is about
-    to take (state.is_live's LOCK_SH would make that start fail)."""
-    pid = entry.get("starter_pid")
-    return isinstance(pid, int) and pid > 0 and S.process_start_time(pid) == entry.get("starter_start")
 
 
 def _nat_counters(job_id, key):

@@ -175,8 +175,13 @@ def process_start_time(pid):
     return int(data[data.rindex(b")") + 2:].split()[19])
 
 
-def process_alive(pid, start):
-    return bool(pid) and start is not None and process_start_time(pid) == start
+def starter_alive(entry):
+    """Is the starter that wrote this entry still running?  Decided from its
+    pid and start time, not by trying the job's lock: a reader (a metrics
+    scrape, top) must not hold a lock, even briefly, that a starting job is
+    about to take (is_live's LOCK_SH would make that start fail)."""
+    pid, start = entry.get("starter_pid"), entry.get("starter_start")
+    return isinstance(pid, int) and pid > 0 and start is not None and process_start_time(pid) == start
 
 
 def ensure_dir(state_dir):
@@ -292,7 +297,7 @@ class JobState:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
                 st = load(self.dir, self.id, fd)
-                if process_alive(st.get("starter_pid"), st.get("starter_start")):
+                if starter_alive(st):
                     raise StarterError(f"a job with id {self.id!r} is already running on this node",
                                        "job ids must be unique; `starter ps` lists the running ones") from None
                 raise StarterError(f"job {self.id!r}: what an earlier run with this id left is being reclaimed "

@@ -57,11 +57,9 @@ class Sampler:
     """Keeps psutil.Process objects between refreshes so cpu% covers the
     time since the previous one."""
 
-    def __init__(self, st, job_id):
-        from starter.admin import job_cgroup
-
+    def __init__(self, cg, job_id):
         self.job_id = job_id
-        self.cg = job_cgroup(st, job_id)
+        self.cg = cg
         self.procs = {}
 
     def prime(self):
@@ -112,9 +110,9 @@ class Sampler:
         return out
 
 
-def sample(st, job_id, window=DEFAULT_ONCE_WINDOW):
-    """The job's processes now, cpu% measured over `window` seconds."""
-    s = Sampler(st, job_id)
+def sample(cg, job_id, window=DEFAULT_ONCE_WINDOW):
+    """The processes in the job's cgroup `cg` now, cpu% measured over `window` seconds."""
+    s = Sampler(cg, job_id)
     s.prime()
     time.sleep(window)
     return s.rows()
@@ -146,47 +144,25 @@ def table(rows):
                                for i, (c, w) in enumerate(zip(l, widths))) + "  " + l[-1] for l in lines)
 
 
-def main(state_dir, job_id, interval=None, once=False, as_json=False):
-    try:
-        return _main(state_dir, job_id, interval, once, as_json)
-    except PermissionError as e:
-        raise StarterError(f"cannot read {e.filename}: {e.strerror}", "run it as root") from None
-    except BrokenPipeError:         # `starter top JOB | head`: the reader is done
-        quiet_stdout()
-        return 0
-
-
-def quiet_stdout():
-    """After EPIPE: point stdout at /dev/null so the interpreter's final
-    flush does not complain."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-
-
-def _main(state_dir, job_id, interval, once, as_json):
-    from starter import admin
+def main(st, cg, job_id, interval=None, once=False, as_json=False):
+    """`starter top`: `st` is the job's state entry, `cg` its cgroup (admin.top
+    finds both)."""
     from starter import state as S
 
-    from starter.metrics import starter_alive
-
-    st = admin._entry(state_dir, job_id)
-    if not starter_alive(st):
-        raise StarterError(f"job {job_id!r} has no live starter", "run `starter gc` to clean it up")
     if once:
-        rows = sample(st, job_id, DEFAULT_ONCE_WINDOW if interval is None else interval)
+        rows = sample(cg, job_id, DEFAULT_ONCE_WINDOW if interval is None else interval)
         if as_json:
             print(S.dumps(rows))
         else:
             print(table(rows))
         return 0
     interval = DEFAULT_INTERVAL if interval is None else interval
-    sampler = Sampler(st, job_id)
+    sampler = Sampler(cg, job_id)
     sampler.prime()
     tty = sys.stdout.isatty()
     while True:
         time.sleep(interval)
-        if not starter_alive(st):
+        if not S.starter_alive(st):
             print(f"job {job_id} has ended")
             return 0
         try:
