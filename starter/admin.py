@@ -351,8 +351,7 @@ def enter(state_dir, job_id, argv, user=None):
     """Join a running job's namespaces and cgroup and run argv there, as the
     job's user by default: what condor_ssh_to_job gives, for an admin."""
     from starter import cgroups, ns
-    from starter.report import decode_status
-    from starter.spec import resolve_user, rlimit_table
+    from starter.spec import DEFAULT_PATH, resolve_user, rlimit_table
 
     st = _entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id) or not st.get("pid"):
@@ -371,7 +370,7 @@ def enter(state_dir, job_id, argv, user=None):
     pidfd = os.pidfd_open(pid)
     try:
         cg = job_cgroup(st, job_id)
-        env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", "HOME": home or "/",
+        env = {"PATH": DEFAULT_PATH, "HOME": home or "/",
                "TERM": os.environ.get("TERM", "dumb")}
         if name:
             env["USER"] = name
@@ -388,7 +387,7 @@ def enter(state_dir, job_id, argv, user=None):
             cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything
             child.release()
             child.wait_started()
-            return decode_status(child.wait())[0]
+            return ns.decode_status(child.wait())[0]
         finally:
             child.close()
     finally:

@@ -335,14 +335,14 @@ def ns_exec(argv, namespaces):
     try:
         child.release()
         child.wait_started()
-        from starter.report import decode_status
-
-        return decode_status(child.wait())[0]
+        return ns.decode_status(child.wait())[0]
     finally:
         child.close()
 
 
 def _admin_env():
     env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TERM", "USER", "LANG", "LC_ALL")}
-    env.setdefault("PATH", "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
+    from starter.spec import DEFAULT_PATH
+
+    env.setdefault("PATH", DEFAULT_PATH)
     return env

@@ -33,7 +33,7 @@ from starter._native import cap_last_cap, check, ffi, lib
 from starter.errors import SpawnError, SpecError, StarterError
 from starter.mounts import Mount
 
-__all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "exit_code",
+__all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "decode_status",
            "NAMESPACES", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWPID",
            "CLONE_NEWNET", "CLONE_NEWCGROUP", "namespaces_of"]
 
@@ -94,11 +94,13 @@ class ChildSpec:
         return f"ChildSpec({fields})"
 
 
-def exit_code(status):
-    """Raw wait status -> shell-style code: the exit code, or 128+N for signal N."""
+def decode_status(status):
+    """Raw wait status -> (shell-style code, signal or None): the exit code,
+    or 128+N for signal N."""
     if os.WIFSIGNALED(status):
-        return 128 + os.WTERMSIG(status)
-    return os.WEXITSTATUS(status)
+        sig = os.WTERMSIG(status)
+        return 128 + sig, sig
+    return os.WEXITSTATUS(status), None
 
 
 class Child:
@@ -537,7 +539,7 @@ def _step_hint(step, err, spec):
         return f"the working directory must exist in the job's view and be searchable by uid {uid}"
     if step.startswith("bind source") and err == E.ENOENT:
         return "the source of the bind does not exist on the host"
-    if step.startswith(("bind", "ro-bind", "tmpfs", "mkdir")):
+    if step.startswith(_mounts.KINDS + ("mkdir",)):
         if err == E.ENOENT:
             return ("the source or the mount point does not exist; mount points are "
                     "created only inside a tmpfs the job mounts (e.g. the private /tmp)")

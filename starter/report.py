@@ -177,11 +177,3 @@ class Events:
         if self.fd is not None:
             os.close(self.fd)
             self.fd = None
-
-
-def decode_status(status):
-    """Raw wait status -> (exit_code for the starter, signal or None)."""
-    if os.WIFSIGNALED(status):
-        sig = os.WTERMSIG(status)
-        return 128 + sig, sig
-    return os.WEXITSTATUS(status), None

@@ -11,6 +11,7 @@ costs ~13 ms of interpreter time here, and every job pays it.
 
 import os
 
+from starter import mounts as M
 from starter import values as V
 from starter.errors import SpecError
 from starter.values import MAX_ID, MAX_NAME, MAX_PATH  # noqa: F401  (re-exported)
@@ -33,8 +34,9 @@ JOB_ACCOUNT_CMD = (f"useradd --system --user-group --no-create-home --home-dir /
 NET_MODES = ("none", "host", "nat")
 REPORT_FORMATS = ("json", "classad")
 ACTIONS = ("vacate", "suspend", "resume", "kill")
-MOUNT_KINDS = ("bind", "ro-bind", "tmpfs")
 OOM_POLICIES = ("kill", "continue")
+# The PATH a job (and `starter enter`, `ns-exec`) gets unless one is given.
+DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
 
 
 
@@ -157,12 +159,10 @@ def parse_env(field, items):
 def parse_mount(field, kind, value):
     """--bind SRC[:DST]  --ro-bind SRC[:DST]  --tmpfs DST[:OPTIONS]: Mount.parse
     splits and checks the paths; here what only a job spec asks on top."""
-    from starter.mounts import Mount
-
-    if kind not in MOUNT_KINDS:
-        raise SpecError(field, f"unknown mount type {V.show(kind)} (one of {', '.join(MOUNT_KINDS)})")
+    if kind not in M.KINDS:
+        raise SpecError(field, f"unknown mount type {V.show(kind)} (one of {', '.join(M.KINDS)})")
     try:
-        m = Mount.parse(kind, _str(field, value))
+        m = M.Mount.parse(kind, _str(field, value))
     except SpecError as e:
         raise SpecError(field, e.detail, e.hint) from None
     if kind == "tmpfs":
@@ -364,8 +364,8 @@ def _flatten_file(doc):
                 if not isinstance(m, dict) or set(m) - {"type", "src", "dst", "options"} or "type" not in m:
                     raise SpecError(f, "must be {type, src, dst[, options]}")
                 kind = m["type"]
-                if kind not in MOUNT_KINDS:
-                    raise SpecError(f + ".type", f"{V.show(kind)} is not one of {', '.join(MOUNT_KINDS)}")
+                if kind not in M.KINDS:
+                    raise SpecError(f + ".type", f"{V.show(kind)} is not one of {', '.join(M.KINDS)}")
                 if kind == "tmpfs":
                     mounts.append((kind, _str(f, m.get("dst", "")) + (":" + _str(f, m["options"]) if m.get("options") else "")))
                 else:
@@ -433,7 +433,7 @@ def _make(raw):
         user = uname  # recorded in the state entry: who the job runs as
 
     given_env = parse_env("env", _list("env", raw.get("env", [])))
-    env = {"PATH": "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin", "HOME": home or "/"}
+    env = {"PATH": DEFAULT_PATH, "HOME": home or "/"}
     if uname:
         env["USER"] = env["LOGNAME"] = uname
     env.update(given_env)

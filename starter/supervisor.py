@@ -40,7 +40,7 @@ import time
 import _signal
 
 from starter.errors import EXIT_STARTER_FAILED
-from starter.report import decode_status
+from starter.ns import decode_status
 
 SIGRTMIN = _signal.SIGRTMIN
 # Internal signals of the `starter vacate|suspend|resume|kill JOB` commands:
