@@ -20,7 +20,8 @@ import sys
 import time
 
 from starter.errors import EXIT_STARTER_FAILED, StarterError, from_oserror, one_line
-from starter.state import JobState, fault, unlink_quiet, write_atomic
+from starter.fileio import unlink_quiet
+from starter.state import JobState, fault, write_atomic
 
 
 class Undo:

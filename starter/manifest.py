@@ -30,27 +30,15 @@ import hmac
 import os
 import stat
 
+from starter import values
 from starter.errors import SpecError, StagingError
+from starter.fileio import CHUNK, copy_hashing, unlink_quiet
 
 MAX_SIGFILE = 4 << 20
-_CHUNK = 1 << 20
-_HEXDIGITS = frozenset("0123456789abcdef")
-
-
-def parse_digest(text, field="manifest-digest"):
-    """A trusted digest as given on the command line: 64 hex, optionally 'sha256:' first."""
-    t = str(text).strip().lower()
-    if t.startswith("sha256:"):
-        t = t[7:]
-    if len(t) != 64 or not set(t) <= _HEXDIGITS:
-        raise SpecError(field, f"{text!r} is not a SHA-256 digest", hint="give 64 hex digits, e.g. from `sha256sum SIGFILE`")
-    return t
 
 
 def check_name(name, where="manifest"):
     """A plain file name (values.filename) that does not look like an option."""
-    from starter import values
-
     try:
         values.filename(where, name)
         bad = name.startswith("-")
@@ -79,7 +67,7 @@ def parse(data, source="manifest"):
         if line.startswith("\\"):
             raise StagingError(f"{where}: escaped file names are not supported", hint="rename the file")
         digest, mode, name = line[:64].lower(), line[65:66], line[66:]
-        if len(line) < 67 or not set(digest) <= _HEXDIGITS or len(digest) != 64 or line[64] != " " or mode not in " *x":
+        if len(line) < 67 or not set(digest) <= values.HEX_DIGITS or len(digest) != 64 or line[64] != " " or mode not in " *x":
             raise StagingError(
                 f"{where}: expected '<sha256 hex>  <name>' (or ' *<name>', ' x<name>'), got {line[:80]!r}",
                 hint="generate it with `sha256sum FILE...`",
@@ -94,8 +82,9 @@ def parse(data, source="manifest"):
 
 def read_sigfile(sigfile, trusted_digest):
     """Read the signature file once and check it against the trusted digest -> its bytes."""
-    want = parse_digest(trusted_digest)
     from starter import paths
+
+    want = values.sha256_digest("manifest-digest", trusted_digest)
 
     try:  # no link followed, a FIFO or device refused without blocking
         fd = paths.open_file(sigfile, "manifest: signature file")
@@ -104,7 +93,7 @@ def read_sigfile(sigfile, trusted_digest):
     try:
         chunks, size = [], 0
         while True:
-            buf = os.read(fd, _CHUNK)
+            buf = os.read(fd, CHUNK)
             if not buf:
                 break
             size += len(buf)
@@ -176,16 +165,7 @@ def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
         if not stat.S_ISREG(st.st_mode):
             raise StagingError(f"manifest: {name}: not a regular file in {src_dir}")
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        h = hashlib.sha256()
-        while True:
-            buf = os.read(fd, _CHUNK)
-            if not buf:
-                break
-            h.update(buf)
-            mv = memoryview(buf)
-            while mv:
-                mv = mv[os.write(out, mv) :]
-        got = h.hexdigest()
+        got = copy_hashing(fd, out, ("sha256",))["sha256"]
         if not hmac.compare_digest(got, digest):
             raise StagingError(
                 f"manifest: {name}: sha256 mismatch (expected {digest}, got {got})",
@@ -204,7 +184,4 @@ def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
         os.close(fd)
         if out is not None:
             os.close(out)
-        try:
-            os.unlink(tmp, dir_fd=dfd)
-        except FileNotFoundError:
-            pass
+        unlink_quiet(tmp, dfd)

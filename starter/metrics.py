@@ -22,6 +22,7 @@ import sys
 
 from starter import state as S
 from starter.errors import StarterError
+from starter.fileio import unlink_quiet
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TEXTFILE_NAME = "starter.prom"
@@ -218,7 +219,7 @@ def write_textfile(state_dir, directory):
             os.close(fd)
         os.replace(tmp, dest)
     except OSError as e:
-        S.unlink_quiet(tmp)
+        unlink_quiet(tmp)
         raise StarterError(f"cannot write {dest}: {e.strerror}",
                            "--textfile names node_exporter's --collector.textfile.directory; it must exist") from None
     return dest

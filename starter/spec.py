@@ -490,7 +490,7 @@ def _make(raw):
 
     digest = raw.get("manifest-digest")
     if digest is not None:
-        digest = V.hex_digest("manifest-digest", digest)
+        digest = V.sha256_digest("manifest-digest", digest)
     if (raw.get("manifest") is None) != (digest is None):
         raise SpecError("manifest", "--manifest and --manifest-digest go together")
     if raw.get("scratch") is not None and raw.get("execute-dir") is not None:

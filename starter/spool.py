@@ -31,13 +31,13 @@ try again).
 
 import errno
 import fcntl
-import hashlib
 import hmac
 import logging
 import os
 import stat
 
 from starter.errors import SpecError, StagingError
+from starter.fileio import CHUNK, copy_hashing, unlink_quiet
 
 log = logging.getLogger("starter.spool")
 
@@ -50,7 +50,6 @@ LINK_FAIL_LIMIT = 10
 DEFAULT_GC_MIN_AGE = 600  # seconds an unlinked file is kept: room between add and link
 NAME_MAX = 255
 DEFAULT_SPOOL = "/var/lib/starter/spool"  # or $STARTER_SPOOL (cli.py)
-_CHUNK = 1 << 20
 
 #: hash attribute name -> hashlib constructor name
 HASH_ATTRS = {
@@ -157,19 +156,12 @@ def check_cmdhash(cmdhash):
 
 def file_digests(src, algorithms):
     """Hash a file (path or open fd) once with several algorithms -> {alg: hexdigest}."""
-    hs = {a: hashlib.new(a) for a in algorithms}
     fd = _open_src(src) if not isinstance(src, int) else src
     try:
-        while True:
-            buf = os.read(fd, _CHUNK)
-            if not buf:
-                break
-            for h in hs.values():
-                h.update(buf)
+        return copy_hashing(fd, None, algorithms)
     finally:
         if not isinstance(src, int):
             os.close(fd)
-    return {a: h.hexdigest() for a, h in hs.items()}
 
 
 def compute_cmdhash(src, hash_attrs=("CmdHashSHA256",)):
@@ -324,7 +316,7 @@ class Spool:
                     return answer, path
             finally:
                 if tmp is not None:
-                    _unlink_quiet(tmp, self._dfd)
+                    unlink_quiet(tmp, self._dfd)
         raise AssertionError("unreachable")
 
     def _write_verified(self, src, pairs, algs):
@@ -337,7 +329,7 @@ class Spool:
         for k, v in pairs:
             alg = HASH_ATTRS.get(k)
             if alg in digests and not hmac.compare_digest(digests[alg], v.lower()):
-                _unlink_quiet(tmp, self._dfd)
+                unlink_quiet(tmp, self._dfd)
                 raise StagingError(
                     f"spool: {src}: {k} mismatch (expected {v}, got {digests[alg]})",
                     hint="the file changed while it was added, or the hash given for it is wrong",
@@ -345,27 +337,18 @@ class Spool:
         return tmp
 
     def _write_temp(self, sfd, algs, mode):
-        hs = {a: hashlib.new(a) for a in algs}
         tmp = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dfd)
         try:
-            while True:
-                buf = os.read(sfd, _CHUNK)
-                if not buf:
-                    break
-                for h in hs.values():
-                    h.update(buf)
-                mv = memoryview(buf)
-                while mv:
-                    mv = mv[os.write(fd, mv) :]
+            digests = copy_hashing(sfd, fd, algs)
             os.fchmod(fd, mode)
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            _unlink_quiet(tmp, self._dfd)
+            unlink_quiet(tmp, self._dfd)
             raise
         os.close(fd)
-        return tmp, {a: h.hexdigest() for a, h in hs.items()}
+        return tmp, digests
 
     def add(self, owner, file, hash_attrs=("CmdHashSHA256",), *, dest=None):
         """Hash `file`, store it unless the owner already has it: (answer, hash_path).
@@ -447,10 +430,7 @@ class Spool:
                     os.fsync(self._dfd)
                     removed = True
             if jst is not None:
-                try:
-                    os.unlink(job_copy)
-                except FileNotFoundError:
-                    pass
+                unlink_quiet(job_copy)
         return removed
 
     # -- admin
@@ -488,12 +468,12 @@ class Spool:
         with self._lock():
             for name, st in self._entries():
                 if st.st_nlink == 1 and now - st.st_ctime >= min_age:
-                    _unlink_quiet(name, self._dfd)
+                    unlink_quiet(name, self._dfd)
                     removed.append(name)
             with os.scandir(self._dfd) as it:
                 for e in it:
                     if e.name.startswith(TMP_PREFIX) and not _pid_alive(e.name):
-                        _unlink_quiet(e.name, self._dfd)
+                        unlink_quiet(e.name, self._dfd)
                         removed.append(e.name)
             if removed:
                 os.fsync(self._dfd)
@@ -600,7 +580,7 @@ def _copy_file(src, dest):
         except OSError as e:
             raise StagingError(f"spool: cannot create {dest}: {e.strerror}") from None
         try:
-            while os.sendfile(fd, sfd, None, _CHUNK):
+            while os.sendfile(fd, sfd, None, CHUNK):
                 pass
             os.fchmod(fd, mode)
             os.fsync(fd)
@@ -615,13 +595,6 @@ def _copy_file(src, dest):
     finally:
         os.close(sfd)
     return dest
-
-
-def _unlink_quiet(name, dfd):
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except FileNotFoundError:
-        pass
 
 
 def _pid_alive(tmpname):

@@ -74,6 +74,7 @@ import fcntl
 import os
 
 from starter.errors import StarterError
+from starter.fileio import unlink_quiet
 
 try:
     from _json import encode_basestring_ascii as _enc_str, make_scanner as _make_scanner
@@ -443,10 +444,3 @@ def is_live(state_dir, job_id):
         return True
     finally:
         os.close(fd)
-
-
-def unlink_quiet(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass

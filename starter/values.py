@@ -27,6 +27,7 @@ The rules:
     host name       1..64 of [A-Za-z0-9_.-], not starting with '-' or '.'
     env name        [A-Za-z_][A-Za-z0-9_]*
     CIDR, IP        what `ipaddress` accepts (strict networks), ASCII only
+    SHA-256 digest  64 hex digits, optionally "sha256:" first
 
 Python's str.isdigit(), int() and float() accept non-ASCII digits ('²', '١'):
 every numeric check here requires ASCII first.
@@ -50,6 +51,7 @@ NAME_CHARS = frozenset(_ALNUM + "_.-")
 _ENV_FIRST = frozenset(_ALNUM[:52] + "_")
 _ENV_CHARS = frozenset(_ALNUM + "_")
 _NUMBER_CHARS = frozenset("0123456789+-.eE")
+HEX_DIGITS = frozenset("0123456789abcdef")
 _SIZE_UNITS = {"": 1, "k": 1 << 10, "m": 1 << 20, "g": 1 << 30, "t": 1 << 40}
 
 
@@ -279,11 +281,16 @@ def ip_address(field, value):
         raise SpecError(field, str(e)) from None
 
 
-def hex_digest(field, value, length=64):
-    value = string(field, value).lower()
-    if len(value) != length or set(value) - set("0123456789abcdef"):
-        raise SpecError(field, f"must be {length} hex digits (SHA-256)")
-    return value
+def sha256_digest(field, value):
+    """64 hex digits, any case, optionally "sha256:" first (as some tools
+    print it) -> lower case, no prefix."""
+    text = string(field, value).strip().lower()
+    if text.startswith("sha256:"):
+        text = text[7:]
+    if len(text) != 64 or set(text) - HEX_DIGITS:
+        raise SpecError(field, f"{show(value)} is not a SHA-256 digest",
+                        "give 64 hex digits, e.g. from `sha256sum FILE`")
+    return text
 
 
 RLIM_INFINITY = 2**64 - 1

@@ -1,0 +1,41 @@
+"""Small file operations that several owners share: the state directory,
+the spool, the manifest stager and the lease store.
+
+A leaf: it imports nothing of the starter and nothing heavy at import time
+(hashlib only where a digest is made), so the run path may use it.
+"""
+
+import os
+
+CHUNK = 1 << 20
+
+
+def unlink_quiet(name, dir_fd=None):
+    """Unlink `name` (relative to `dir_fd` if given); one that is already
+    gone is fine, every other error is raised."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except FileNotFoundError:
+        pass
+
+
+def copy_hashing(src_fd, dst_fd, algorithms):
+    """Read `src_fd` to its end once, writing every byte to `dst_fd` (None:
+    only hash) and hashing it with each of `algorithms` (hashlib names) on
+    the way -> {algorithm: hexdigest}.  The digests are of exactly the bytes
+    written: a source that changes during the copy cannot pass a check made
+    on an earlier read."""
+    import hashlib
+
+    hs = {a: hashlib.new(a) for a in algorithms}
+    while True:
+        buf = os.read(src_fd, CHUNK)
+        if not buf:
+            break
+        for h in hs.values():
+            h.update(buf)
+        if dst_fd is not None:
+            mv = memoryview(buf)
+            while mv:
+                mv = mv[os.write(dst_fd, mv):]
+    return {a: h.hexdigest() for a, h in hs.items()}
