@@ -35,6 +35,7 @@ import json
 import os
 
 from starter.errors import NetworkError
+from starter.fileio import unlink_quiet
 from starter.state import process_start_time as proc_starttime, write_atomic
 
 KEY_PREFIX = "stj"
@@ -226,8 +227,8 @@ class LeaseStore:
         try:
             write_atomic(self._path(key), json.dumps(lease))
         except BaseException:
-            _unlink(self._path(key))
-            _unlink(os.path.join(self.slots, str(n)))
+            unlink_quiet(self._path(key))
+            unlink_quiet(os.path.join(self.slots, str(n)))
             raise
         return lease
 
@@ -236,7 +237,7 @@ class LeaseStore:
         lease = self.get_by_key(key)
         if slot is None and lease is not None:
             slot = lease.get("slot")
-        _unlink(self._path(key))
+        unlink_quiet(self._path(key))
         if slot is not None:
             p = os.path.join(self.slots, str(slot))
             try:
@@ -255,7 +256,7 @@ class LeaseStore:
             except FileNotFoundError:
                 continue
             for n in names:
-                _unlink(os.path.join(d, n))
+                unlink_quiet(os.path.join(d, n))
                 out.append(f"temp file {n}")
         return out
 
@@ -287,16 +288,6 @@ class LeaseStore:
     def set_table_record(self, rec):
         p = os.path.join(self.dir, "table.json")
         if rec is None:
-            _unlink(p)
+            unlink_quiet(p)
         else:
             write_atomic(p, json.dumps(rec))
-
-
-def _unlink(path):
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-    except OSError as e:  # pragma: no cover
-        if e.errno != errno.ENOENT:
-            raise
