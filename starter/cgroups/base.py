@@ -319,6 +319,50 @@ class JobCgroup:
         Call before the job runs."""
         return None
 
+    def kill(self, timeout=5.0):
+        """SIGKILL every process of the job, in every hierarchy and every
+        sub-cgroup, until none is left.  -> the pids still there after
+        `timeout` ([] = empty).  With timeout 0: one round, no waiting.
+
+        One loop for every backend; each says how to kill (_kill_round) and
+        whether it can be told when the job is empty (_exit_watch).  Rounds
+        repeat at growing gaps up to 1 s for stragglers (processes attached
+        after a round); between them, a watch if there is one, else polling
+        on a back-off up to 1 s: a task stuck in D state costs no CPU."""
+        deadline = time.monotonic() + timeout
+        watch = self._exit_watch()
+        poll, gap, next_round = 0.001, 0.2, 0.0
+        try:
+            while True:
+                left = self.pids()
+                if not left:
+                    return []
+                if time.monotonic() >= next_round:
+                    self._kill_round(left, deadline)
+                    next_round = time.monotonic() + gap
+                    gap = min(gap * 2, 1.0)
+                now = time.monotonic()
+                if now >= deadline:
+                    return self.pids()
+                until = min(next_round, deadline)
+                if watch is not None and not self.is_empty():
+                    watch.wait(until - now)
+                else:   # killed tasks leave their cgroups as they exit
+                    time.sleep(max(0.0, min(poll, until - now)))
+                    poll = min(poll * 2, 1.0)
+        finally:
+            if watch is not None:
+                watch.close()
+
+    def _exit_watch(self):
+        """Hook: an EventsWatch that fires when the job may have emptied, or
+        None (kill() polls)."""
+        return None
+
+    def _kill_round(self, left, deadline):
+        """Hook: SIGKILL what is in the job; `left` are its pids just read."""
+        raise NotImplementedError
+
     def destroy(self, timeout=5.0, prune=True):
         """Kill what is left, then rmdir depth-first in every hierarchy.
 

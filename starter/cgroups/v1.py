@@ -238,41 +238,22 @@ class V1Tracking:
             except CgroupError:
                 pass
 
-    def kill(self, timeout=5.0):
-        """Freeze, SIGKILL every pid in every hierarchy's subtree, thaw
-        (every sub-cgroup too: a job may have frozen its own), repeat until
-        empty.  Returns the survivors after `timeout`.
-
-        v1 has no notification for "empty": re-check with an exponential
-        back-off up to 1 s, and repeat the kill round on a back-off of its
-        own, so a process stuck in D state costs no CPU while we wait."""
-        deadline = time.monotonic() + timeout
-        has_freezer = self.paths.get("freezer") and os.path.isdir(self.paths["freezer"])
-        check, again, next_round = 0.001, 0.2, 0.0
-        while True:
-            left = self.pids()
-            if not left:
-                return []
-            now = time.monotonic()
-            if now >= deadline:
-                return left
-            if now >= next_round:
-                if has_freezer:
-                    try:
-                        fs = os.path.join(self.paths["freezer"], "freezer.state")
-                        files.write(fs, "FROZEN")
-                        self._wait_state("FROZEN", max(0.0, min(0.2, deadline - now)), "freeze", again=fs)
-                    except CgroupError:
-                        pass  # kill anyway; the next round catches what forked
-                    left = self.pids()
-                kill_pids(left)
-                if has_freezer:
-                    self._thaw_tree(self.paths["freezer"])
-                next_round = time.monotonic() + again
-                again = min(again * 2, 1.0)
-            # Killed tasks leave their cgroups as they exit.
-            time.sleep(max(0.0, min(check, deadline - time.monotonic())))
-            check = min(check * 2, 1.0)
+    def _kill_round(self, left, deadline):
+        """Freeze (so nothing forks), SIGKILL every pid in every hierarchy's
+        subtree, thaw (every sub-cgroup too: a job may have frozen its own).
+        v1 has no notification for "empty": kill() polls on a back-off."""
+        freezer = self.paths.get("freezer")
+        if not (freezer and os.path.isdir(freezer)):
+            kill_pids(left)
+            return
+        try:
+            fs = os.path.join(freezer, "freezer.state")
+            files.write(fs, "FROZEN")
+            self._wait_state("FROZEN", max(0.0, min(0.2, deadline - time.monotonic())), "freeze", again=fs)
+        except CgroupError:
+            pass  # kill anyway; the next round catches what forked
+        kill_pids(self.pids())
+        self._thaw_tree(freezer)
 
     def _tracking_stats(self):
         out = {}

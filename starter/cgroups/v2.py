@@ -126,44 +126,25 @@ class UnifiedTracking:
         pass
 
     # -- kill -----------------------------------------------------------------
-    def kill(self, timeout=5.0):
-        """SIGKILL everything in the job, including sub-cgroups the job made,
-        froze or chmod'ed.  Returns the pids still alive after `timeout`
-        ([] = the cgroup is empty)."""
-        deadline = time.monotonic() + timeout
-        has_kill = os.path.exists(self._ufile("cgroup.kill"))
-        if not os.path.isdir(self.upath):
-            return self._kill_v1_leftovers(deadline)
-        w = EventsWatch(self._ufile("cgroup.events"))
-        gap = 0.25
-        try:
-            while True:
-                if has_kill:
-                    # Atomic against concurrent forks: one write kills the tree.
-                    try:
-                        files.write(self._ufile("cgroup.kill"), 1)
-                    except CgroupError as e:
-                        if getattr(e, "errno", None) != errno.ENOENT:
-                            raise
-                else:
-                    self._kill_by_freezing()
-                # populated drops when the last task has exited; wait on
-                # cgroup.events, re-sending in case of stragglers (processes
-                # attached with add_pid after the write) at growing intervals
-                # up to 1 s: a task stuck in D state costs no CPU.
-                resend = time.monotonic() + gap
-                gap = min(gap * 2, 1.0)
-                while not self.is_empty():
-                    now = time.monotonic()
-                    if now >= deadline:
-                        return self.pids()
-                    if now >= resend:
-                        break
-                    w.wait(min(deadline, resend) - now)
-                if self.is_empty():
-                    return self._kill_v1_leftovers(deadline)
-        finally:
-            w.close()
+    def _exit_watch(self):
+        # populated in cgroup.events drops when the last task has exited.
+        return EventsWatch(self._ufile("cgroup.events")) if os.path.isdir(self.upath) else None
+
+    def _kill_round(self, left, deadline):
+        """SIGKILL the cgroup2 tree, including sub-cgroups the job made,
+        froze or chmod'ed.  Once it is empty, what is left (`left`) is in a
+        v1 job cgroup only (hybrid: attached halfway): SIGKILL by pid."""
+        if self.is_empty():
+            kill_pids(left)
+        elif os.path.exists(self._ufile("cgroup.kill")):
+            # Atomic against concurrent forks: one write kills the tree.
+            try:
+                files.write(self._ufile("cgroup.kill"), 1)
+            except CgroupError as e:
+                if getattr(e, "errno", None) != errno.ENOENT:
+                    raise
+        else:
+            self._kill_by_freezing()
 
     def _kill_by_freezing(self):
         """Kernels before 5.14 have no cgroup.kill: freeze the tree so
@@ -180,21 +161,6 @@ class UnifiedTracking:
                 files.write(os.path.join(d, "cgroup.freeze"), 0)
             except CgroupError:
                 pass
-
-    def _kill_v1_leftovers(self, deadline):
-        """Hybrid: a process in a v1 job cgroup but not in the cgroup2 one
-        (attached halfway) would keep rmdir busy; kill those too."""
-        delay = 0.01
-        while True:
-            left = self.pids()
-            if not left:
-                return []
-            now = time.monotonic()
-            if now >= deadline:
-                return left
-            kill_pids(left)
-            time.sleep(min(delay, deadline - now))
-            delay = min(delay * 2, 1.0)
 
     # -- accounting on the cgroup2 side -----------------------------------------
     def _tracking_stats(self):
