@@ -306,9 +306,9 @@ def top(state_dir, job_id, interval=None, once=False, as_json=False):
 
 
 def _entry(state_dir, job_id):
-    from starter.spec import check_id
+    from starter import values
 
-    check_id("job", job_id)
+    values.job_id("job", job_id)
     st = S.load(state_dir, job_id) if os.path.exists(os.path.join(state_dir, job_id + ".lock")) else {}
     if not st:
         raise StarterError(f"no job {job_id!r} on this node", "`starter ps` lists the jobs")

@@ -302,9 +302,9 @@ def cmd_metrics(argv):
     if "listen" in values:
         return metrics.serve(state, values["listen"])
     if "textfile" in values:
-        from starter.spec import check_path
+        from starter import values as V
 
-        metrics.write_textfile(state, check_path("textfile", values["textfile"], must_exist=True))
+        metrics.write_textfile(state, V.path("textfile", values["textfile"], must_exist=True))
         return 0
     try:
         sys.stdout.write(metrics.text(state))

@@ -32,6 +32,7 @@ from starter import mounts as _mounts
 from starter._native import cap_last_cap, check, ffi, lib
 from starter.errors import SpawnError, SpecError, StarterError
 from starter.mounts import Mount
+from starter.values import MAX_NUMERIC_ID  # (uid_t)-1 means "unchanged" to setresuid
 
 __all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "decode_status",
            "NAMESPACES", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWPID",
@@ -50,7 +51,6 @@ NAMESPACES = {"pid": CLONE_NEWPID, "net": CLONE_NEWNET, "mnt": CLONE_NEWNS,
 DEFAULT_NAMESPACES = frozenset({"pid", "net", "mnt"})
 
 _REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
-_MAX_ID = 2**32 - 2  # (uid_t)-1 means "unchanged" to setresuid
 
 
 class ChildSpec:
@@ -332,10 +332,10 @@ def _build(spec, keep, entering=False, src_fds=None):
         raise SpecError("mounts", f"at most {lib.SHIM_MAX_MOUNTS}")
     for field in ("uid", "gid"):
         v = getattr(spec, field)
-        if not isinstance(v, int) or not 0 <= v <= _MAX_ID:
+        if not isinstance(v, int) or not 0 <= v <= MAX_NUMERIC_ID:
             raise SpecError(field, f"{v!r} is not a valid id")
     for g in spec.groups:
-        if not isinstance(g, int) or not 0 <= g <= _MAX_ID:
+        if not isinstance(g, int) or not 0 <= g <= MAX_NUMERIC_ID:
             raise SpecError("groups", f"{g!r} is not a valid group id")
     if len(spec.groups) > 65536:
         raise SpecError("groups", "more than 65536 groups")

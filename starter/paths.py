@@ -8,7 +8,7 @@ something the job chose.  So every path is walked one component at a time
 from "/", each component opened with O_PATH|O_NOFOLLOW relative to the fd of
 the one before, and fstat()ed: a link anywhere is refused with a message
 naming it, never followed (the pattern of systemd's chase() and of
-libpathrs).  Mount points are crossed; ".." never appears (spec.check_path
+libpathrs).  Mount points are crossed; ".." never appears (values.path
 refuses it).
 
 A plain walk works on every kernel; openat2(RESOLVE_NO_SYMLINKS) would do the

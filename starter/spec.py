@@ -14,7 +14,6 @@ import os
 from starter import mounts as M
 from starter import values as V
 from starter.errors import SpecError
-from starter.values import MAX_ID, MAX_NAME, MAX_PATH  # noqa: F401  (re-exported)
 
 MAX_ARGS = 4096
 MAX_ENV = 4096
@@ -108,15 +107,7 @@ class JobSpec(Spec):
 
 
 # ---------------------------------------------------------------- checks
-# The rules live in values.py; these names are what the rest of the code uses.
-
-check_id = V.job_id
-check_name = V.name
-check_path = V.path
-parse_size = V.size
-parse_number = V.number
-parse_cidr = V.cidr
-_str = V.string
+# The rules for single values live in values.py (V); here what a job spec adds.
 
 
 # /proc and /sys hold magic links (/proc/self/cwd, /proc/1/root, /proc/PID/fd/N)
@@ -126,7 +117,7 @@ _MAGIC_DIRS = ("/proc", "/sys", "/dev/fd")
 
 
 def check_cwd(field, value):
-    value = check_path(field, value)
+    value = V.path(field, value)
     norm = "/" + "/".join(c for c in value.split("/") if c not in ("", "."))
     for d in _MAGIC_DIRS:
         if norm == d or norm.startswith(d + "/"):
@@ -146,11 +137,11 @@ def parse_env(field, items):
         if isinstance(item, tuple):
             k, v = item
         else:
-            item = _str(field, item)
+            item = V.string(field, item)
             k, sep, v = item.partition("=")
             if not sep:
                 raise SpecError(field, f"{V.show(item)} must be KEY=VALUE")
-        env[V.env_name(field, k)] = _str(field, v)
+        env[V.env_name(field, k)] = V.string(field, v)
     if len(env) > MAX_ENV:
         raise SpecError(field, "too many variables")
     return env
@@ -162,7 +153,7 @@ def parse_mount(field, kind, value):
     if kind not in M.KINDS:
         raise SpecError(field, f"unknown mount type {V.show(kind)} (one of {', '.join(M.KINDS)})")
     try:
-        m = M.Mount.parse(kind, _str(field, value))
+        m = M.Mount.parse(kind, V.string(field, value))
     except SpecError as e:
         raise SpecError(field, e.detail, e.hint) from None
     if kind == "tmpfs":
@@ -187,7 +178,7 @@ def parse_on_signal(field, items):
 
     out = []
     for item in items:
-        name, sep, action = _str(field, item).partition("=")
+        name, sep, action = V.string(field, item).partition("=")
         if not sep or action not in ACTIONS:
             raise SpecError(field, f"{V.show(item)} must be SIGNAL=ACTION, ACTION one of {', '.join(ACTIONS)}")
         name = name.upper()
@@ -220,7 +211,7 @@ DEFAULT_RLIMITS = {
 
 def parse_rlimit(field, item):
     """nofile=4096 | nofile=1024:65536 | core=unlimited | stack=16M -> (name, soft, hard)."""
-    name, sep, value = _str(field, item).partition("=")
+    name, sep, value = V.string(field, item).partition("=")
     name = name.strip().lower()
     if name.startswith("rlimit_"):
         name = name[7:]
@@ -257,10 +248,10 @@ def rlimit_table(overrides=()):
 
 
 def parse_host_port(field, value):
-    proto, sep, port = _str(field, value).partition(":")
+    proto, sep, port = V.string(field, value).partition(":")
     if not sep or proto not in ("tcp", "udp"):
         raise SpecError(field, f"{V.show(value)} must be tcp:PORT or udp:PORT")
-    return (proto, parse_number(field, port, 1, 65535, integer=True))
+    return (proto, V.number(field, port, 1, 65535, integer=True))
 
 
 def resolve_user(user, group):
@@ -284,7 +275,7 @@ def resolve_user(user, group):
     else:
         numeric = V.is_numeric_id(user)
         try:
-            pw = pwd.getpwuid(V.numeric_id("user", user)) if numeric else pwd.getpwnam(check_name("user", user))
+            pw = pwd.getpwuid(V.numeric_id("user", user)) if numeric else pwd.getpwnam(V.name("user", user))
         except KeyError:
             if numeric:
                 uid, gid, name, home, groups = int(user), int(user), None, "/", ()
@@ -296,7 +287,7 @@ def resolve_user(user, group):
             groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
     if group is not None:
         try:
-            gid = V.numeric_id("group", group) if V.is_numeric_id(group) else grp.getgrnam(check_name("group", group)).gr_gid
+            gid = V.numeric_id("group", group) if V.is_numeric_id(group) else grp.getgrnam(V.name("group", group)).gr_gid
         except KeyError:
             raise SpecError("group", f"no such group {V.show(group)}") from None
         groups = ()
@@ -367,9 +358,9 @@ def _flatten_file(doc):
                 if kind not in M.KINDS:
                     raise SpecError(f + ".type", f"{V.show(kind)} is not one of {', '.join(M.KINDS)}")
                 if kind == "tmpfs":
-                    mounts.append((kind, _str(f, m.get("dst", "")) + (":" + _str(f, m["options"]) if m.get("options") else "")))
+                    mounts.append((kind, V.string(f, m.get("dst", "")) + (":" + V.string(f, m["options"]) if m.get("options") else "")))
                 else:
-                    mounts.append((kind, _str(f, m.get("src", "")) + ":" + _str(f, m.get("dst", m.get("src", "")))))
+                    mounts.append((kind, V.string(f, m.get("src", "")) + ":" + V.string(f, m.get("dst", m.get("src", "")))))
             yield "mounts", mounts
         elif key == "rlimits":
             if not isinstance(val, dict):
@@ -378,7 +369,7 @@ def _flatten_file(doc):
             for k, v in val.items():
                 if isinstance(v, int) and not isinstance(v, bool):
                     v = str(v)
-                items.append(f"{_str('rlimits', k)}={_str('rlimits.' + k, v)}")
+                items.append(f"{V.string('rlimits', k)}={V.string('rlimits.' + k, v)}")
             yield "rlimit", items
         elif key == "command":
             if not isinstance(val, list) or not all(isinstance(a, str) for a in val):
@@ -417,10 +408,10 @@ def _make(raw):
         raise SpecError("command", "no command given (starter run [options] -- CMD ARGS)")
     if len(argv) > MAX_ARGS:
         raise SpecError("command", "too many arguments")
-    argv = [_str("command", a) for a in argv]
+    argv = [V.string("command", a) for a in argv]
 
     job_id = raw.get("id")
-    job_id = check_id("id", job_id) if job_id is not None else os.urandom(6).hex()
+    job_id = V.job_id("id", job_id) if job_id is not None else os.urandom(6).hex()
 
     user = raw.get("user")
     group = raw.get("group")
@@ -445,14 +436,14 @@ def _make(raw):
         hostname = V.hostname("hostname", hostname)
 
     limits = Limits(
-        memory=parse_size("memory", raw["memory"]) if raw.get("memory") is not None else None,
-        cpus=parse_number("cpus", raw["cpus"], 0.01, MAX_CPUS) if raw.get("cpus") is not None else None,
-        cpu_weight=parse_number("cpu-weight", raw["cpu-weight"], 1, 10000, integer=True) if raw.get("cpu-weight") is not None else None,
-        pids=parse_number("pids", raw["pids"], 1, MAX_PIDS, integer=True) if raw.get("pids") is not None else None,
+        memory=V.size("memory", raw["memory"]) if raw.get("memory") is not None else None,
+        cpus=V.number("cpus", raw["cpus"], 0.01, MAX_CPUS) if raw.get("cpus") is not None else None,
+        cpu_weight=V.number("cpu-weight", raw["cpu-weight"], 1, 10000, integer=True) if raw.get("cpu-weight") is not None else None,
+        pids=V.number("pids", raw["pids"], 1, MAX_PIDS, integer=True) if raw.get("pids") is not None else None,
         wall_time=V.duration("wall-time", raw["wall-time"], 0.001, MAX_WALL) if raw.get("wall-time") is not None else None,
     )
 
-    mode = _str("net", raw.get("net", "none"))
+    mode = V.string("net", raw.get("net", "none"))
     if mode not in NET_MODES:
         raise SpecError("net", f"{V.show(mode)} is not one of {', '.join(NET_MODES)}")
     if mode != "nat":
@@ -467,8 +458,8 @@ def _make(raw):
         resolver = V.ip_address("resolver", resolver)
     network = Network(
         mode=mode,
-        lan=tuple(parse_cidr("lan", c) for c in _list("lan", raw.get("lan", []))),
-        pool=parse_cidr("pool", raw["pool"]) if raw.get("pool") else None,
+        lan=tuple(V.cidr("lan", c) for c in _list("lan", raw.get("lan", []))),
+        pool=V.cidr("pool", raw["pool"]) if raw.get("pool") else None,
         uplink=uplink,
         allow_host_ports=tuple(parse_host_port("allow-host-port", p) for p in _list("allow-host-port", raw.get("allow-host-port", []))),
         resolver=resolver,
@@ -482,9 +473,9 @@ def _make(raw):
         v = raw.get(key)
         if v is None:
             return None
-        v = _str(key, v)
+        v = V.string(key, v)
         if v.startswith("fd:"):
-            parse_number(key, v[3:], 0, 1 << 20, integer=True)
+            V.number(key, v[3:], 0, 1 << 20, integer=True)
             return v
         return V.host_path(key, v)
 
@@ -496,7 +487,7 @@ def _make(raw):
     if raw.get("scratch") is not None and raw.get("execute-dir") is not None:
         raise SpecError("scratch", "give --scratch or --execute-dir, not both")
 
-    report_format = _str("report-format", raw.get("report-format", "json"))
+    report_format = V.string("report-format", raw.get("report-format", "json"))
     if report_format not in REPORT_FORMATS:
         raise SpecError("report-format", f"{report_format!r} is not one of {', '.join(REPORT_FORMATS)}")
     userns_root = _bool("userns-root", raw.get("userns-root", False))
@@ -507,7 +498,7 @@ def _make(raw):
     for item in _list("rlimit", raw.get("rlimit", [])):
         name, soft, hard = parse_rlimit("rlimit", item)
         rlimits[name] = (name, soft, hard)  # a later one wins
-    oom_policy = _str("oom-policy", raw.get("oom-policy", "kill"))
+    oom_policy = V.string("oom-policy", raw.get("oom-policy", "kill"))
     if oom_policy not in OOM_POLICIES:
         raise SpecError("oom-policy", f"{oom_policy!r} is not one of {', '.join(OOM_POLICIES)}")
 
@@ -529,7 +520,7 @@ def _make(raw):
         grace=V.duration("grace", raw.get("grace", 10.0), 0, MAX_GRACE),
         on_signal=parse_on_signal("on-signal", _list("on-signal", raw.get("on-signal", []))),
         state_dir=state_dir(raw.get("state-dir")),
-        cgroup_parent=raw.get("cgroup-parent") and _str("cgroup-parent", raw["cgroup-parent"]),
+        cgroup_parent=raw.get("cgroup-parent") and V.string("cgroup-parent", raw["cgroup-parent"]),
         scratch=opt_path("scratch"),
         execute_dir=opt_path("execute-dir", must_exist=True),
         keep_scratch=_bool("keep-scratch", raw.get("keep-scratch", False)),
@@ -541,7 +532,7 @@ def _make(raw):
         userns_root=userns_root,
         rlimits=tuple(rlimits.values()),
         oom_policy=oom_policy,
-        kill_timeout=parse_number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
+        kill_timeout=V.number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
                                   0.1, MAX_GRACE),
     )
 
@@ -549,12 +540,12 @@ def _make(raw):
 def _seccomp_choice(value):
     """default, off, or an absolute path to a profile (read and compiled by
     starter/seccomp before the job's resources are made)."""
-    value = _str("seccomp", value)
+    value = V.string("seccomp", value)
     if value in ("default", "off"):
         return value
     if not value.startswith("/"):
         raise SpecError("seccomp", f"{V.show(value)} is not default, off or an absolute path to a profile")
-    return check_path("seccomp", value)
+    return V.path("seccomp", value)
 
 
 def load_job_file(path):

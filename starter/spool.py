@@ -36,6 +36,7 @@ import logging
 import os
 import stat
 
+from starter import values
 from starter.errors import SpecError, StagingError
 from starter.fileio import CHUNK, copy_hashing, unlink_quiet
 
@@ -59,7 +60,8 @@ HASH_ATTRS = {
     "CmdHashMD5": "md5",
 }
 
-_SAFE = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.")
+# The name characters (values.NAME_CHARS) but "-", which separates the parts.
+_SAFE = frozenset("".join(values.NAME_CHARS - {"-"}).encode())
 _HEX = "0123456789ABCDEF"
 _LINK_ERRNOS = (errno.EXDEV, errno.EPERM, errno.EMLINK)
 
@@ -139,8 +141,6 @@ def parse_name(name):
 def check_owner(owner):
     """Any owner that is a plain file name (values.filename); escape() makes
     it safe and injective."""
-    from starter import values
-
     return values.filename("owner", owner)
 
 
