@@ -264,11 +264,7 @@ class JobCgroup:
 
     def dirs(self):
         """Distinct directories, each once, tracking hierarchy first."""
-        seen = []
-        for p in self.paths.values():
-            if p not in seen:
-                seen.append(p)
-        return seen
+        return list(dict.fromkeys(self.paths.values()))
 
     def exists(self):
         return any(os.path.isdir(d) for d in self.dirs())
@@ -505,11 +501,7 @@ class Backend:
         return out
 
     def distinct_parents(self):
-        seen = []
-        for p in self.parents.values():
-            if p not in seen:
-                seen.append(p)
-        return seen
+        return list(dict.fromkeys(self.parents.values()))
 
     # -- capabilities (probed from files, cached once known) ---------------
     def _probe_dirs(self, role):
