@@ -422,6 +422,15 @@ def test_setsid_daemon_is_killed(backend, jobs):
         assert not os.path.exists(d)
 
 
+def test_kill_without_time_still_kills(backend, jobs):
+    """kill(timeout=0) is gc's quick reclaim: one round, no waiting, on every backend."""
+    cg = jobs.create()
+    p = jobs.spawn(cg, ["sleep", "1000"])
+    cg.kill(timeout=0)
+    assert p.wait(timeout=10) == -9      # SIGKILLed by that one round
+    assert cg.kill(timeout=10) == []
+
+
 def _is_zombie(pid):
     try:
         with open(f"/proc/{pid}/stat") as f:
