@@ -180,11 +180,9 @@ def collect(state_dir):
 def _nat_counters(job_id, key):
     """The job's counters are named after its key, which is also its host
     veth's name (net/ipam.py job_key), recorded in the entry: no hashing."""
-    from starter.net import nft
+    from starter.net import ipam, nft
 
-    if not (isinstance(key, str) and key.startswith("stj") and key.isalnum() and len(key) <= 15):
-        from starter.net import ipam
-
+    if not (isinstance(key, str) and ipam.is_job_key(key)):
         key = ipam.job_key(job_id, "starter")
     return nft.read_counters("starter", key)
 
