@@ -1,5 +1,5 @@
 """The per-interface network sysctls (/proc/sys/net/...): the one reader and
-writer, and the one place their paths are built.
+writer, and the forwarding path.
 
 An interface that is gone has no sysctl directory: read gives None and write
 False instead of raising, so a teardown after the veth or uplink vanished
