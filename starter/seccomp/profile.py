@@ -140,11 +140,7 @@ def parse(data, source, resolve=None):
     if not isinstance(syscalls, list):
         raise bad("syscalls", "must be a list")
     rules, count, unconditional = [], 0, {}
-    for i, r in enumerate(syscalls):
-        where = f"syscalls[{i}]"
-        if not isinstance(r, dict):
-            raise bad(where, "must be an object {names, action[, errnoRet, args, comment]}")
-        _keys(r, _RULE_KEYS, where + ".", bad)
+    for where, r in _objects(syscalls, "syscalls", _RULE_KEYS, "{names, action[, errnoRet, args, comment]}", bad):
         names = r.get("names")
         if not isinstance(names, list) or not names:
             raise bad(where + ".names", "must be a non-empty list of syscall names")
@@ -163,11 +159,7 @@ def parse(data, source, resolve=None):
         if not isinstance(args, list) or len(args) > 6:
             raise bad(where + ".args", "must be a list of at most 6 conditions")
         conds = []
-        for k, a in enumerate(args):
-            aw = f"{where}.args[{k}]"
-            if not isinstance(a, dict):
-                raise bad(aw, "must be an object {index, value, valueTwo, op}")
-            _keys(a, _ARG_KEYS, aw + ".", bad)
+        for aw, a in _objects(args, where + ".args", _ARG_KEYS, "{index, value, valueTwo, op}", bad):
             index = a.get("index")
             if type(index) is not int or not 0 <= index <= 5:
                 raise bad(aw + ".index", f"{index!r} is not an argument index 0..5")
@@ -278,3 +270,14 @@ def _keys(obj, known, prefix, bad):
     for k in obj:
         if k not in known:
             raise bad(prefix + k, f"unknown key (known: {', '.join(sorted(known))})")
+
+
+def _objects(items, where, known, shape, bad):
+    """-> (where[i], item) for each item of a list that must hold objects
+    with only `known` keys."""
+    for i, obj in enumerate(items):
+        w = f"{where}[{i}]"
+        if not isinstance(obj, dict):
+            raise bad(w, f"must be an object {shape}")
+        _keys(obj, known, w + ".", bad)
+        yield w, obj
