@@ -175,6 +175,12 @@ def test_two_uplinks_each_destination_leaves_by_its_route(uplinks, cfg):
             # masqueraded to the address of the uplink the host's routing chose
             assert f"peer {uplinks.addrs[i]}" in out, out
         per_uplink = nft.read_uplink_counters(cfg.table, cfg.uplink)
+        from starter import metrics
+
+        text = metrics.text(cfg.state_dir)    # the same counters, for Prometheus
+        for u in uplinks.names:
+            line = f'starter_uplink_network_bytes_total{{uplink="{u}",direction="in"}} {per_uplink[u]["in"]["bytes"]}'
+            assert line in text.splitlines(), text
         final = net.teardown("two", cfg)
     finally:
         job.close()
@@ -229,8 +235,36 @@ def test_two_uplinks_through_the_cli(uplinks, tmp_path):
     assert r["lan_in"]["bytes"] >= 100_000 and 50_000 <= r["wan_in"]["bytes"] < 100_000, r
 
 
+@pytest.fixture(params=["in-process", "netd"])
+def netmode(request, cfg):
+    """netd tears down on its worker thread: net.gc (which waits for queued
+    teardowns) is the point after which the job's flows must be gone."""
+    if request.param == "in-process":
+        yield None
+        return
+    import signal
+    import time
+
+    os.makedirs(cfg.state_dir, exist_ok=True)
+    proc = subprocess.Popen([STARTER, "netd", "--state-dir", cfg.state_dir], stderr=subprocess.PIPE, text=True)
+    sock = os.path.join(cfg.state_dir, "netd.sock")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "netd did not come up"
+        time.sleep(0.05)
+    yield proc
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
+def _torn_down(job_id, cfg, live=()):
+    net.teardown(job_id, cfg)
+    net.gc(cfg, set(live))      # with netd: waits until its worker is done
+
+
 @pytest.mark.net
-def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg):
+def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg, netmode):
     # A host flow with an address of the site: teardown must leave it alone.
     other = uplinks.servers[1]
     subprocess.run(["conntrack", "-I", "-s", other, "-d", uplinks.servers[0], "-p", "udp", "--sport", "9",
@@ -252,7 +286,7 @@ def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg)
         finally:
             job.close()
         assert len(_flows(lease.address)) >= N      # TIME_WAIT: they would linger for minutes
-        net.teardown("many", cfg)
+        _torn_down("many", cfg)
         assert _flows(lease.address) == []
         assert len(_flows(other)) == 1               # not the job's: untouched
         # the next job gets the same address at once, and its connections work
@@ -262,7 +296,7 @@ def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg)
             assert again.address == lease.address
             s = uplinks.serve(1, "send", 10_000)
             assert nethosts.client(job, "recv", uplinks.servers[1], s.port) == (0, "received 10000")
-            net.teardown("next", cfg)
+            _torn_down("next", cfg)
         finally:
             job.close()
         assert _flows(lease.address) == []

@@ -299,6 +299,8 @@ class Wiring:
             job_id = lease.get("job_id") if lease else None
             if job_id is None or ipam.owner_alive(lease) or is_live(cfg.state_dir, job_id) or _if_exists(key):
                 continue
+            # A key netd's worker is still finishing (its starter has left)
+            # may be taken here too: both sides tolerate the other's removal.
             self._teardown_key(store, cfg, key, lease)
             return True
         return False
