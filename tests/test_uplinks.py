@@ -360,3 +360,20 @@ def test_a_full_pool_heals_itself(uplinks, tmp_path):
         net.gc(c, set())
         w.close()
     assert not os.path.exists(os.path.join(c.state_dir, "net"))
+
+
+@pytest.mark.net
+def test_jobs_agree_on_the_set_of_uplinks_not_their_order(uplinks, cfg):
+    a, b, c = nethosts.Netns(), nethosts.Netns(), nethosts.Netns()
+    try:
+        _setup(a, "a", cfg)
+        swapped = net.NetConfig(**dict(cfg.as_dict(), uplink=tuple(reversed(cfg.uplink))))
+        _setup(b, "b", swapped)                     # the same node configuration
+        one = net.NetConfig(**dict(cfg.as_dict(), uplink=cfg.uplink[:1]))
+        with pytest.raises(NetworkError, match="network configuration differs"):
+            _setup(c, "c", one)
+        net.teardown("a", cfg)
+        net.teardown("b", swapped)
+    finally:
+        for ns in (a, b, c):
+            ns.close()

@@ -14,8 +14,8 @@ addresses as source or destination.  Jobs cannot be reached from outside
 address (source) or, for the host talking to it, ends there (destination).
 The host's own flows never carry a pool address, so they are never touched.
 
-How: per family and direction, one dump filtered in the kernel (CTA_FILTER,
-Linux 5.9+; an older kernel ignores the filter and dumps everything, which
+How: per family and direction, one dump filtered in the kernel (CTA_FILTER in
+recent kernels; an older one ignores the filter and dumps everything, which
 is why every entry is checked again here), then one IPCTNL_MSG_CT_DELETE per
 match naming the entry by the original tuple exactly as the kernel sent it
 (plus its zone).  Family-agnostic: give IPv4 and IPv6 addresses alike.
