@@ -18,10 +18,9 @@ from starter.errors import StarterError
 
 # ---------------------------------------------------------------- gc
 
-# gc at the start of every run scans for at most this long (wall clock) and
-# reclaims at most one dead entry, and only what is cheap: slow reclaims (a
-# cgroup still emptying, a scratch tree, the network) are left to `starter gc`.
-QUICK_BUDGET_S = 0.003
+# gc at the start of every run is bounded by S.QUICK_BUDGET_S and reclaims
+# at most one dead entry, and only what is cheap: slow reclaims (a cgroup
+# still emptying, a scratch tree, the network) are left to `starter gc`.
 
 
 def gc_quick(state_dir):
@@ -37,7 +36,7 @@ def gc_quick(state_dir):
     ids = [n[:-5] for n in names if n.endswith(".lock")]
     if not ids:
         return
-    deadline = time.monotonic() + QUICK_BUDGET_S
+    deadline = time.monotonic() + S.QUICK_BUDGET_S
     k = os.getpid() % len(ids)
     for job_id in ids[k:] + ids[:k]:
         if time.monotonic() >= deadline:

@@ -75,7 +75,7 @@ RUN_OPTIONS = {
     "--cgroup-parent": ("cgroup-parent", "value", "PATH  job cgroups' parent: a NAME goes under the starter's own cgroup (default: starter), a /PATH (must exist) is used as is"),
     "--lan": ("lan", "multi", "CIDR  network counted as LAN (repeatable); the rest is WAN"),
     "--pool": ("pool", "value", "CIDR  address pool for job networks (default 10.213.0.0/16)"),
-    "--uplink": ("uplink", "value", "IFACE  interface jobs are NATed out of"),
+    "--uplink": ("uplink", "multi", "IFACE  interface jobs are NATed out of (repeatable: each destination leaves by the host's routing)"),
     "--allow-host-port": ("allow-host-port", "multi", "PROTO:PORT  let jobs reach this port on the host"),
     "--resolver": ("resolver", "value", "IP  name server written to the job's /etc/resolv.conf"),
     "--scratch": ("scratch", "value", "DIR  fresh private working directory, removed at the end"),

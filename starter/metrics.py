@@ -48,6 +48,8 @@ FAMILIES = {
     "starter_job_network_packets_total": ("counter", "Packets through the job's NAT, by zone and direction."),
     "starter_job_network_dropped_packets_total": ("counter", "Packets of the job dropped by the isolation rules."),
     "starter_job_network_dropped_bytes_total": ("counter", "Bytes of the job dropped by the isolation rules."),
+    "starter_uplink_network_bytes_total": ("counter", "Bytes of all NAT jobs through each uplink, by direction (in, out); restarts at 0 when a NAT job starts on an idle node."),
+    "starter_uplink_network_packets_total": ("counter", "Packets of all NAT jobs through each uplink, by direction."),
     "starter_metrics_read_errors": ("gauge", "Jobs whose cgroup or counters could not be read in this scrape."),
 }
 
@@ -172,9 +174,36 @@ def collect(state_dir):
         counts[state] = counts.get(state, 0) + 1
         for k, v in one.items():
             samples.setdefault(k, []).extend(v)
+    try:
+        for (uplink, direction), c in sorted(_uplink_counters(state_dir).items()):
+            lab = labels(uplink=uplink, direction=direction)
+            samples.setdefault("starter_uplink_network_bytes_total", []).append((lab, c.get("bytes")))
+            samples.setdefault("starter_uplink_network_packets_total", []).append((lab, c.get("packets")))
+    except (StarterError, OSError, ValueError):
+        errors += 1
     samples["starter_jobs"] = [(labels(state=s), n) for s, n in counts.items()]
     samples["starter_metrics_read_errors"] = [("", errors)]
     return samples
+
+
+def _uplink_counters(state_dir):
+    """{(uplink, direction): {bytes, packets}} of the node's job table, named
+    in the table record the state dir keeps while NAT jobs run (net/ipam.py);
+    {} when none runs."""
+    try:
+        with open(os.path.join(state_dir, "net", "table.json"), "rb") as f:
+            cfg = S.loads(f.read().decode()).get("cfg") or {}
+    except FileNotFoundError:
+        return {}
+    from starter.net import nft
+
+    uplinks = cfg.get("uplink") or []
+    uplinks = [uplinks] if isinstance(uplinks, str) else uplinks
+    out = {}
+    for uplink, by_dir in nft.read_uplink_counters(cfg.get("table") or "starter", uplinks).items():
+        for direction, c in by_dir.items():
+            out[(uplink, direction)] = c
+    return out
 
 
 def _nat_counters(job_id, key):

@@ -85,7 +85,7 @@ class Network(Spec):
     (no namespace).  nat: own namespace + veth + NAT with LAN/WAN counters."""
 
     __slots__ = ("mode", "lan", "pool", "uplink", "allow_host_ports", "resolver")
-    DEFAULTS = {"mode": "none", "lan": (), "allow_host_ports": ()}
+    DEFAULTS = {"mode": "none", "lan": (), "uplink": (), "allow_host_ports": ()}
 
 
 class JobSpec(Spec):
@@ -302,7 +302,7 @@ def build(cli, job_file=None):
     of option name -> value, only those given) into a checked JobSpec."""
     raw = dict(_flatten_file(job_file)) if job_file else {}
     for k, v in cli.items():
-        if k in ("env", "mounts", "lan", "allow-host-port", "on-signal", "rlimit") and k in raw:
+        if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit") and k in raw:
             raw[k] = list(raw[k]) + list(v)       # repeatable: file first, then flags
         else:
             raw[k] = v
@@ -450,9 +450,9 @@ def _make(raw):
         for k in ("lan", "pool", "uplink", "allow-host-port", "resolver"):
             if raw.get(k):
                 raise SpecError(k, "only applies with --net nat")
-    uplink = raw.get("uplink")
-    if uplink is not None:
-        uplink = V.ifname("uplink", uplink)
+    # Several uplinks: the host's routing picks one per destination; each is
+    # masqueraded and counted.  Order does not matter; repeats are dropped.
+    uplink = tuple(dict.fromkeys(V.ifname("uplink", u) for u in _list("uplink", raw.get("uplink") or [])))
     resolver = raw.get("resolver")
     if resolver is not None:
         resolver = V.ip_address("resolver", resolver)

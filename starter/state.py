@@ -82,6 +82,11 @@ except ImportError:  # pragma: no cover - CPython always has it
     from json.encoder import py_encode_basestring_ascii as _enc_str
     from json.scanner import py_make_scanner as _make_scanner
 
+# The bounded reclaims at the start of a job (admin.gc_quick, and the NAT
+# pool's self-healing in net/wiring.py) scan for at most this long (wall
+# clock) and reclaim at most one dead entry or lease.
+QUICK_BUDGET_S = 0.003
+
 # STARTER_FAULT=STEP makes the starter SIGKILL itself at STEP (no cleanup
 # runs, like a crash); STEP:fail makes that step raise instead (a teardown
 # that fails).  Read once; unset, fault() costs a compare.  The steps are

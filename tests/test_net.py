@@ -6,6 +6,7 @@ import os
 import secrets
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import time
@@ -17,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nethosts  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import ipam, nft  # noqa: E402
+from starter.net import conntrack, ipam, nft, wiring  # noqa: E402
 
 PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
 # A pool of its own per test run: two runs on one node must not collide.
@@ -192,19 +193,69 @@ def test_lease_store(tmp_path):
     assert not ipam.owner_alive(dict(c, owner_pid=2 ** 22 + 1))
 
 
-def test_slot_search_starts_at_the_key(tmp_path):
+def test_lowest_free_slot_first(tmp_path):
     store = ipam.LeaseStore(str(tmp_path))
     pool = ipam.Pool("10.215.0.0/16")
     with store:
         a = store.acquire("a", ipam.job_key("a"), pool, os.getpid())
-        store.release(a["key"])
         b = store.acquire("b", ipam.job_key("b"), pool, os.getpid())
-        store.release(b["key"])
-    # a dead job's address is not the next one handed out
-    assert a["slot"] == int(ipam.job_key("a")[3:], 16) % pool.size
-    assert b["slot"] != a["slot"]
+        assert (a["slot"], b["slot"]) == (0, 1)
+        store.release(a["key"])
+        # a dead job's address is handed out again at once (teardown has
+        # deleted its conntrack entries): the lowest free slot
+        c = store.acquire("c", ipam.job_key("c"), pool, os.getpid())
+        assert c["slot"] == 0 and c["address"] == a["address"]
+        d = store.acquire("d", ipam.job_key("d"), pool, os.getpid())
+        assert d["slot"] == 2
+        for x in (b, c, d):
+            store.release(x["key"])
     # and with nothing leased, net/ is gone: the state dir is as we found it
     assert os.listdir(tmp_path) == []
+
+
+def test_uplinks_config():
+    one = net.NetConfig(state_dir="x", uplink="up0")
+    assert one.uplink == ("up0",) and net.NetConfig(state_dir="x").uplink == ()
+    two = net.NetConfig(state_dir="x", uplink=["ib0", "up0", "ib0"])
+    assert two.uplink == ("ib0", "up0")
+    assert net.NetConfig.from_dict(json.loads(json.dumps(two.as_dict()))) == two
+    # one fingerprint per node, whatever order the jobs name the uplinks in;
+    # one uplink keeps the form tables recorded before several were allowed
+    fp = wiring.cfg_fingerprint
+    assert fp(two)["uplink"] == fp(net.NetConfig(state_dir="x", uplink=("up0", "ib0")))["uplink"] == ["ib0", "up0"]
+    assert fp(one)["uplink"] == "up0" and fp(net.NetConfig(state_dir="x"))["uplink"] is None
+    with pytest.raises(NetworkError, match="uplink"):
+        wiring.validate(net.NetConfig(state_dir="x", uplink=("up0", "bad/name")))
+
+
+def test_conntrack_messages():
+    """The dump request and the parsing of its answers, on hand-made bytes."""
+    a, other = socket.inet_aton("198.18.5.2"), socket.inet_aton("198.18.9.9")
+    req = conntrack.dump_request(socket.AF_INET, a, 0, 7)
+    length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", req)
+    assert (length, mtype, flags & 0x300, seq) == (len(req), (1 << 8) | 1, 0x300, 7)
+    assert a in req and req[16] == socket.AF_INET
+
+    def entry(src, dst, zone=None, family=socket.AF_INET):
+        ip = conntrack._nla(1, src) + conntrack._nla(2, dst)
+        proto = conntrack._nla(1, bytes([6, 0, 0, 0]))
+        tup = conntrack._nla(1 | 0x8000, conntrack._nla(1 | 0x8000, ip) + conntrack._nla(2 | 0x8000, proto))
+        body = struct.pack("=BBH", family, 0, 0) + tup + conntrack._nla(2 | 0x8000, b"")
+        if zone is not None:
+            body += conntrack._nla(18, struct.pack(">H", zone))
+        return struct.pack("=IHHII", 16 + len(body), (1 << 8) | 0, 2, 7, 0) + body, tup
+
+    m1, t1 = entry(a, other)
+    m2, _ = entry(other, other)             # an old kernel ignored the filter: not ours
+    m3, t3 = entry(other, a, zone=3)        # the host talking to the job
+    m4, _ = entry(a, other, family=socket.AF_INET6)   # another family: skipped
+    done = struct.pack("=IHHII", 20, 3, 2, 7, 0) + struct.pack("=i", 0)
+    got, fin, err = conntrack.parse_entries(m1 + m2 + m3 + m4 + done, socket.AF_INET, {a})
+    assert fin and err == 0
+    assert got == [t1, t3 + conntrack._nla(18, struct.pack(">H", 3))]
+    e = struct.pack("=IHHII", 20, 2, 0, 7, 0) + struct.pack("=i", -95)
+    assert conntrack.parse_entries(e, socket.AF_INET, {a}) == ([], True, -95)
+    assert conntrack.forget([]) == 0
 
 
 def test_facade_import_is_cheap():

@@ -27,8 +27,11 @@ class NetConfig:
     state_dir         leases under <state_dir>/net/, netd socket <state_dir>/netd.sock
     pool              IPv4 CIDR cut into one /30 per job
     lan               CIDRs counted as LAN (everything else is WAN)
-    uplink            interface to masquerade out of (None: jobs reach only
-                      the allow-listed host ports)
+    uplink            interfaces to masquerade out of, a tuple (a single name
+                      or None is accepted); each destination leaves by the
+                      host's own routing, and only traffic routed out of one
+                      of these is forwarded.  Empty: jobs reach only the
+                      allow-listed host ports
     allow_host_ports  (("tcp", 3128), ...) host ports jobs may reach
     resolver          nameserver for the job's resolv.conf, or "gateway"
                       (a resolver on the host, reachable via allow_host_ports)
@@ -43,7 +46,7 @@ class NetConfig:
         s(self, "state_dir", state_dir)
         s(self, "pool", pool)
         s(self, "lan", tuple(lan))
-        s(self, "uplink", uplink)
+        s(self, "uplink", _names(uplink))
         s(self, "allow_host_ports", tuple((p, int(n)) for p, n in allow_host_ports))
         s(self, "resolver", resolver)
         s(self, "table", table)
@@ -66,6 +69,15 @@ class NetConfig:
 
     def __repr__(self):
         return "NetConfig(" + ", ".join(f"{k}={getattr(self, k)!r}" for k in self.__slots__) + ")"
+
+
+def _names(v):
+    """None | "eth0" | ["eth0", "ib0"] -> ("eth0", "ib0"): one uplink or several."""
+    if not v:
+        return ()
+    if isinstance(v, str):
+        return (v,)
+    return tuple(dict.fromkeys(v))
 
 
 class NetLease:
@@ -92,7 +104,7 @@ def config_for(spec):
     """NetConfig from a JobSpec (its `network` section and state_dir)."""
     n = spec.network
     return NetConfig(state_dir=spec.state_dir, pool=getattr(n, "pool", None) or DEFAULT_POOL,
-                     lan=getattr(n, "lan", ()) or (), uplink=getattr(n, "uplink", None),
+                     lan=getattr(n, "lan", ()) or (), uplink=getattr(n, "uplink", ()),
                      allow_host_ports=getattr(n, "allow_host_ports", ()) or (),
                      resolver=getattr(n, "resolver", None))
 

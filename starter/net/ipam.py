@@ -18,9 +18,11 @@ sysctls) happens under flock() on the state directory itself: it outlives
 net/, so the lock never sits on a file that someone might unlink while
 another process waits on it.
 
-The search for a free slot starts at a slot derived from the job key, not
-at the lowest free one, so a dead job's address is not handed out again at
-once (its stale conntrack entries would deliver late replies to the new job).
+A job gets the lowest free slot.  A dead job's address may be handed out
+again at once: teardown deletes its conntrack entries before the lease goes
+(wiring._forget_flows), so no late reply of its flows reaches the next job.
+When every slot is taken, setup first reclaims one dead job's lease (bounded
+like gc at start, wiring.Wiring._reclaim_one) before it refuses the job.
 
 Names derive from the job id (and the table name, so two state dirs with
 separate tables do not collide): key = "stj" + 12 hex digits of sha256, which
@@ -101,6 +103,10 @@ def _ntoa(n):
     import ipaddress  # already loaded: Pool() needs it first
 
     return str(ipaddress.IPv4Address(n))
+
+
+class PoolExhausted(NetworkError):
+    """Every slot of the pool is taken."""
 
 
 def owner_alive(lease):
@@ -206,17 +212,23 @@ class LeaseStore:
         if self.get_by_key(key) is not None:
             raise NetworkError(f"job {job_id!r} already holds a network lease",
                                "job ids must be unique among running jobs; if that job is gone, run `starter gc`")
-        start = int(key[len(KEY_PREFIX):], 16) % pool.size
-        for i in range(pool.size):
-            n = (start + i) % pool.size
+        # Lowest free first: one listdir, then symlink() decides (EEXIST: a
+        # slot taken meanwhile by a writer without the lock; try the next).
+        taken = set()
+        for name in os.listdir(self.slots):
+            if name.isdigit():
+                taken.add(int(name))
+        for n in range(pool.size):
+            if n in taken:
+                continue
             try:
                 os.symlink(key, os.path.join(self.slots, str(n)))
             except FileExistsError:
                 continue
             break
         else:
-            raise NetworkError(f"address pool {pool.cidr} is exhausted ({pool.size} jobs)",
-                               "run `starter gc` to reclaim leases of crashed jobs, or configure a larger pool")
+            raise PoolExhausted(f"address pool {pool.cidr} is exhausted ({pool.size} jobs)",
+                                "run `starter gc` to reclaim leases of crashed jobs, or configure a larger pool")
         gateway, address, network = pool.slot(n)
         lease = {
             "job_id": job_id, "key": key, "slot": n, "pool": pool.cidr,

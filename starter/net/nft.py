@@ -18,6 +18,8 @@ the cost of adding a job grows with the number of jobs.
       map ctr_lan_in, ctr_lan_out, ctr_wan_in, ctr_wan_out, ctr_drop
                      { ifname : counter }        per-job named counters <key>_<name>
       counter dropped                            drops not attributable to a job
+      map ctr_uplink_in, ctr_uplink_out          { ifname : counter }, node-wide,
+                     one pair of counters uplink_<ifname>_in|out per uplink
 
       chain prerouting  (filter, prerouting, raw -300: before conntrack)
         iifname @job_ifs jump job_ingress
@@ -36,12 +38,14 @@ the cost of adding a job grows with the number of jobs.
         iifname @guard_ifs                    -> count, drop   (see below)
       chain job_out
         oifname != @uplinks                   -> count, drop   (other jobs, other host nets)
+        counter oifname map @ctr_uplink_out      (which uplink routing chose)
         ip daddr @lan                         -> lan_out, accept
                                               -> wan_out, accept
       chain job_in
         ct state established,related goto job_in_count
                                               -> dropped, drop (no inbound connections)
       chain job_in_count
+        counter iifname map @ctr_uplink_in       (a miss: not via an uplink)
         ip saddr @lan                         -> lan_in, accept
                                               -> wan_in, accept
       chain postrouting (nat, postrouting, srcnat)
@@ -66,6 +70,14 @@ FAMILY = "inet"
 COUNTERS = ("lan_in", "lan_out", "wan_in", "wan_out", "drop")
 BLOCKED = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
 JOB_SETS = ("job_ifs", "job_src")
+UPLINK_DIRECTIONS = ("in", "out")
+
+
+def uplink_counter(ifname, direction):
+    """The node-wide counter of one uplink: what jobs sent out of it (out)
+    and what came back in through it (in).  No per-job objects: the per-job
+    split stays LAN/WAN, by address."""
+    return f"uplink_{ifname}_{direction}"
 
 
 # -- expression helpers (pure) ---------------------------------------------
@@ -146,6 +158,10 @@ class Table:
                       elem=[{"concat": [p, int(n)]} for p, n in host_allow]),
         ]
         cmds += [self._set("ctr_" + c, "ifname", map_="counter") for c in COUNTERS]
+        cmds += [{"add": {"counter": self._obj(name=uplink_counter(u, d))}}
+                 for u in uplinks for d in UPLINK_DIRECTIONS]
+        cmds += [self._set("ctr_uplink_" + d, "ifname", map_="counter",
+                           elem=[[u, uplink_counter(u, d)] for u in uplinks]) for d in UPLINK_DIRECTIONS]
         cmds += [
             self._chain("prerouting", "prerouting", prio=-300),
             self._chain("job_ingress"),
@@ -172,11 +188,13 @@ class Table:
             self._rule("forward", _match(oif, "@job_ifs"), {"jump": {"target": "job_in"}}),
             self._rule("forward", _match(iif, "@guard_ifs"), {"counter": "dropped"}, DROP),
             self._rule("job_out", _match(oif, "@uplinks", "!="), *drop_job),
+            self._rule("job_out", _ctr_map(oif, "ctr_uplink_out")),
             self._rule("job_out", _match(_payload("ip", "daddr"), "@lan"), _ctr_map(iif, "ctr_lan_out"), ACCEPT),
             self._rule("job_out", _ctr_map(iif, "ctr_wan_out"), ACCEPT),
             self._rule("job_in", _match({"ct": {"key": "state"}}, ["established", "related"], "in"),
                        {"goto": {"target": "job_in_count"}}),
             self._rule("job_in", {"counter": "dropped"}, DROP),
+            self._rule("job_in_count", _ctr_map(iif, "ctr_uplink_in")),
             self._rule("job_in_count", _match(_payload("ip", "saddr"), "@lan"), _ctr_map(oif, "ctr_lan_in"), ACCEPT),
             self._rule("job_in_count", _ctr_map(oif, "ctr_wan_in"), ACCEPT),
             self._rule("postrouting", _match(_payload("ip", "saddr"), "@job_nets"),
@@ -307,6 +325,33 @@ def read_counters(table_name, key):
 
             raise NetworkError(f"nftables: reading counter {names[i]} failed: {os.strerror(-r)}")
         out["dropped" if c == "drop" else c] = r
+    return out
+
+
+def read_uplink_counters(table_name, uplinks):
+    """-> {ifname: {"in": {bytes, packets}, "out": {...}}} node-wide, for the
+    uplinks the table was built with; {} when there is no table."""
+    import socket
+
+    names = [(u, d) for u in uplinks for d in UPLINK_DIRECTIONS]
+    if not names:
+        return {}
+    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_NETFILTER) as s:
+        s.settimeout(5.0)
+        s.send(b"".join(getobj_request(table_name, uplink_counter(u, d), i + 1) for i, (u, d) in enumerate(names)))
+        got = {}
+        while len(got) < len(names):
+            got.update(parse_getobj_replies(s.recv(65536)))
+    out = {}
+    for i, (u, d) in enumerate(names):
+        r = got.get(i + 1)
+        if isinstance(r, int):
+            if r == -2:
+                continue   # no such table or counter (a table made before these existed)
+            import os
+
+            raise NetworkError(f"nftables: reading counter {uplink_counter(u, d)} failed: {os.strerror(-r)}")
+        out.setdefault(u, {})[d] = r
     return out
 
 

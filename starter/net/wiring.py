@@ -14,16 +14,24 @@ import os
 from starter.errors import NetworkError
 from starter.net import ipam, nft
 from starter.net.sysctl import forwarding_path, read_sysctl, write_sysctl
-from starter.state import fault, is_live
+from starter.state import QUICK_BUDGET_S, fault, is_live
 
 
 def cfg_fingerprint(cfg):
     """What the shared table is built from; jobs on one node must agree."""
     return {
-        "pool": cfg.pool, "lan": sorted(cfg.lan), "uplink": cfg.uplink,
+        "pool": cfg.pool, "lan": sorted(cfg.lan), "uplink": _uplink_fingerprint(cfg.uplink),
         "allow_host_ports": sorted([p, int(n)] for p, n in cfg.allow_host_ports),
         "table": cfg.table,
     }
+
+
+def _uplink_fingerprint(uplinks):
+    """One uplink stays a name (what tables recorded before several were
+    allowed), several are a sorted list: the routing, not the order, decides."""
+    if not uplinks:
+        return None
+    return uplinks[0] if len(uplinks) == 1 else sorted(uplinks)
 
 
 def validate(cfg):
@@ -39,8 +47,8 @@ def validate(cfg):
         if pool.overlaps(str(net)):
             raise NetworkError(f"lan: {c} overlaps the job address pool {pool.cidr}",
                                "choose a pool that is not used on the site network")
-    if cfg.uplink is not None:
-        ipam.check_ifname("uplink", cfg.uplink)
+    for name in cfg.uplink:
+        ipam.check_ifname("uplink", name)
     for i, item in enumerate(cfg.allow_host_ports):
         try:
             proto, port = item
@@ -57,6 +65,26 @@ def validate(cfg):
 
 def _if_exists(ifname):
     return os.path.exists(f"/sys/class/net/{ipam.check_ifname('ifname', ifname)}")
+
+
+# The lease fields holding the job's addresses (one per family), whose
+# conntrack entries teardown deletes.
+JOB_ADDRESS_KEYS = ("address", "address6")
+
+
+def _forget_flows(lease):
+    """Delete the dead job's conntrack entries (both families) before its
+    lease goes, so its addresses can be leased again at once.  A failure
+    keeps the lease (raised): `starter gc` retries."""
+    addrs = [lease[k] for k in JOB_ADDRESS_KEYS if lease and lease.get(k)]
+    if addrs:
+        from starter.net import conntrack
+
+        try:
+            conntrack.forget(addrs)
+        except OSError as e:
+            raise NetworkError(f"deleting the conntrack entries of {', '.join(addrs)} failed: {e}",
+                               "the lease is kept; `starter gc` retries") from None
 
 
 class Wiring:
@@ -148,17 +176,17 @@ class Wiring:
     def _create_table(self, store, cfg, table):
         self._check_pool_is_free(cfg, own={lease.get("key") for lease in store.all()})
         guard = []
-        if cfg.uplink is not None:
-            if not _if_exists(cfg.uplink):
-                raise NetworkError(f"uplink: interface {cfg.uplink!r} does not exist",
+        for name in cfg.uplink:
+            if not _if_exists(name):
+                raise NetworkError(f"uplink: interface {name!r} does not exist",
                                    "set the uplink to the interface that reaches the LAN/WAN "
                                    "(`ip route get <address>` names it)")
-            if read_sysctl(forwarding_path(cfg.uplink)) == "0":
-                guard.append(cfg.uplink)
+            if read_sysctl(forwarding_path(name)) == "0":
+                guard.append(name)
         # Record first: a crash after the sysctl write must still restore it.
         store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard})
         try:
-            self.nft.run(table.create(cfg.pool, cfg.lan, [cfg.uplink] if cfg.uplink else [],
+            self.nft.run(table.create(cfg.pool, cfg.lan, list(cfg.uplink),
                                       guard, cfg.allow_host_ports), "create table")
             for ifname in guard:
                 write_sysctl(forwarding_path(ifname), "1")
@@ -195,13 +223,13 @@ class Wiring:
                 first = store.count() == 0
                 if not first:
                     self._check_table_matches(store, cfg)
-                lease = store.acquire(job_id, key, pool, owner_pid)
+                lease = self._acquire(store, cfg, job_id, key, pool, owner_pid)
                 undo.callback(store.release, key, lease["slot"])
                 fault("net-lease")
                 if first:
                     self._create_table(store, cfg, table)
                 self.links.create(key, netns_fd, lease["gateway"], lease["address"],
-                                  lease["prefixlen"], forward=cfg.uplink is not None)
+                                  lease["prefixlen"], forward=bool(cfg.uplink))
                 undo.callback(self.links.delete, key)
                 fault("net-veth")
                 self._add_job(store, cfg, table, key, lease["address"])
@@ -214,6 +242,46 @@ class Wiring:
                         self._delete_table(store, table)
                 raise
         return lease
+
+    def _acquire(self, store, cfg, job_id, key, pool, owner_pid):
+        """A lease; a full pool first gives up one dead job's lease."""
+        try:
+            return store.acquire(job_id, key, pool, owner_pid)
+        except ipam.PoolExhausted:
+            if not self._reclaim_one(store, cfg):
+                raise
+        return store.acquire(job_id, key, pool, owner_pid)
+
+    def _reclaim_one(self, store, cfg):
+        """The pool is full: reclaim the lease of one dead job, if a scan
+        bounded like gc at start (state.QUICK_BUDGET_S) finds one.  At most
+        one reclaim, and never a wait: only a lease whose starter is gone,
+        whose job entry is not live, and whose veth is gone already (the
+        job's namespace died with it; deleting a veth waits for RCU, and a
+        veth that still exists may still carry a process of the job: both
+        are left to `starter gc`).  Lock held.  -> whether one was freed."""
+        import time
+
+        deadline = time.monotonic() + QUICK_BUDGET_S
+        try:
+            names = [n[:-5] for n in os.listdir(store.leases) if n.endswith(".json")]
+        except FileNotFoundError:
+            return False
+        k = os.getpid() % len(names) if names else 0   # a different start each time
+        for key in names[k:] + names[:k]:
+            if time.monotonic() >= deadline:
+                break
+            if not ipam.is_job_key(key):
+                continue
+            lease = store.get_by_key(key)
+            job_id = lease.get("job_id") if lease else None
+            if job_id is None or ipam.owner_alive(lease) or is_live(cfg.state_dir, job_id) or _if_exists(key):
+                continue
+            # A key netd's worker is still finishing (its starter has left)
+            # may be taken here too: both sides tolerate the other's removal.
+            self._teardown_key(store, cfg, key, lease)
+            return True
+        return False
 
     def _add_job(self, store, cfg, table, key, address):
         try:
@@ -265,6 +333,7 @@ class Wiring:
             self._queue.put((cfg, key, lease))
         else:
             self._delete_veth(self.links, key)
+            _forget_flows(lease)
             self._release(store, cfg, key, lease, removed)
         return counters
 
@@ -279,6 +348,7 @@ class Wiring:
     def _finish(self, links, cfg, key, lease):
         """Worker thread: the veth without the lock, then the bookkeeping with it."""
         self._delete_veth(links, key)
+        _forget_flows(lease)
         store = ipam.LeaseStore(cfg.state_dir)
         with store:
             self._release(store, cfg, key, lease, None)

@@ -1,0 +1,188 @@
+"""Forget a dead job's connection-tracking entries, over ctnetlink.
+
+Why: after a job ends, the host's conntrack table still holds its flows
+(an established TCP flow lingers for days, a closing one for minutes).  If
+its address is leased to the next job while they exist, late replies of the
+old job's connections would be translated to the new job (data of one job
+delivered to another), and the new job's connections may clash with them.
+So teardown deletes them before the lease is released, and the address can
+be handed out again at once.
+
+What is deleted: only entries whose ORIGINAL tuple has one of the job's
+addresses as source or destination.  Jobs cannot be reached from outside
+(job_in drops new inbound flows), so every flow of a job starts at its
+address (source) or, for the host talking to it, ends there (destination).
+The host's own flows never carry a pool address, so they are never touched.
+
+How: per family and direction, one dump filtered in the kernel (CTA_FILTER in
+recent kernels; an older one ignores the filter and dumps everything, which
+is why every entry is checked again here), then one IPCTNL_MSG_CT_DELETE per
+match naming the entry by the original tuple exactly as the kernel sent it
+(plus its zone).  Family-agnostic: give IPv4 and IPv6 addresses alike.
+Reads and deletes only; no conntrack tool, no pyroute2.
+"""
+
+import errno
+import ipaddress
+import socket
+import struct
+
+_NETLINK_NETFILTER = 12
+_NFNL_SUBSYS_CTNETLINK = 1
+_IPCTNL_MSG_CT_NEW, _IPCTNL_MSG_CT_GET, _IPCTNL_MSG_CT_DELETE = 0, 1, 2
+_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP = 0x1, 0x4, 0x300
+_NLMSG_ERROR, _NLMSG_DONE = 2, 3
+_NLA_F_NESTED = 0x8000
+_CTA_TUPLE_ORIG, _CTA_ZONE, _CTA_FILTER = 1, 18, 25
+_CTA_TUPLE_IP = 1
+_CTA_IP_V4_SRC, _CTA_IP_V4_DST, _CTA_IP_V6_SRC, _CTA_IP_V6_DST = 1, 2, 3, 4
+_CTA_FILTER_ORIG_FLAGS = 1
+_FILTER_IP_SRC, _FILTER_IP_DST = 1 << 0, 1 << 1
+# family -> (source attribute, destination attribute)
+_ATTRS = {socket.AF_INET: (_CTA_IP_V4_SRC, _CTA_IP_V4_DST), socket.AF_INET6: (_CTA_IP_V6_SRC, _CTA_IP_V6_DST)}
+
+
+def _nla(kind, payload):
+    n = 4 + len(payload)
+    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n % 4)
+
+
+def _nlas(buf):
+    off = 0
+    while off + 4 <= len(buf):
+        n, kind = struct.unpack_from("=HH", buf, off)
+        if n < 4:
+            break
+        padded = (n + 3) & ~3
+        yield kind & 0x3FFF, buf[off + 4:off + n], buf[off:off + n].ljust(padded, b"\0")
+        off += padded
+
+
+def _msg(mtype, flags, seq, family, attrs):
+    body = struct.pack("=BBH", family, 0, 0) + attrs
+    return struct.pack("=IHHII", 16 + len(body), (_NFNL_SUBSYS_CTNETLINK << 8) | mtype, flags, seq, 0) + body
+
+
+def dump_request(family, packed_addr, direction, seq):
+    """A dump of the entries whose original source (direction 0) or
+    destination (1) is packed_addr, filtered by the kernel (pure)."""
+    attr = _ATTRS[family][direction]
+    tup = _nla(_CTA_TUPLE_IP | _NLA_F_NESTED, _nla(attr, packed_addr))
+    flt = _nla(_CTA_FILTER_ORIG_FLAGS, struct.pack("=I", _FILTER_IP_SRC if direction == 0 else _FILTER_IP_DST))
+    attrs = _nla(_CTA_TUPLE_ORIG | _NLA_F_NESTED, tup) + _nla(_CTA_FILTER | _NLA_F_NESTED, flt)
+    return _msg(_IPCTNL_MSG_CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, seq, family, attrs)
+
+
+def parse_entries(data, family, packed_addrs):
+    """-> ([raw CTA_TUPLE_ORIG + CTA_ZONE attributes of each matching entry],
+    done, -errno or 0) from a chunk of dump replies (pure).  An entry matches
+    if its original source or destination is one of packed_addrs."""
+    src_attr, dst_attr = _ATTRS[family]
+    out, done, err = [], False, 0
+    off = 0
+    while off + 16 <= len(data):
+        length, mtype, _flags, _seq, _pid = struct.unpack_from("=IHHII", data, off)
+        if length < 16:
+            break
+        msg = data[off + 16:off + length]
+        off += (length + 3) & ~3
+        if mtype == _NLMSG_DONE:
+            done = True
+        elif mtype == _NLMSG_ERROR:
+            err = struct.unpack_from("=i", msg)[0]
+            done = True
+        elif mtype == (_NFNL_SUBSYS_CTNETLINK << 8) | _IPCTNL_MSG_CT_NEW and len(msg) >= 4:
+            if msg[0] != family:
+                continue
+            orig = zone = None
+            for kind, val, raw in _nlas(msg[4:]):
+                if kind == _CTA_TUPLE_ORIG:
+                    orig = (val, raw)
+                elif kind == _CTA_ZONE:
+                    zone = raw
+            if orig is None:
+                continue
+            addrs = set()
+            for kind, val, _raw in _nlas(orig[0]):
+                if kind == _CTA_TUPLE_IP:
+                    addrs |= {v for k, v, _r in _nlas(val) if k in (src_attr, dst_attr)}
+            if addrs & packed_addrs:
+                out.append(orig[1] + (zone or b""))
+    return out, done, err
+
+
+def forget(addresses):
+    """Delete every conntrack entry of these addresses (IPv4 and/or IPv6) in
+    the caller's network namespace.  -> how many were deleted.  A kernel
+    without conntrack has nothing to forget (0)."""
+    by_family = {}
+    for a in addresses:
+        ip = ipaddress.ip_address(a)
+        fam = socket.AF_INET if ip.version == 4 else socket.AF_INET6
+        by_family.setdefault(fam, set()).add(ip.packed)
+    if not by_family:
+        return 0
+    deleted = 0
+    try:
+        s = socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_NETFILTER)
+    except OSError as e:
+        if e.errno in (errno.EPROTONOSUPPORT, errno.EAFNOSUPPORT):
+            return 0
+        raise
+    with s:
+        s.settimeout(5.0)
+        s.bind((0, 0))
+        seq = 0
+        for fam, packed in sorted(by_family.items()):
+            for addr in sorted(packed):
+                for direction in (0, 1):
+                    seq += 1
+                    matches = _dump(s, dump_request(fam, addr, direction, seq), fam, packed)
+                    deleted += _delete(s, fam, matches, seq)
+                    seq += len(matches)
+    return deleted
+
+
+def _dump(s, request, family, packed):
+    s.send(request)
+    out = []
+    while True:
+        got, done, err = parse_entries(s.recv(1 << 17), family, packed)
+        out += got
+        if done:
+            break
+    if err in (-errno.ENOENT, -errno.EOPNOTSUPP, -errno.EPROTONOSUPPORT):
+        return []   # no conntrack module / table in this namespace: nothing to forget
+    if err:
+        raise OSError(-err, f"conntrack dump: {errno.errorcode.get(-err, -err)}")
+    return out
+
+
+def _delete(s, family, matches, seq):
+    """One acked DELETE per entry; ENOENT (it timed out meanwhile) is fine."""
+    if not matches:
+        return 0
+    msgs = [_msg(_IPCTNL_MSG_CT_DELETE, _NLM_F_REQUEST | _NLM_F_ACK, seq + 1 + i, family, attrs)
+            for i, attrs in enumerate(matches)]
+    # Batches small enough for the socket buffer; every request gets an ack.
+    deleted = 0
+    for start in range(0, len(msgs), 256):
+        batch = msgs[start:start + 256]
+        s.send(b"".join(batch))
+        acks = 0
+        while acks < len(batch):
+            data = s.recv(1 << 17)
+            off = 0
+            while off + 16 <= len(data):
+                length, mtype, _f, _seq, _pid = struct.unpack_from("=IHHII", data, off)
+                if length < 16:
+                    break
+                if mtype == _NLMSG_ERROR:
+                    acks += 1
+                    err = struct.unpack_from("=i", data, off + 16)[0]
+                    if err == 0:
+                        deleted += 1
+                    elif err != -errno.ENOENT:
+                        raise OSError(-err, f"conntrack delete: {errno.errorcode.get(-err, -err)}")
+                off += (length + 3) & ~3
+    return deleted
