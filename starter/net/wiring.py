@@ -237,7 +237,9 @@ class Wiring:
                 undo.pop_all()
             except BaseException:
                 undo.close()
-                if store.count() == 0:
+                # Only a table this state dir recorded: a job that failed
+                # before making one must not delete another's of that name.
+                if store.count() == 0 and store.table_record() is not None:
                     with contextlib.suppress(Exception):
                         self._delete_table(store, table)
                 raise
