@@ -27,22 +27,29 @@ def __getattr__(name):
         from . import base
 
         return getattr(base, name)
-    if name == "BACKENDS":
-        return _backends()
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _backends():
-    from .hybrid import HybridBackend
-    from .v1 import V1Backend
-    from .v2 import V2Backend
+def _backend_class(kind):
+    """Only the host's backend is imported: a pure v2 node loads no v1 code."""
+    if kind == "v2":
+        from .v2 import V2Backend
 
-    return {"v2": V2Backend, "v1": V1Backend, "hybrid": HybridBackend}
+        return V2Backend
+    if kind == "v1":
+        from .v1 import V1Backend
+
+        return V1Backend
+    from .hybrid import HybridBackend
+
+    return HybridBackend
 
 
 def backend_for(layout, parent=None):
     """The backend for a detected files.Layout (testable without a host)."""
-    return _backends()[layout.kind](layout, parent)
+    if layout.kind not in ("v2", "v1", "hybrid"):
+        raise KeyError(layout.kind)
+    return _backend_class(layout.kind)(layout, parent)
 
 
 def open_backend(parent=None, mountinfo=None, proc_cgroup=None):
