@@ -1,3 +1,3 @@
-from starter.cli import main
+from starter.cli import entry
 
-raise SystemExit(main())
+entry()

@@ -6,6 +6,8 @@ in `re` and costs ~8 ms per start on these machines, half the budget of a
 whole `starter run -- /bin/true`.
 """
 
+from starter import trace  # first: its clock starts with our first line
+
 import errno
 import os
 import sys
@@ -163,7 +165,14 @@ def cmd_run(argv):
     if argv[:1] in (["--help"], ["-h"]):
         sys.stdout.write(help_text("usage: starter run [options] -- CMD [ARGS]", RUN_OPTIONS))
         return 0
+    trace.mark("import")
     values, _, command = parse(argv, RUN_OPTIONS, usage="starter run [options] -- CMD [ARGS]")
+    if os.geteuid() == 0:
+        # First: the first cgroup migration's RCU wait then overlaps what follows.
+        from starter.cgroups import warm_up
+
+        warm_up()
+        trace.mark("warm-up")
     from starter import spec as S
 
     job_file = S.load_job_file(values.pop("job")) if "job" in values else None
@@ -171,6 +180,7 @@ def cmd_run(argv):
         values["command"] = command
     need_root("starter run")
     js = S.build(values, job_file)
+    trace.mark("spec")
     from starter.job import run
 
     return run(js)
@@ -506,6 +516,21 @@ COMMANDS = {
     "top": cmd_top,
     "metrics": cmd_metrics,
 }
+
+
+def entry():
+    """The `starter` command (launcher, console script, python -m starter):
+    main(), then leave without the interpreter's finalization (tearing down
+    every module and a last GC: ~1.5 ms of each `starter run`, measured).  The
+    starter registers no atexit handlers and runs no threads that must
+    finish; stdout and stderr are flushed here."""
+    code = main()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
 
 
 def main(argv=None):

@@ -1,0 +1,156 @@
+"""The start path stays lean: which modules `starter run --net none` imports
+(a fixed set: a heavy import cannot creep back unnoticed), STARTER_TRACE's
+phases, and the v1 migration warm-up (which thread, which file, when it
+ends).  Speed itself is measured in scripts/bench, never asserted here."""
+
+import os
+import subprocess
+import sys
+import sysconfig
+
+import pytest
+
+from conftest import REPO
+from starter import cgroups
+from starter.cgroups import files
+
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "cgroup")
+PY = os.path.join(REPO, ".venv", "bin", "python")
+
+# Everything a `starter run --net none` imports after the interpreter's own
+# start-up (python -IS, as the launcher runs it), with a cached seccomp
+# profile.  Adding a module here is a decision: say in the commit what it
+# costs per start (python -X importtime).
+RUN_IMPORTS = {
+    # C modules and the few pure-Python ones -S does not load by itself
+    "_cffi_backend", "_collections_abc", "_json", "_sha256", "_stat", "_struct", "errno", "fcntl",
+    "genericpath", "grp", "math", "os", "os.path", "posixpath", "pwd", "select", "stat", "struct",
+    # the starter's own run path
+    "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.admin",
+    "starter.cgroups", "starter.cgroups.base", "starter.cgroups.files",
+    "starter.cli", "starter.errors", "starter.job",
+    "starter.mounts", "starter.ns", "starter.paths", "starter.report", "starter.seccomp",
+    "starter.spec", "starter.state", "starter.supervisor", "starter.trace", "starter.values",
+}
+# Only the host's cgroup backend is loaded (v1.py borrows one helper from v2.py).
+BACKEND_IMPORTS = {"v2": {"starter.cgroups.v2"},
+                   "v1": {"starter.cgroups.v1", "starter.cgroups.v2"},
+                   "hybrid": {"starter.cgroups.hybrid", "starter.cgroups.v1", "starter.cgroups.v2"}}
+# Named in the developers' guide; each costs milliseconds per start (measured
+# with python -IS on the 2-CPU test host: json +9 ms (it pulls in re),
+# contextlib +4.5 ms, threading +4.9 ms, signal +5 ms).
+NEVER_ON_RUN_PATH = {"pyroute2", "psutil", "json", "re", "argparse", "dataclasses", "signal", "ctypes",
+                     "subprocess", "contextlib", "threading", "collections", "functools", "enum",
+                     "typing", "importlib", "hashlib", "tempfile", "traceback", "warnings"}
+
+PROBE = """
+import sys
+sys.path[:0] = [{repo!r}, {site!r}]
+before = set(sys.modules)
+from starter.cli import main
+code = main(["run", "--net", "none", "--user", "nobody", "--state-dir", {state!r}, "--", "/bin/true"])
+sys.stdout.write(str(code) + " " + " ".join(sorted(set(sys.modules) - before)))
+"""
+
+
+def _imports_of_run(state):
+    code = PROBE.format(repo=REPO, site=sysconfig.get_paths()["purelib"], state=state)
+    p = subprocess.run([PY, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    status, *mods = p.stdout.split()
+    assert status == "0", p.stderr
+    return set(mods)
+
+
+def test_run_imports_exactly_the_lean_set(state_dir):
+    _imports_of_run(state_dir)          # fills the seccomp cache beside the state directory
+    try:
+        mods = _imports_of_run(state_dir)
+    finally:
+        _remove_seccomp_cache(state_dir)
+    assert not mods & NEVER_ON_RUN_PATH, f"heavy imports on the run path: {sorted(mods & NEVER_ON_RUN_PATH)}"
+    kind = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
+    want = RUN_IMPORTS | BACKEND_IMPORTS[kind]
+    assert mods == want, (f"new on the run path: {sorted(mods - want)}; "
+                          f"no longer imported: {sorted(want - mods)}")
+
+
+def _remove_seccomp_cache(state_dir):
+    cache = state_dir.rstrip("/") + ".seccomp"
+    if os.path.isdir(cache):
+        for n in os.listdir(cache):
+            os.unlink(os.path.join(cache, n))
+        os.rmdir(cache)
+
+
+def test_trace_prints_every_phase_and_nothing_without_it(starter, state_dir):
+    try:
+        p = starter("run", "--net", "none", "--user", "nobody", "--", "/bin/true",
+                    env=dict(os.environ, STARTER_TRACE="1"), check=0)
+        lines = p.stderr.splitlines()
+        phases = [ln.split()[2] for ln in lines if ln.startswith("starter: trace ")]
+        assert phases[:3] == ["interpreter", "import", "warm-up"], p.stderr
+        for want in ("spec", "seccomp", "state", "cgroup", "clone", "attach", "exec", "job",
+                     "measure", "teardown", "report"):
+            assert want in phases, p.stderr
+        assert phases[-1] == "total"
+        assert all(ln.endswith(" ms") or "ms  (" in ln for ln in lines if ln.startswith("starter: trace ")), lines
+        env = {k: v for k, v in os.environ.items() if k != "STARTER_TRACE"}
+        quiet = starter("run", "--net", "none", "--user", "nobody", "--", "/bin/true", env=env, check=0)
+        assert "trace" not in quiet.stderr
+    finally:
+        _remove_seccomp_cache(state_dir)
+
+
+def _layout(name):
+    with open(os.path.join(FIX, f"mountinfo.{name}")) as m, open(os.path.join(FIX, f"proc_cgroup.{name}")) as c:
+        return files.detect_layout(m.read(), c.read())
+
+
+def test_warm_up_target_is_a_v1_tasks_file_only_where_jobs_join_v1():
+    assert cgroups._warm_target(_layout("v2")) is None
+    for name in ("hybrid", "v1"):
+        lay = _layout(name)
+        target = cgroups._warm_target(lay)
+        assert target is not None and target.endswith("/tasks"), target
+        role = next(r for r in sorted(files.V1_RESOURCE_CONTROLLERS) if r in lay.v1 and r in lay.own)
+        assert target == files.join(lay.v1[role].mount_point, lay.own[role], "tasks")
+
+
+def test_warm_up_thread_moves_only_itself_and_ends_when_told():
+    lay = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup"))
+    if cgroups._warm_target(lay) is None:
+        pytest.skip("this host's jobs join no v1 hierarchy: warm_up() starts no thread (checked below)")
+    before = _own_cgroups()
+    threads = set(os.listdir("/proc/self/task"))
+    cgroups.warm_up()
+    try:
+        assert cgroups._warm_exited.locked(), "no warm-up thread started"
+        new = set(os.listdir("/proc/self/task")) - threads
+        assert len(new) <= 1
+    finally:
+        cgroups.warm_up_done()
+    # The thread holds _warm_exited until its last line: acquiring it waits for the end.
+    assert cgroups._warm_exited.acquire(timeout=5), "the warm-up thread did not end"
+    cgroups._warm_exited.release()
+    assert _own_cgroups() == before       # the process stayed where it was, in every hierarchy
+    # the layout it probed is used once, by the next open_backend()
+    be = cgroups.open_backend("starter-test")
+    assert be.kind == lay.kind
+
+
+def test_warm_up_starts_no_thread_without_v1(monkeypatch):
+    monkeypatch.setattr(cgroups, "_warm_target", lambda layout: None)
+    cgroups.warm_up()
+    assert not cgroups._warm_exited.locked()
+
+
+def _own_cgroups():
+    with open(f"/proc/{os.getpid()}/cgroup") as f:
+        return f.read()
+
+
+@pytest.mark.parametrize("cmd", [["--version"], ["ps", "--help"]])
+def test_entry_exits_with_mains_code_and_flushes(cmd):
+    p = subprocess.run([sys.executable, "-m", "starter", *cmd], capture_output=True, text=True, cwd=REPO)
+    assert p.returncode == 0 and p.stdout.strip(), p
