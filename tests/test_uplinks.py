@@ -17,6 +17,7 @@ import os
 import secrets
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -311,6 +312,13 @@ def _dead_pid():
     return p.pid
 
 
+def _wait_gone(ifnames, timeout=30.0):
+    deadline = time.monotonic() + timeout
+    while any(os.path.exists(f"/sys/class/net/{n}") for n in ifnames):
+        assert time.monotonic() < deadline, f"the kernel kept {ifnames} after their namespaces died"
+        time.sleep(0.01)
+
+
 @pytest.mark.net
 def test_a_full_pool_heals_itself(uplinks, tmp_path):
     """Every slot held by a dead job's lease: the next job still starts (one
@@ -330,6 +338,11 @@ def test_a_full_pool_heals_itself(uplinks, tmp_path):
             finally:
                 os.close(fd)
                 ns.close()                          # its namespace died with it: so did the veth
+        # The kernel destroys a dead namespace (and with it the veth) in a
+        # worker, a while after its last process is gone; a veth still there
+        # means "the job may still run" to the bounded reclaim, which then
+        # rightly leaves that lease to `starter gc`.  Wait for the kernel.
+        _wait_gone([ipam.job_key(j, c.table) for j in ("dead1", "dead2")])
         store = ipam.LeaseStore(c.state_dir)
         assert store.count() == 2
         job = nethosts.Netns()
