@@ -130,6 +130,20 @@ class UnifiedTracking:
         # populated in cgroup.events drops when the last task has exited.
         return EventsWatch(self._ufile("cgroup.events")) if os.path.isdir(self.upath) else None
 
+    def _kill_tree(self):
+        # Atomic against concurrent forks: one write kills the tree, frozen,
+        # chmod'ed and nested sub-cgroups included.  Kernels before 5.14
+        # have no cgroup.kill.
+        if not os.path.exists(self._ufile("cgroup.kill")):
+            return False
+        try:
+            files.write(self._ufile("cgroup.kill"), 1)
+        except CgroupError as e:
+            if getattr(e, "errno", None) != errno.ENOENT:
+                raise
+            return False   # the cgroup is gone: nothing left to kill there
+        return True
+
     def _kill_round(self, left, deadline):
         """SIGKILL the cgroup2 tree, including sub-cgroups the job made,
         froze or chmod'ed.  Once it is empty, what is left (`left`) is in a
@@ -137,12 +151,7 @@ class UnifiedTracking:
         if self.is_empty():
             kill_pids(left)
         elif os.path.exists(self._ufile("cgroup.kill")):
-            # Atomic against concurrent forks: one write kills the tree.
-            try:
-                files.write(self._ufile("cgroup.kill"), 1)
-            except CgroupError as e:
-                if getattr(e, "errno", None) != errno.ENOENT:
-                    raise
+            self._kill_tree()
         else:
             self._kill_by_freezing()
 
