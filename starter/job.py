@@ -270,6 +270,7 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
             os.close(fd)
         fault("net-setup")
         job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway)
+        trace.mark("net")
 
     child.release()
     fault("release")
