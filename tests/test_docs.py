@@ -87,6 +87,20 @@ def test_every_environment_variable_is_in_the_reference():
     assert not missing, f"environment variables missing from docs/reference.md: {missing}"
 
 
+def test_every_trace_phase_is_in_the_reference():
+    reference = read(REFERENCE)
+    row = next(line for line in reference.splitlines() if line.startswith("| `STARTER_TRACE`"))
+    phases = set()
+    for root, dirs, files in os.walk(os.path.join(REPO, "starter")):
+        dirs[:] = [d for d in dirs if d != "__pycache__"]
+        for name in files:
+            if name.endswith(".py"):
+                phases |= set(re.findall(r"trace\.mark\(\s*[\"']([\w-]+)", read(os.path.join(root, name))))
+    assert "clone" in phases, phases
+    missing = sorted(p for p in phases if f"`{p}`" not in row)
+    assert not missing, f"STARTER_TRACE phases missing from its row in docs/reference.md: {missing}"
+
+
 # ---------------------------------------------------------------- links
 
 FENCE = re.compile(r"^```.*?^```", re.S | re.M)
