@@ -4,7 +4,7 @@ classad`): one `Name = value` line per attribute, the "long" form that
 
 HTCondor's own attribute names and units where it has one (job ClassAd
 attributes in the HTCondor manual), ours for the rest: the table is
-MAPPING below and, for people, README "The report as a ClassAd".  A report
+MAPPING below and, for people, docs/reference.md "The report as a ClassAd".  A report
 field this table does not know (a newer starter's) is still written, as
 Starter<CamelCase> (nested objects flattened), so nothing is lost silently.
 
@@ -32,7 +32,7 @@ def _int(v):
 
 
 # report field -> [(attribute, conversion)], in output order.  Conversions
-# are exactly what README documents (the tests check the values against the
+# are exactly what docs/reference.md documents (the tests check the values against the
 # JSON report with the same rules).
 MAPPING = {
     "job_id": [("StarterJobId", None)],

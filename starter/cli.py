@@ -190,7 +190,8 @@ NS_FLAGS = {"p": "pid", "n": "net", "m": "mnt", "u": "uts", "i": "ipc"}
 
 
 def cmd_ns_exec(argv):
-    """ns_exec from the seed: `starter ns-exec -nm -- /bin/bash`."""
+    """ns_exec, the namespace tool of the per-job network recipe (docs/design.md,
+    Background): `starter ns-exec -nm -- /bin/bash`."""
     flags = []
     for a in argv:
         if a == "--" or not a.startswith("-"):
@@ -353,7 +354,7 @@ def cmd_gc(argv):
 
 def cmd_netd(argv):
     """The per-node network helper: holds pyroute2 and the nftables handle so
-    a NAT job does not pay their import (README, "netd vs in-process")."""
+    a NAT job does not pay their import (docs/design.md, "netd")."""
     table = {"--state-dir": ("state-dir", "value", "DIR  state directory (socket: DIR/netd.sock)")}
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(help_text("usage: starter netd [--state-dir DIR]", table))

@@ -357,7 +357,7 @@ def _net_teardown(job_id, cfg, report):
 
 
 def ns_exec(argv, namespaces):
-    """The seed's ns_exec: CMD in fresh namespaces, root, caps kept; for admins."""
+    """ns_exec: CMD in fresh namespaces, root, caps kept; for admins."""
     from starter import ns
 
     child = ns.spawn(ns.ChildSpec(

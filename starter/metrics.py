@@ -13,8 +13,8 @@ psutil.  Three ways out:
                                           an address is given)
 
 What a job controls never reaches a metric name; label values (job id, user,
-state) are escaped as the exposition format says.  Schema: README,
-"Metrics (Prometheus)".
+state) are escaped as the exposition format says.  Schema: docs/reference.md,
+"Metrics".
 """
 
 import os

@@ -2,7 +2,7 @@
 
 Both go to a file or an inherited fd ("fd:N"), as JSON.  The report is one
 document written when the job is over and its cgroup is empty; events are
-JSON lines, one per state change.  Schemas: README, "The report";
+JSON lines, one per state change.  Schemas: docs/reference.md, "The report";
 docs/events.md.
 """
 

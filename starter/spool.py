@@ -2,7 +2,7 @@
 
 A node that runs hundreds of jobs with the same executable keeps one file,
 ``$SPOOL/exe-<EscapedOwner>-<CmdHash>``, and hard-links it into each job's
-directory (the job's copy, the seed's "ickpt").  The inode's link count is the
+directory (the job's copy, HTCondor's "ickpt").  The inode's link count is the
 reference count:
 
     nlink of the job copy   meaning
@@ -11,10 +11,11 @@ reference count:
     3+                      other jobs still use it
 
 The owner is part of the name so that one user who finds a hash collision can
-only ever hurt their own jobs.  Names are built with the seed's escaping: every
-byte outside ``[A-Za-z0-9_.]`` becomes ``%XX``, so ``-`` (the separator) and
-``%`` (the escape) never appear raw inside a key or value and the name maps back
-to exactly one (owner, attributes) list.
+only ever hurt their own jobs.  Names are built with the escaping of the
+shared-spool proposal (docs/design.md, Background): every byte outside
+``[A-Za-z0-9_.]`` becomes ``%XX``, so ``-`` (the separator) and ``%`` (the
+escape) never appear raw inside a key or value and the name maps back to
+exactly one (owner, attributes) list.
 
 Every change to the spool (store, link, release, gc) happens under an flock on
 ``$SPOOL/.lock`` (never deleted), so gc cannot remove a file between an add and
@@ -70,7 +71,7 @@ _LINK_ERRNOS = (errno.EXDEV, errno.EPERM, errno.EMLINK)
 
 
 def escape(value):
-    """The seed's escaping: bytes outside [A-Za-z0-9_.] become %XX (uppercase hex).
+    """The proposal's escaping: bytes outside [A-Za-z0-9_.] become %XX (uppercase hex).
 
     Non-ASCII text is escaped byte by byte of its UTF-8 encoding.  Injective:
     '%' itself is escaped, so unescape() recovers the input exactly.
@@ -263,7 +264,7 @@ class Spool:
             raise SpecError("owner", f"spool name for {owner!r} is {len(name)} bytes, over the {NAME_MAX} limit")
         return os.path.join(self.dir, name)
 
-    # -- the seed's two steps: "may I send it?" and "here it is"
+    # -- the two steps of a transfer: "may I send it?" and "here it is"
 
     def lookup(self, owner, cmdhash):
         """The hash path if the spool has this file for this owner ("have it"), else None ("send it")."""
@@ -406,7 +407,7 @@ class Spool:
         self._note_link(True)
 
     def release(self, job_copy, owner, cmdhash):
-        """The seed's steps 8-9: drop the hash path if we are its last user, then the job copy.
+        """Drop the hash path if we are its last user, then the job copy.
 
         Returns True if the hash path was removed.  The job copy counts only if
         it is the very inode of the hash path (a job that replaced its copy
@@ -490,7 +491,7 @@ class Spool:
             if stat.S_ISREG(st.st_mode):
                 yield name, st
 
-    # -- link() bookkeeping (the seed's "don't try link() if it never works")
+    # -- link() bookkeeping (don't try link() if it never works)
 
     def link_state(self):
         """(ever_succeeded, failures) as persisted in the spool."""

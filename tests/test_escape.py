@@ -1,8 +1,8 @@
 """A job cannot use a same-uid host daemon to start a process outside its
 cgroup (issue 10).  tmux keeps its socket in /tmp/tmux-UID, screen in
 /run/screen/S-USER, systemd --user and D-Bus in /run/user/UID: each of those
-directories is private to the job (README, "What a job can and cannot
-see"), so the job cannot find the host daemon's socket, while a daemon the
+directories is private to the job (docs/design.md, "What a job sees:
+namespaces and mounts"), so the job cannot find the host daemon's socket, while a daemon the
 job starts itself works and stays inside the job.
 
 Each test starts the host daemon as `nobody` (the job's user here) and ends it

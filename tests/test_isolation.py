@@ -20,7 +20,7 @@ from conftest import STARTER
 USERS = ["nobody", "root"]
 # Jobs that call keyctl.  The default seccomp profile (helper `sec`, issue 10)
 # blocks keyctl/add_key; after that merge this becomes ["--seccomp", "off"].
-KEYCTL_OPTS = ["--seccomp", "off"]  # the default filter refuses keyctl (README, "Syscall filter")
+KEYCTL_OPTS = ["--seccomp", "off"]  # the default filter refuses keyctl (docs/reference.md, "Syscall filter profiles")
 MiB = 1 << 20
 
 

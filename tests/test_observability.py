@@ -298,7 +298,7 @@ def _events(path):
 
 
 def _expected_classad(r):
-    """The README mapping table, written out independently of starter/classad.py."""
+    """The mapping table of docs/reference.md, written out independently of starter/classad.py."""
     kib, mib = 1024, 1 << 20
     want = {
         "StarterJobId": r["job_id"], "StarterReason": r["reason"], "StarterExitCode": r["exit_code"],

@@ -18,7 +18,7 @@ from conftest import REPO, STARTER
 PROBE_SRC = os.path.join(REPO, "tests", "fixtures", "seccomp", "probe.c")
 DEFAULT = os.path.join(REPO, "starter", "seccomp", "default.json")
 
-# The default profile's denials (README, "Syscall filter").
+# The default profile's denials (docs/reference.md, "Syscall filter profiles").
 DENIED = {
     "kexec_load": errno.EPERM, "kexec_file_load": errno.EPERM, "init_module": errno.EPERM,
     "finit_module": errno.EPERM, "delete_module": errno.EPERM, "open_by_handle_at": errno.EPERM,

@@ -158,7 +158,7 @@ def test_add_have_send_and_name(tmp_path):
     assert s.lookup("de-smet", f"CmdHashSHA256-{digest}") == path
     assert s.lookup("de-smet", f"CmdHashSHA256-{'0' * 64}") is None
     assert not [n for n in os.listdir(s.dir) if n.startswith(sp.TMP_PREFIX)]
-    # MD5 (the seed's algorithm) and several attributes in order
+    # MD5 (the shared-spool proposal's algorithm) and several attributes in order
     a, p2 = s.add("de-smet", exe, hash_attrs=("CmdHashMD5", "CmdHashSHA256"))
     md5 = hashlib.md5(open(exe, "rb").read()).hexdigest()
     assert a == "send" and os.path.basename(p2) == f"exe-de%2Dsmet-CmdHashMD5-{md5}-CmdHashSHA256-{digest}"

@@ -36,7 +36,7 @@ RUN_IMPORTS = {
 BACKEND_IMPORTS = {"v2": {"starter.cgroups.v2"},
                    "v1": {"starter.cgroups.v1", "starter.cgroups.v2"},
                    "hybrid": {"starter.cgroups.hybrid", "starter.cgroups.v1", "starter.cgroups.v2"}}
-# Named in the developers' guide; each costs milliseconds per start (measured
+# Named in docs/design.md, "The start path"; each costs milliseconds per start (measured
 # with python -IS on the 2-CPU test host: json +9 ms (it pulls in re),
 # contextlib +4.5 ms, threading +4.9 ms, signal +5 ms).
 NEVER_ON_RUN_PATH = {"pyroute2", "psutil", "json", "re", "argparse", "dataclasses", "signal", "ctypes",

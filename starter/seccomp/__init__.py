@@ -1,5 +1,5 @@
-"""The job's syscall filter: a profile (JSON, see profile.py and the README
-section "Syscall filter") compiled with libseccomp (native/seccomp.c) into a
+"""The job's syscall filter: a profile (JSON, see profile.py and docs/reference.md,
+"Syscall filter profiles") compiled with libseccomp (native/seccomp.c) into a
 BPF program in the starter, which the shim installs as the job's very last
 step before execve.
 
