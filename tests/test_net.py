@@ -18,7 +18,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nethosts  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import conntrack, ipam, nft, wiring  # noqa: E402
+from starter.net import conntrack, ipam, netlink, nft, wiring  # noqa: E402
 
 PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
 # A pool of its own per test run: two runs on one node must not collide.
@@ -150,8 +150,8 @@ def test_counter_read_messages():
     assert (length, mtype, flags, seq) == (len(req), (10 << 8) | 19, 1, 7)
     assert b"starter\0" in req and b"stjaaaaaaaaaaaa_lan_in\0" in req and len(req) % 4 == 0
     # a NEWOBJ answer (bytes/packets are big-endian u64 in a nested attribute)
-    data = nft._nla(1, struct.pack(">Q", 1500)) + nft._nla(2, struct.pack(">Q", 3))
-    body = struct.pack("=BBH", 1, 0, 0) + nft._nla(1, b"starter\0") + nft._nla(4 | 0x8000, data)
+    data = netlink.attr(1, struct.pack(">Q", 1500)) + netlink.attr(2, struct.pack(">Q", 3))
+    body = struct.pack("=BBH", 1, 0, 0) + netlink.attr(1, b"starter\0") + netlink.attr(4 | 0x8000, data)
     ok = struct.pack("=IHHII", 16 + len(body), (10 << 8) | 18, 0, 1, 0) + body
     err = struct.pack("=IHHII", 36, 2, 0, 2, 0) + struct.pack("=i", -2) + req[:16]
     assert nft.parse_getobj_replies(ok + err) == {1: {"bytes": 1500, "packets": 3}, 2: -2}
@@ -237,12 +237,12 @@ def test_conntrack_messages():
     assert a in req and req[16] == socket.AF_INET
 
     def entry(src, dst, zone=None, family=socket.AF_INET):
-        ip = conntrack._nla(1, src) + conntrack._nla(2, dst)
-        proto = conntrack._nla(1, bytes([6, 0, 0, 0]))
-        tup = conntrack._nla(1 | 0x8000, conntrack._nla(1 | 0x8000, ip) + conntrack._nla(2 | 0x8000, proto))
-        body = struct.pack("=BBH", family, 0, 0) + tup + conntrack._nla(2 | 0x8000, b"")
+        ip = netlink.attr(1, src) + netlink.attr(2, dst)
+        proto = netlink.attr(1, bytes([6, 0, 0, 0]))
+        tup = netlink.attr(1 | 0x8000, netlink.attr(1 | 0x8000, ip) + netlink.attr(2 | 0x8000, proto))
+        body = struct.pack("=BBH", family, 0, 0) + tup + netlink.attr(2 | 0x8000, b"")
         if zone is not None:
-            body += conntrack._nla(18, struct.pack(">H", zone))
+            body += netlink.attr(18, struct.pack(">H", zone))
         return struct.pack("=IHHII", 16 + len(body), (1 << 8) | 0, 2, 7, 0) + body, tup
 
     m1, t1 = entry(a, other)
@@ -252,7 +252,7 @@ def test_conntrack_messages():
     done = struct.pack("=IHHII", 20, 3, 2, 7, 0) + struct.pack("=i", 0)
     got, fin, err = conntrack.parse_entries(m1 + m2 + m3 + m4 + done, socket.AF_INET, {a})
     assert fin and err == 0
-    assert got == [t1, t3 + conntrack._nla(18, struct.pack(">H", 3))]
+    assert got == [t1, t3 + netlink.attr(18, struct.pack(">H", 3))]
     e = struct.pack("=IHHII", 20, 2, 0, 7, 0) + struct.pack("=i", -95)
     assert conntrack.parse_entries(e, socket.AF_INET, {a}) == ([], True, -95)
     assert conntrack.forget([]) == 0

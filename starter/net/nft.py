@@ -246,61 +246,39 @@ _NLM_F_REQUEST = 1
 _NETLINK_NETFILTER = 12
 
 
-def _nla(kind, payload):
-    import struct
-
-    n = 4 + len(payload)
-    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n % 4)
-
-
-def _nlas(buf):
-    import struct
-
-    off = 0
-    while off + 4 <= len(buf):
-        n, kind = struct.unpack_from("=HH", buf, off)
-        if n < 4:
-            break
-        yield kind & 0x3FFF, buf[off + 4:off + n]
-        off += (n + 3) & ~3
-
-
 def getobj_request(table, name, seq):
     """The netlink message asking for one named counter (pure)."""
     import struct
 
+    from starter.net import netlink
+
     body = struct.pack("=BBH", _NFPROTO_INET, 0, 0)
-    body += _nla(_NFTA_OBJ_TABLE, table.encode() + b"\0")
-    body += _nla(_NFTA_OBJ_NAME, name.encode() + b"\0")
-    body += _nla(_NFTA_OBJ_TYPE, struct.pack(">I", _NFT_OBJECT_COUNTER))
-    mtype = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETOBJ
-    return struct.pack("=IHHII", 16 + len(body), mtype, _NLM_F_REQUEST, seq, 0) + body
+    body += netlink.attr(_NFTA_OBJ_TABLE, table.encode() + b"\0")
+    body += netlink.attr(_NFTA_OBJ_NAME, name.encode() + b"\0")
+    body += netlink.attr(_NFTA_OBJ_TYPE, struct.pack(">I", _NFT_OBJECT_COUNTER))
+    return netlink.message((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETOBJ, _NLM_F_REQUEST, seq, body)
 
 
 def parse_getobj_replies(data):
     """-> {seq: {"bytes", "packets"} | -errno} from the kernel's answers (pure)."""
     import struct
 
+    from starter.net import netlink
+
     out = {}
-    off = 0
-    while off + 16 <= len(data):
-        length, mtype, _flags, seq, _pid = struct.unpack_from("=IHHII", data, off)
-        if length < 16:
-            break
-        msg = data[off + 16:off + length]
+    for mtype, seq, msg in netlink.messages(data):
         if mtype == _NLMSG_ERROR:
-            out[seq] = struct.unpack_from("=i", msg)[0]
+            out[seq] = netlink.error_code(msg)
         elif mtype == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWOBJ:
             c = {}
-            for kind, val in _nlas(msg[4:]):
+            for kind, val, _raw in netlink.attrs(msg[4:]):
                 if kind == _NFTA_OBJ_DATA:
-                    for k2, v2 in _nlas(val):
+                    for k2, v2, _raw2 in netlink.attrs(val):
                         if k2 == _NFTA_COUNTER_BYTES:
                             c["bytes"] = struct.unpack(">Q", v2)[0]
                         elif k2 == _NFTA_COUNTER_PACKETS:
                             c["packets"] = struct.unpack(">Q", v2)[0]
             out[seq] = c
-        off += (length + 3) & ~3
     return out
 
 
