@@ -13,7 +13,9 @@ from conftest import SLOWDOWN, STARTER, process_alive
 
 
 def _wait_for(pred, timeout=10.0, step=0.05):
-    deadline = time.monotonic() + timeout
+    """Poll until pred() or the deadline: for what no event announces (the
+    starter's state file, a counter the job writes)."""
+    deadline = time.monotonic() + timeout * SLOWDOWN
     while time.monotonic() < deadline:
         v = pred()
         if v:
@@ -196,9 +198,12 @@ def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
         _wait_for(lambda: value() > 5)
         # by signal
         proc.send_signal(signal.SIGUSR1)
+        # "suspended" is recorded once the freeze is complete (cgroup.events
+        # or freezer.state): from then on nothing of the job runs.
         _wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
-        time.sleep(0.2)
         v1 = value()
+        # An observation window: no event can say that nothing happened.
+        # Thawed, the job writes every 10 ms (~50 times in it).
         time.sleep(0.5)
         assert value() == v1, "the job made progress while frozen"
         ps = json.loads(starter("ps", "--json", check=0).stdout)
@@ -207,10 +212,10 @@ def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
         _wait_for(lambda: value() > v1 + 3)
         # by command
         starter("suspend", "susp", check=0)
-        time.sleep(0.2)
+        _wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
         v2 = value()
-        time.sleep(0.5)
-        assert value() == v2
+        time.sleep(0.5)  # the observation window again
+        assert value() == v2, "the job made progress while frozen"
         starter("resume", "susp", check=0)
         _wait_for(lambda: value() > v2 + 3)
     finally:
