@@ -16,6 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
+from conftest import SLOWDOWN  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
 from starter.net import conntrack, ipam, netlink, nft, wiring  # noqa: E402
@@ -418,10 +419,15 @@ def test_isolation(site, tmp_path):
         with open(f"/sys/class/net/{la.host_ifname}/address") as f:
             gw_mac = f.read().strip()
         nethosts.send_raw_udp(a, "eth0", gw_mac, la.address, "127.0.0.1", port + 3)
-        time.sleep(0.2)
-        assert nothing_arrived(lo)
+        # The drop is counted when the packet meets the rule: once it is, the
+        # packet is gone and cannot arrive later.  The counter is polled, with
+        # a deadline (the kernel announces no counter change).
+        deadline = time.monotonic() + 10 * SLOWDOWN
+        while _dropped("iso-a", cfg) == d3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         d4 = _dropped("iso-a", cfg)
         assert d4 == d3 + 1
+        assert nothing_arrived(lo)
 
         # A spoofed source address (the job is root in its namespace).
         spoof = POOL.replace(".0.0/16", ".99.99")
@@ -540,7 +546,12 @@ def test_gc_reclaims_dead_jobs(site, cfg):
     jobs = [site.job() for _ in range(3)]
     leases = [_setup(j, f"gc-{i}", cfg) for i, j in enumerate(jobs)]
     jobs[0].close()  # its namespace dies, and the veth with it
-    time.sleep(0.1)
+    # The kernel removes the veth in a worker, after the namespace's last
+    # process: poll for it, with a deadline (no event reaches us).
+    deadline = time.monotonic() + 30 * SLOWDOWN
+    while os.path.exists(f"/sys/class/net/{leases[0].host_ifname}"):
+        assert time.monotonic() < deadline, "the kernel kept the dead job's veth"
+        time.sleep(0.01)
     removed = net.gc(cfg, {"gc-1"})
     assert len([r for r in removed if r.startswith("job ")]) == 2
     assert net.counters("gc-1", cfg) is not None
@@ -558,6 +569,7 @@ def test_netd_roundtrip(site, cfg, monkeypatch):
     code = f"from starter import net; net.serve(net.NetConfig(state_dir={cfg.state_dir!r}))"
     netd = subprocess.Popen([PY, "-c", code], stderr=subprocess.PIPE, text=True)
     try:
+        # netd announces nothing: poll for its socket, with a deadline.
         for _ in range(300):
             if os.path.exists(sock):
                 break
