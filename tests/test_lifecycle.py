@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import time
@@ -271,10 +272,15 @@ def test_kill9_starter_then_gc_leaves_node_clean(tmp_path, state_dir, starter):
     st = _wait_for(lambda: (s := _state(state_dir, "crash1")) and s.get("state") == "running" and s)
     job_pid = st["pid"]
     assert _cgroup_dirs("crash1")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-    # the job dies with its starter (parent-death signal on PID 1 of its namespace)
-    _wait_for(lambda: not process_alive(job_pid), timeout=1.0 * SLOWDOWN)
+    pidfd = os.pidfd_open(job_pid)  # polls readable when the job exits
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        # the job dies with its starter (parent-death signal on PID 1 of its namespace)
+        died = select.select([pidfd], [], [], 1.0 * SLOWDOWN)[0]
+    finally:
+        os.close(pidfd)
+    assert died and not process_alive(job_pid), "the job outlived its starter by a second"
     out = starter("gc", check=0).stdout
     assert "crash1" in out
     assert _cgroup_dirs("crash1") == []
