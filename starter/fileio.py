@@ -19,6 +19,16 @@ def unlink_quiet(name, dir_fd=None):
         pass
 
 
+def unlink_best_effort(name, dir_fd=None):
+    """Unlink `name` (relative to `dir_fd` if given), ignoring every error:
+    for cleanup while a failure is unwound (that failure is the one to
+    report) and for caches, which may keep a stale file."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
+        pass
+
+
 def copy_hashing(src_fd, dst_fd, algorithms):
     """Read `src_fd` to its end once, writing every byte to `dst_fd` (None:
     only hash) and hashing it with each of `algorithms` (hashlib names) on

@@ -31,7 +31,6 @@ If the socket is missing or nobody listens, call() raises Unavailable and the
 facade does the work in-process.
 """
 
-import errno
 import json
 import os
 import socket
@@ -230,6 +229,8 @@ class Server:
 
 def _bind(path):
     """Bind the socket; refuse if another netd answers; drop a stale socket."""
+    from starter.fileio import unlink_quiet
+
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         probe.connect(path)
@@ -241,10 +242,7 @@ def _bind(path):
         raise NetworkError(f"another netd is already listening on {path}", "stop it first")
     finally:
         probe.close()
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    unlink_quiet(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     old = os.umask(0o177)
     try:
@@ -260,6 +258,8 @@ def _bind(path):
 def serve(cfg, path):
     import signal
 
+    from starter.fileio import unlink_quiet
+
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     server = Server(cfg, path)
     listener = _bind(path)
@@ -273,11 +273,7 @@ def serve(cfg, path):
         for sig, h in old.items():
             signal.signal(sig, h)
         listener.close()
-        try:
-            os.unlink(path)
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                raise
+        unlink_quiet(path)
         os.close(r)
         os.close(w)
         server.wiring.close()
