@@ -282,26 +282,35 @@ def parse_getobj_replies(data):
     return out
 
 
-def read_counters(table_name, key):
-    """The job's counters straight from the kernel, or None if it has none."""
+def _getobjs(table_name, names):
+    """Ask the kernel for these named counters in one round trip -> the
+    answer for each name, in order: {"bytes", "packets"} or -errno."""
     import socket
 
-    names = [f"{key}_{c}" for c in COUNTERS]
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_NETFILTER) as s:
         s.settimeout(5.0)
         s.send(b"".join(getobj_request(table_name, n, i + 1) for i, n in enumerate(names)))
         got = {}
         while len(got) < len(names):
             got.update(parse_getobj_replies(s.recv(65536)))
+    return [got.get(i + 1) for i in range(len(names))]
+
+
+def _counter_error(name, err):
+    import os
+
+    return NetworkError(f"nftables: reading counter {name} failed: {os.strerror(-err)}")
+
+
+def read_counters(table_name, key):
+    """The job's counters straight from the kernel, or None if it has none."""
+    names = [f"{key}_{c}" for c in COUNTERS]
     out = {}
-    for i, c in enumerate(COUNTERS):
-        r = got.get(i + 1)
+    for c, name, r in zip(COUNTERS, names, _getobjs(table_name, names)):
         if isinstance(r, int):
             if r == -2:  # ENOENT: no such table or counter
                 return None
-            import os
-
-            raise NetworkError(f"nftables: reading counter {names[i]} failed: {os.strerror(-r)}")
+            raise _counter_error(name, r)
         out["dropped" if c == "drop" else c] = r
     return out
 
@@ -309,26 +318,16 @@ def read_counters(table_name, key):
 def read_uplink_counters(table_name, uplinks):
     """-> {ifname: {"in": {bytes, packets}, "out": {...}}} node-wide, for the
     uplinks the table was built with; {} when there is no table."""
-    import socket
-
-    names = [(u, d) for u in uplinks for d in UPLINK_DIRECTIONS]
-    if not names:
+    pairs = [(u, d) for u in uplinks for d in UPLINK_DIRECTIONS]
+    if not pairs:
         return {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_NETFILTER) as s:
-        s.settimeout(5.0)
-        s.send(b"".join(getobj_request(table_name, uplink_counter(u, d), i + 1) for i, (u, d) in enumerate(names)))
-        got = {}
-        while len(got) < len(names):
-            got.update(parse_getobj_replies(s.recv(65536)))
+    names = [uplink_counter(u, d) for u, d in pairs]
     out = {}
-    for i, (u, d) in enumerate(names):
-        r = got.get(i + 1)
+    for (u, d), name, r in zip(pairs, names, _getobjs(table_name, names)):
         if isinstance(r, int):
             if r == -2:
                 continue   # no such table or counter (a table made before these existed)
-            import os
-
-            raise NetworkError(f"nftables: reading counter {uplink_counter(u, d)} failed: {os.strerror(-r)}")
+            raise _counter_error(name, r)
         out.setdefault(u, {})[d] = r
     return out
 
