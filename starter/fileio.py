@@ -1,5 +1,6 @@
 """Small file operations that several owners share: the state directory,
-the spool, the manifest stager and the lease store.
+the spool, the manifest stager, the lease store, the report writer, the
+seccomp cache and netd's socket.
 
 A leaf: it imports nothing of the starter and nothing heavy at import time
 (hashlib only where a digest is made), so the run path may use it.
