@@ -1,5 +1,6 @@
 """Small file operations that several owners share: the state directory,
-the spool, the manifest stager and the lease store.
+the spool, the manifest stager, the lease store, the report writer, the
+seccomp cache and netd's socket.
 
 A leaf: it imports nothing of the starter and nothing heavy at import time
 (hashlib only where a digest is made), so the run path may use it.
@@ -16,6 +17,16 @@ def unlink_quiet(name, dir_fd=None):
     try:
         os.unlink(name, dir_fd=dir_fd)
     except FileNotFoundError:
+        pass
+
+
+def unlink_best_effort(name, dir_fd=None):
+    """Unlink `name` (relative to `dir_fd` if given), ignoring every error:
+    for cleanup while a failure is unwound (that failure is the one to
+    report) and for caches, which may keep a stale file."""
+    try:
+        os.unlink(name, dir_fd=dir_fd)
+    except OSError:
         pass
 
 

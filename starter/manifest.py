@@ -32,7 +32,7 @@ import stat
 
 from starter import values
 from starter.errors import SpecError, StagingError
-from starter.fileio import CHUNK, copy_hashing, unlink_quiet
+from starter.fileio import CHUNK, copy_hashing, unlink_best_effort, unlink_quiet
 
 MAX_SIGFILE = 4 << 20
 
@@ -140,10 +140,7 @@ def verify_and_stage(sigfile, trusted_digest, src_dir, dest_dir, uid, gid):
         os.fsync(dfd)
     except BaseException:
         for name in staged:
-            try:
-                os.unlink(name, dir_fd=dfd)
-            except OSError:
-                pass
+            unlink_best_effort(name, dfd)
         raise
     finally:
         os.close(sfd)

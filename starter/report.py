@@ -10,6 +10,7 @@ import os
 import stat
 import time
 
+from starter.fileio import unlink_best_effort
 from starter.state import dumps
 
 # Version of the event schema (docs/events.md): bumped when a field changes
@@ -111,10 +112,7 @@ class Dest:
                 os.close(fd)
             os.rename(tmp, self.name, src_dir_fd=self.dir_fd, dst_dir_fd=self.dir_fd)
         except BaseException:
-            try:
-                os.unlink(tmp, dir_fd=self.dir_fd)
-            except OSError:
-                pass
+            unlink_best_effort(tmp, self.dir_fd)
             raise
 
     def close(self):

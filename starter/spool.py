@@ -39,7 +39,7 @@ import stat
 
 from starter import values
 from starter.errors import SpecError, StagingError
-from starter.fileio import CHUNK, copy_hashing, unlink_quiet
+from starter.fileio import CHUNK, copy_hashing, unlink_best_effort, unlink_quiet
 
 log = logging.getLogger("starter.spool")
 
@@ -587,10 +587,7 @@ def _copy_file(src, dest):
             os.fsync(fd)
         except BaseException:
             os.close(fd)
-            try:
-                os.unlink(dest)
-            except OSError:
-                pass
+            unlink_best_effort(dest)
             raise
         os.close(fd)
     finally:

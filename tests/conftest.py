@@ -154,12 +154,15 @@ def leak_check(request, state_root):
     after = snapshot()
     leaks = {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]
              and not (SHARED_NODE and k in NODE_WIDE)}
-    # Give our own children a moment: a process we killed may still be exiting.
+    # Give our own children a moment: a process we killed may still be
+    # exiting.  Polled, with a deadline: nothing tells us when another
+    # process's child is gone.
     if "child processes" in leaks:
         import time
 
-        time.sleep(0.5)
-        kids = _children() - before["child processes"]
+        deadline = time.monotonic() + 0.5 * SLOWDOWN
+        while (kids := _children() - before["child processes"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
         leaks.pop("child processes")
         if kids:
             leaks["child processes"] = sorted(kids)

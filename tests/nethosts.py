@@ -28,7 +28,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 
 PY = "/usr/bin/python3"
 
@@ -101,18 +100,13 @@ class Netns:
     """A network namespace held by a sleeping process we started."""
 
     def __init__(self):
-        self.proc = subprocess.Popen(["unshare", "--net", "sleep", "3600"], stdin=subprocess.DEVNULL)
-        path = f"/proc/{self.proc.pid}/ns/net"
-        # unshare execs sleep after unshare(): wait until the ns differs from ours
-        mine = os.stat("/proc/self/ns/net").st_ino
-        for _ in range(500):
-            try:
-                if os.stat(path).st_ino != mine:
-                    break
-            except FileNotFoundError:
-                pass
-            time.sleep(0.002)
-        else:
+        # The holder says "ready" once it runs in the new namespace (unshare
+        # has made it), then execs sleep in the same process.
+        self.proc = subprocess.Popen(["unshare", "--net", "sh", "-c", "echo ready; exec sleep 3600"],
+                                     stdin=subprocess.DEVNULL, stdout=subprocess.PIPE)
+        with self.proc.stdout:
+            ready = self.proc.stdout.readline()
+        if ready != b"ready\n":
             self.close()
             raise RuntimeError("unshare --net did not start")
         self.pid = self.proc.pid

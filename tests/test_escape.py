@@ -15,12 +15,16 @@ import time
 
 import pytest
 
+from conftest import SLOWDOWN
+
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 MARK = "sleep 7777"
 
 
 def _wait_for(path, timeout=10):
-    deadline = time.monotonic() + timeout
+    """Poll, with a deadline, for a file another program makes in its own
+    time (a host tmux server's socket): no event announces it to us."""
+    deadline = time.monotonic() + timeout * SLOWDOWN
     while not os.path.exists(path):
         assert time.monotonic() < deadline, f"{path} did not appear"
         time.sleep(0.02)
@@ -85,7 +89,9 @@ def test_host_screen_session_is_out_of_reach(starter):
     subprocess.run([*NOBODY, "env", "HOME=/tmp", "screen", "-dmS", name, "sleep", "600"], timeout=20, check=True)
     session = None
     try:
-        deadline = time.monotonic() + 10
+        # screen -dm returns before its server has made the session's socket:
+        # poll for it, with a deadline.
+        deadline = time.monotonic() + 10 * SLOWDOWN
         while session is None:
             new = [n for n in (set(os.listdir(sdir)) if os.path.isdir(sdir) else set()) - before if n.endswith("." + name)]
             if new:

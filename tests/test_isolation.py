@@ -15,7 +15,7 @@ import tempfile
 
 import pytest
 
-from conftest import STARTER
+from conftest import SLOWDOWN, STARTER
 
 USERS = ["nobody", "root"]
 # Jobs that call keyctl.  The default seccomp profile (helper `sec`, issue 10)
@@ -164,7 +164,7 @@ def test_session_key_gone_with_the_job(starter):
     # there is no event to wait on, so poll briefly.
     import time
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 10 * SLOWDOWN
     while True:
         with open("/proc/keys") as f:
             if not any(l.startswith(serial) for l in f):

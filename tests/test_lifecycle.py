@@ -3,6 +3,7 @@
 import json
 import os
 import re
+import select
 import signal
 import subprocess
 import time
@@ -13,7 +14,9 @@ from conftest import SLOWDOWN, STARTER, process_alive
 
 
 def _wait_for(pred, timeout=10.0, step=0.05):
-    deadline = time.monotonic() + timeout
+    """Poll until pred() or the deadline: for what no event announces (the
+    starter's state file, a counter the job writes)."""
+    deadline = time.monotonic() + timeout * SLOWDOWN
     while time.monotonic() < deadline:
         v = pred()
         if v:
@@ -196,9 +199,12 @@ def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
         _wait_for(lambda: value() > 5)
         # by signal
         proc.send_signal(signal.SIGUSR1)
+        # "suspended" is recorded once the freeze is complete (cgroup.events
+        # or freezer.state): from then on nothing of the job runs.
         _wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
-        time.sleep(0.2)
         v1 = value()
+        # An observation window: no event can say that nothing happened.
+        # Thawed, the job writes every 10 ms (~50 times in it).
         time.sleep(0.5)
         assert value() == v1, "the job made progress while frozen"
         ps = json.loads(starter("ps", "--json", check=0).stdout)
@@ -207,10 +213,10 @@ def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
         _wait_for(lambda: value() > v1 + 3)
         # by command
         starter("suspend", "susp", check=0)
-        time.sleep(0.2)
+        _wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
         v2 = value()
-        time.sleep(0.5)
-        assert value() == v2
+        time.sleep(0.5)  # the observation window again
+        assert value() == v2, "the job made progress while frozen"
         starter("resume", "susp", check=0)
         _wait_for(lambda: value() > v2 + 3)
     finally:
@@ -266,10 +272,15 @@ def test_kill9_starter_then_gc_leaves_node_clean(tmp_path, state_dir, starter):
     st = _wait_for(lambda: (s := _state(state_dir, "crash1")) and s.get("state") == "running" and s)
     job_pid = st["pid"]
     assert _cgroup_dirs("crash1")
-    proc.send_signal(signal.SIGKILL)
-    proc.wait(10)
-    # the job dies with its starter (parent-death signal on PID 1 of its namespace)
-    _wait_for(lambda: not process_alive(job_pid), timeout=1.0 * SLOWDOWN)
+    pidfd = os.pidfd_open(job_pid)  # polls readable when the job exits
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        # the job dies with its starter (parent-death signal on PID 1 of its namespace)
+        died = select.select([pidfd], [], [], 1.0 * SLOWDOWN)[0]
+    finally:
+        os.close(pidfd)
+    assert died and not process_alive(job_pid), "the job outlived its starter by a second"
     out = starter("gc", check=0).stdout
     assert "crash1" in out
     assert _cgroup_dirs("crash1") == []

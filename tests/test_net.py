@@ -16,9 +16,10 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
+from conftest import SLOWDOWN  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import conntrack, ipam, nft, wiring  # noqa: E402
+from starter.net import conntrack, ipam, netlink, nft, wiring  # noqa: E402
 
 PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
 # A pool of its own per test run: two runs on one node must not collide.
@@ -150,8 +151,8 @@ def test_counter_read_messages():
     assert (length, mtype, flags, seq) == (len(req), (10 << 8) | 19, 1, 7)
     assert b"starter\0" in req and b"stjaaaaaaaaaaaa_lan_in\0" in req and len(req) % 4 == 0
     # a NEWOBJ answer (bytes/packets are big-endian u64 in a nested attribute)
-    data = nft._nla(1, struct.pack(">Q", 1500)) + nft._nla(2, struct.pack(">Q", 3))
-    body = struct.pack("=BBH", 1, 0, 0) + nft._nla(1, b"starter\0") + nft._nla(4 | 0x8000, data)
+    data = netlink.attr(1, struct.pack(">Q", 1500)) + netlink.attr(2, struct.pack(">Q", 3))
+    body = struct.pack("=BBH", 1, 0, 0) + netlink.attr(1, b"starter\0") + netlink.attr(4 | 0x8000, data)
     ok = struct.pack("=IHHII", 16 + len(body), (10 << 8) | 18, 0, 1, 0) + body
     err = struct.pack("=IHHII", 36, 2, 0, 2, 0) + struct.pack("=i", -2) + req[:16]
     assert nft.parse_getobj_replies(ok + err) == {1: {"bytes": 1500, "packets": 3}, 2: -2}
@@ -237,12 +238,12 @@ def test_conntrack_messages():
     assert a in req and req[16] == socket.AF_INET
 
     def entry(src, dst, zone=None, family=socket.AF_INET):
-        ip = conntrack._nla(1, src) + conntrack._nla(2, dst)
-        proto = conntrack._nla(1, bytes([6, 0, 0, 0]))
-        tup = conntrack._nla(1 | 0x8000, conntrack._nla(1 | 0x8000, ip) + conntrack._nla(2 | 0x8000, proto))
-        body = struct.pack("=BBH", family, 0, 0) + tup + conntrack._nla(2 | 0x8000, b"")
+        ip = netlink.attr(1, src) + netlink.attr(2, dst)
+        proto = netlink.attr(1, bytes([6, 0, 0, 0]))
+        tup = netlink.attr(1 | 0x8000, netlink.attr(1 | 0x8000, ip) + netlink.attr(2 | 0x8000, proto))
+        body = struct.pack("=BBH", family, 0, 0) + tup + netlink.attr(2 | 0x8000, b"")
         if zone is not None:
-            body += conntrack._nla(18, struct.pack(">H", zone))
+            body += netlink.attr(18, struct.pack(">H", zone))
         return struct.pack("=IHHII", 16 + len(body), (1 << 8) | 0, 2, 7, 0) + body, tup
 
     m1, t1 = entry(a, other)
@@ -252,7 +253,7 @@ def test_conntrack_messages():
     done = struct.pack("=IHHII", 20, 3, 2, 7, 0) + struct.pack("=i", 0)
     got, fin, err = conntrack.parse_entries(m1 + m2 + m3 + m4 + done, socket.AF_INET, {a})
     assert fin and err == 0
-    assert got == [t1, t3 + conntrack._nla(18, struct.pack(">H", 3))]
+    assert got == [t1, t3 + netlink.attr(18, struct.pack(">H", 3))]
     e = struct.pack("=IHHII", 20, 2, 0, 7, 0) + struct.pack("=i", -95)
     assert conntrack.parse_entries(e, socket.AF_INET, {a}) == ([], True, -95)
     assert conntrack.forget([]) == 0
@@ -418,10 +419,15 @@ def test_isolation(site, tmp_path):
         with open(f"/sys/class/net/{la.host_ifname}/address") as f:
             gw_mac = f.read().strip()
         nethosts.send_raw_udp(a, "eth0", gw_mac, la.address, "127.0.0.1", port + 3)
-        time.sleep(0.2)
-        assert nothing_arrived(lo)
+        # The drop is counted when the packet meets the rule: once it is, the
+        # packet is gone and cannot arrive later.  The counter is polled, with
+        # a deadline (the kernel announces no counter change).
+        deadline = time.monotonic() + 10 * SLOWDOWN
+        while _dropped("iso-a", cfg) == d3 and time.monotonic() < deadline:
+            time.sleep(0.01)
         d4 = _dropped("iso-a", cfg)
         assert d4 == d3 + 1
+        assert nothing_arrived(lo)
 
         # A spoofed source address (the job is root in its namespace).
         spoof = POOL.replace(".0.0/16", ".99.99")
@@ -540,7 +546,12 @@ def test_gc_reclaims_dead_jobs(site, cfg):
     jobs = [site.job() for _ in range(3)]
     leases = [_setup(j, f"gc-{i}", cfg) for i, j in enumerate(jobs)]
     jobs[0].close()  # its namespace dies, and the veth with it
-    time.sleep(0.1)
+    # The kernel removes the veth in a worker, after the namespace's last
+    # process: poll for it, with a deadline (no event reaches us).
+    deadline = time.monotonic() + 30 * SLOWDOWN
+    while os.path.exists(f"/sys/class/net/{leases[0].host_ifname}"):
+        assert time.monotonic() < deadline, "the kernel kept the dead job's veth"
+        time.sleep(0.01)
     removed = net.gc(cfg, {"gc-1"})
     assert len([r for r in removed if r.startswith("job ")]) == 2
     assert net.counters("gc-1", cfg) is not None
@@ -558,6 +569,7 @@ def test_netd_roundtrip(site, cfg, monkeypatch):
     code = f"from starter import net; net.serve(net.NetConfig(state_dir={cfg.state_dir!r}))"
     netd = subprocess.Popen([PY, "-c", code], stderr=subprocess.PIPE, text=True)
     try:
+        # netd announces nothing: poll for its socket, with a deadline.
         for _ in range(300):
             if os.path.exists(sock):
                 break

@@ -6,11 +6,11 @@ no fd and no child (zombie or running) outlives a test.
 
 import errno
 import os
+import select
 import signal
 import subprocess
 import sys
 import textwrap
-import time
 
 import pytest
 
@@ -18,11 +18,11 @@ from starter import ns
 from starter.errors import SpawnError, SpecError, StarterError
 from starter.mounts import Mount
 
+from conftest import SLOWDOWN
+
 PY = "/usr/bin/python3"
 ENV = {"PATH": "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"}
 NOBODY = 65534
-
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="namespaces need root")
 
 
 def _fds():
@@ -247,20 +247,15 @@ def test_death_by_signal_is_a_signaled_status():
 def test_pid_1_without_handler_ignores_sigterm_but_not_sigkill():
     # The kernel only delivers signals a namespace's PID 1 has a handler for
     # (SIGKILL from an ancestor namespace excepted).  Python installs none
-    # for SIGTERM, so the job keeps running and exits 7 on its own.
-    r, w = os.pipe()
-    child = ns.spawn(ns.ChildSpec(py("""
-        import sys, time
-        print('ready', flush=True); time.sleep(0.3); sys.exit(7)
-    """), ENV, stdio=(None, w, None)))
-    os.close(w)
-    with child:
-        child.release()
-        child.wait_started()
-        assert os.read(r, 6) == b"ready\n"
-        child.send_signal(signal.SIGTERM)
-        assert os.WEXITSTATUS(child.wait()) == 7
-    os.close(r)
+    # for SIGTERM, so the job keeps running and exits 7 when told to (its
+    # stdin closes: only after the SIGTERM was sent, whatever the load).
+    with Running(py("""
+        import sys
+        print('ready', flush=True); sys.stdin.read(); sys.exit(7)
+    """)) as job:
+        job.child.send_signal(signal.SIGTERM)
+        status, _ = job.finish()
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 7, status
     with Running() as job:
         job.child.send_signal(signal.SIGKILL)
         assert os.WTERMSIG(job.child.wait()) == signal.SIGKILL
@@ -414,9 +409,16 @@ def test_tiocsti_into_the_callers_terminal_fails():
     assert out.stdout.strip() == "EPERM"
 
 
+# Makes n orphans, then prints how many other processes (neither PID 1 nor
+# itself) are left and how many of those are zombies, once that is what
+# argv[2] expects ("reaped": none left; "zombies": n zombies) or after 30 s.
+# Every orphan exists before the wait starts (its parent forked it and was
+# reaped), so "none left" cannot be seen too early.  No event tells that the
+# kernel has reparented an orphan and PID 1 has reaped it: the wait polls
+# /proc, with a deadline.
 _ORPHANS = """
 import os, sys, time
-n = int(sys.argv[1])
+n, want = int(sys.argv[1]), sys.argv[2]
 for _ in range(n):
     pid = os.fork()
     if pid == 0:
@@ -424,29 +426,38 @@ for _ in range(n):
             os._exit(0)   # an orphan: reparented to PID 1 of the namespace
         os._exit(0)
     os.waitpid(pid, 0)
-time.sleep(0.3)
-zombies = 0
-for p in os.listdir('/proc'):
-    if p.isdigit():
-        try:
-            if open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0] == 'Z':
-                zombies += 1
-        except OSError:
-            pass
-print(zombies)
+
+def others():
+    states = []
+    for p in os.listdir('/proc'):
+        if p.isdigit() and int(p) not in (1, os.getpid()):
+            try:
+                states.append(open(f'/proc/{p}/stat').read().rsplit(')', 1)[1].split()[0])
+            except OSError:
+                pass
+    return states
+
+deadline = time.monotonic() + 30
+while True:
+    st = others()
+    done = not st if want == "reaped" else st.count('Z') == n
+    if done or time.monotonic() > deadline:
+        break
+    time.sleep(0.01)
+print(len(st), st.count('Z'))
 """
 
 
 def test_init_reaps_1000_orphans():
-    status, out = run([PY, "-c", _ORPHANS, "1000"], init=True)
+    status, out = run([PY, "-c", _ORPHANS, "1000", "reaped"], init=True)
     assert status == 0
-    assert out.strip() == "0"
+    assert out.split() == ["0", "0"], "orphans left (all, zombies)"
 
 
 def test_without_init_orphans_stay_zombies():
     # The control for the test above: a PID 1 that does not reap.
-    status, out = run([PY, "-c", _ORPHANS, "20"])
-    assert int(out.strip()) == 20
+    status, out = run([PY, "-c", _ORPHANS, "20", "zombies"])
+    assert out.split() == ["20", "20"], "orphans left (all, zombies)"
 
 
 def test_init_is_pid_1_and_job_pid_2():
@@ -512,19 +523,19 @@ def test_job_dies_when_the_starter_is_killed(init):
                          stdout=subprocess.PIPE, text=True)
     try:
         pid = int(p.stdout.readline())
-        p.kill()
-        p.wait()
-        deadline = time.monotonic() + 10
-        while time.monotonic() < deadline:
-            got, status = os.waitpid(pid, os.WNOHANG)
-            if got == pid:
-                assert os.WTERMSIG(status) == signal.SIGKILL
-                break
-            time.sleep(0.01)
-        else:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-            pytest.fail(f"job {pid} survived its starter")
+        pidfd = os.pidfd_open(pid)  # the job runs: its pidfd polls readable when it exits
+        try:
+            p.kill()
+            p.wait()
+            if not select.select([pidfd], [], [], 10 * SLOWDOWN)[0]:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+                pytest.fail(f"job {pid} survived its starter")
+        finally:
+            os.close(pidfd)
+        # Orphaned, it came to us (the subreaper): reap it, and see how it died.
+        _, status = os.waitpid(pid, 0)
+        assert os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL, status
     finally:
         _subreaper(False)
         p.stdin.close()
@@ -608,9 +619,15 @@ def _is_cgroup2(path):
 
 @pytest.mark.skipif(_cgroup2_root() is None, reason="no cgroup2 hierarchy mounted")
 @pytest.mark.parametrize("clone3", [True, False], ids=["clone3", "clone-fallback"])
-def test_clone_into_cgroup(clone3):
+def test_clone_into_cgroup(clone3, monkeypatch):
+    """clone3(CLONE_INTO_CGROUP) puts the child in its cgroup; without clone3
+    the clone() fallback does, by pid before release.  Each path is checked to
+    be the one taken: the shim's clone3 state and the by-pid attach."""
     root = _cgroup2_root()
     path = os.path.join(root, f"starter_test_core_{os.getpid()}")
+    attached_by_pid = []
+    by_pid = ns._attach_by_pid
+    monkeypatch.setattr(ns, "_attach_by_pid", lambda child, fd: (attached_by_pid.append(child.pid), by_pid(child, fd)))
     os.mkdir(path)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
@@ -619,13 +636,20 @@ def test_clone_into_cgroup(clone3):
                 ns.lib.shim_test_no_clone3(1)
             status, out = run(["cat", "/proc/self/cgroup"], cgroup_fd=fd,
                               namespaces=frozenset({"pid", "net"}))
+            # Read before the finally below resets it: -1 = clone() was used.
+            used = ns.lib.shim_clone3_supported()
             if not clone3:  # the rest of the suite, through clone()
                 test_job_is_pid_1_and_sees_only_its_processes()
                 test_every_exit_code_propagates()
+                assert ns.lib.shim_clone3_supported() == -1, "the fallback went back to clone3"
         finally:
             ns.lib.shim_test_no_clone3(0)
             os.close(fd)
-        assert ns.lib.shim_clone3_supported() == 0 or clone3
+        assert os.WIFEXITED(status) and os.WEXITSTATUS(status) == 0, status
         assert f"0::/{os.path.basename(path)}" in out.splitlines()
+        if clone3:
+            assert used == 1 and attached_by_pid == [], (used, attached_by_pid)
+        else:
+            assert used == -1 and len(attached_by_pid) == 1, (used, attached_by_pid)
     finally:
         os.rmdir(path)

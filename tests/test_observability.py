@@ -91,6 +91,8 @@ def test_listen_address_defaults_to_loopback():
 # ---------------------------------------------------------------- helpers
 
 def _wait_running(state_dir, job_id, timeout=30):
+    """Poll the job's state file, with a deadline: no event announces the
+    starter's "running" record to another process."""
     deadline = time.monotonic() + timeout * SLOWDOWN
     while time.monotonic() < deadline:
         try:
@@ -248,6 +250,7 @@ def test_node_exporter_serves_the_textfile(node, tmp_path):
                            f"--collector.textfile.directory={d}"],
                           stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
+        # node_exporter announces nothing we can wait on: poll its port.
         deadline = time.monotonic() + 20 * SLOWDOWN
         while True:
             try:

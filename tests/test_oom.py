@@ -126,6 +126,8 @@ def _write(path, value):
 
 
 def _wait_for(cond, what, timeout=20 * SLOWDOWN):
+    """Poll, with a deadline, for what no event announces to us (the
+    starter's state file, a cgroup's process list, freezer.state on v1)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         v = cond()
@@ -184,7 +186,8 @@ def test_unkillable_process_costs_no_cpu_and_is_reported(starter, tmp_path, stat
 
         assert starter("kill", job_id).returncode == 0
         _wait_for(lambda: (_load(state_dir, job_id) or {}).get("state") == "killing", "the kill")
-        time.sleep(0.5)
+        # From the kill on, an observation window (shorter than the kill
+        # timeout): how much CPU the waiting starter burns in it.
         t0, c0 = time.monotonic(), _cpu_ticks(proc.pid)
         time.sleep(2.5)
         used = (_cpu_ticks(proc.pid) - c0) / os.sysconf("SC_CLK_TCK")

@@ -4,7 +4,6 @@ import json
 import os
 import signal
 import subprocess
-import time
 
 import pytest
 
@@ -34,10 +33,17 @@ def test_host_mountinfo_unchanged(starter):
             return [" ".join(l.split()[2:]) for l in f]
 
     before = mounts()
-    proc = subprocess.Popen([STARTER, "run", "--", "sleep", "1"])
-    time.sleep(0.4)
-    during = mounts()
-    assert proc.wait(10) == 0
+    # The job's mounts are all made before it runs: its "ready" line means
+    # "now"; it ends when its stdin closes.
+    proc = subprocess.Popen([STARTER, "run", "--", "sh", "-c", "echo ready; read x; exit 0"],
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline() == "ready\n"
+        during = mounts()
+    finally:
+        proc.stdin.close()
+        assert proc.wait(10) == 0
+        proc.stdout.close()
     assert before == during == mounts()
 
 
@@ -135,10 +141,32 @@ def test_job_cannot_inject_into_callers_terminal(starter):
     assert "refused" in p.stdout, (p.stdout, p.stderr)
 
 
+# 1000 orphans (each forked by a child that is reaped at once), then: how
+# many processes other than PID 1 (the init) and the job are left, once none
+# is or after 30 s.  Every orphan exists before the wait starts, so "none
+# left" cannot be seen too early; no event says the init has reaped one, so
+# the wait polls /proc, with a deadline.
+_ORPHANS = """
+import os, time
+for _ in range(1000):
+    pid = os.fork()
+    if pid == 0:
+        if os.fork() == 0:
+            os._exit(0)
+        os._exit(0)
+    os.waitpid(pid, 0)
+deadline = time.monotonic() + 30
+while True:
+    left = [p for p in os.listdir('/proc') if p.isdigit() and int(p) not in (1, os.getpid())]
+    if not left or time.monotonic() > deadline:
+        break
+    time.sleep(0.01)
+print(len(left))
+"""
+
+
 def test_init_reaps_1000_orphans(starter):
-    script = ("for i in $(seq 1000); do (sleep 0.2 &) ; done; sleep 1.5; "
-              "grep -l '^State:.Z' /proc/[0-9]*/status 2>/dev/null | wc -l")
-    p = starter("run", "--init", "--pids", "2000", "--", "sh", "-c", script, timeout=120, check=0)
+    p = starter("run", "--init", "--pids", "2000", "--", "/usr/bin/python3", "-c", _ORPHANS, timeout=120, check=0)
     assert p.stdout.strip() == "0", p.stdout
 
 
@@ -156,10 +184,11 @@ def test_sigterm_to_starter_reaches_job_with_init(tmp_path):
     marker = out / "got-term"
     proc = subprocess.Popen([STARTER, "run", "--init", "--report", str(report), "--bind", f"{out}:/srv",
                              "--", "sh", "-c", "trap 'echo term > /srv/got-term; exit 42' TERM; "
-                             "while :; do sleep 0.05; done"])
-    time.sleep(1.0)
+                             "echo ready; while :; do sleep 0.05; done"], stdout=subprocess.PIPE, text=True)
+    assert proc.stdout.readline() == "ready\n"  # the trap is set
     proc.send_signal(signal.SIGTERM)
     assert proc.wait(20) == 42
+    proc.stdout.close()
     assert marker.read_text().strip() == "term"
     r = json.loads(report.read_text())
     assert r["reason"] == "vacated" and r["exit_code"] == 42

@@ -8,6 +8,8 @@ import time
 
 import pytest
 
+from conftest import SLOWDOWN
+
 PY = "/usr/bin/python3"
 
 
@@ -33,14 +35,27 @@ def test_double_forked_daemon_dies_with_the_job(starter, tmp_path):
     out.mkdir()
     out.chmod(0o777)  # the job is not root
     # The daemon setsid()s away and re-parents; it must not outlive the job,
-    # and the report is written only once the cgroup is empty.
-    script = ("(setsid sh -c 'echo $$ > /srv/daemon.pid; exec sleep 300' &) ; "
-              "while [ ! -s /srv/daemon.pid ]; do sleep 0.01; done; exit 0")
-    p, r, _ = _report(starter, tmp_path, "--bind", f"{out}:/srv", "--", "sh", "-c", script)
-    assert p.returncode == 0 and r["reason"] == "exited"
+    # and the report is written only once the cgroup is empty.  It holds the
+    # write end of a FIFO for as long as it lives (sleep inherits it), and
+    # says "up" through it first: the job exits only after that line, and the
+    # FIFO reads EOF only once no process holds it (the daemon is dead).
+    fifo = out / "alive"
+    os.mkfifo(fifo, 0o666)
+    fifo.chmod(0o666)
+    alive = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)  # before the job: its open does not block
+    try:
+        script = ("(setsid sh -c 'echo up >&3; exec sleep 300' 3>/srv/alive </dev/null >/dev/null 2>&1 &) ; "
+                  "read up </srv/alive; exit 0")
+        p, r, _ = _report(starter, tmp_path, "--bind", f"{out}:/srv", "--", "sh", "-c", script)
+        try:
+            rest = os.read(alive, 64)
+        except BlockingIOError:  # a writer holds it and has nothing to say: the daemon lives
+            rest = None
+        assert rest == b"", "the daemon outlived its job (it still holds the FIFO)"
+    finally:
+        os.close(alive)
+    assert p.returncode == 0 and r["reason"] == "exited", (p.returncode, p.stderr, r)
     assert r["pids_current"] in (0, None)
-    inner = int((out / "daemon.pid").read_text())
-    assert inner > 1
 
 
 def test_oom_is_reported_and_starter_survives(starter, tmp_path):
@@ -71,9 +86,16 @@ def test_memory_peak_of_512_mib(starter, tmp_path):
 
 
 def test_cpu_quota(starter, tmp_path):
-    loop = "import time\nt = time.monotonic()\nwhile time.monotonic() - t < 2.0:\n    pass\n"
+    # A known amount of CPU work: 1 s of the process's own CPU time (start-up
+    # included), the same whatever else runs on the node.
+    loop = "import time\nwhile time.process_time() < 1.0:\n    pass\n"
     p, r, _ = _report(starter, tmp_path, "--cpus", "0.5", "--", PY, "-c", loop)
+    assert p.returncode == 0, p.stderr
     cpu = r["cpu_user_s"] + r["cpu_system_s"]
+    # The work is all counted (load cannot lower it: it is CPU time) ...
+    assert cpu >= 0.9, r
+    # ... and it ran at no more than half a CPU: at least ~2 s of wall time
+    # (load only makes the wall time longer).
     assert cpu <= 0.5 * r["wall_s"] * 1.3 + 0.1, r
 
 
@@ -87,9 +109,13 @@ def test_job_subcgroup_frozen_and_chmodded_is_still_cleaned(starter, tmp_path, s
     sub-cgroups; the test plays that part from outside, on the live job."""
     proc = subprocess.Popen([os.path.join(os.path.dirname(__file__), "..", ".venv", "bin", "starter"),
                              "run", "--id", "subcg", "--report", str(tmp_path / "r.json"), "--grace", "0.5",
-                             "--", "sh", "-c", "sleep 300 & sleep 300 & wait"])
+                             "--", "sh", "-c", "sleep 300 & sleep 300 & echo ready; wait"],
+                            stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20
+        # The job says when both children run; the state file is polled (the
+        # starter writes "running" around the release: no event announces it).
+        assert proc.stdout.readline() == "ready\n"
+        deadline = time.monotonic() + 20 * SLOWDOWN
         st = None
         while time.monotonic() < deadline:
             try:
@@ -104,12 +130,8 @@ def test_job_subcgroup_frozen_and_chmodded_is_still_cleaned(starter, tmp_path, s
         track = st["cgroup"].get("unified") or next(iter(st["cgroup"].values()))
         sub = os.path.join(track, "inner")
         os.mkdir(sub)
-        others = []
-        while not others and time.monotonic() < deadline:  # the shell may not have forked yet
-            pids = [int(x) for x in open(os.path.join(track, "cgroup.procs")).read().split()]
-            others = [p for p in pids if p != st["pid"]]
-            time.sleep(0.05)
-        victim = others[0]
+        pids = [int(x) for x in open(os.path.join(track, "cgroup.procs")).read().split()]
+        victim = next(p for p in pids if p != st["pid"])
         with open(os.path.join(sub, "cgroup.procs"), "w") as f:
             f.write(str(victim))
         if os.path.exists(os.path.join(sub, "cgroup.freeze")):
@@ -121,6 +143,7 @@ def test_job_subcgroup_frozen_and_chmodded_is_still_cleaned(starter, tmp_path, s
     finally:
         proc.terminate()
         assert proc.wait(30) == 137
+        proc.stdout.close()
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["reason"] == "vacated" and "unkillable" not in r
     assert not os.path.exists(track)

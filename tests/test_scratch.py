@@ -11,8 +11,6 @@ from starter.errors import SpecError, StagingError
 
 NOBODY = 65534
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="needs root (chown, mount --bind)")
-
 
 def as_nobody(cwd_fd, fn):
     """Run fn() in a forked child as uid/gid 65534 with cwd = cwd_fd, as the job would.

@@ -6,6 +6,7 @@ leave alone."""
 import fcntl
 import json
 import os
+import select
 import subprocess
 import sys
 import time
@@ -14,7 +15,7 @@ import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conftest import STARTER  # noqa: E402
+from conftest import SLOWDOWN, STARTER  # noqa: E402
 from starter import admin, cgroups  # noqa: E402
 from starter import state as S  # noqa: E402
 
@@ -62,13 +63,23 @@ def test_duplicate_ids_exactly_one_runs(state_dir):
     procs = [subprocess.Popen([STARTER, "run", "--user", "nobody", "--id", "dupe", "--", "cat"],
                               stdin=subprocess.PIPE, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
              for _ in range(n)]
+    # Each starter's pidfd polls readable when it exits: wait for n - 1 of them.
+    pidfds = {os.pidfd_open(p.pid): p for p in procs}
     refused = []
-    deadline = time.monotonic() + 120
-    while len(refused) < n - 1 and time.monotonic() < deadline:
-        for p in procs:
-            if p not in refused and p.poll() is not None:
+    deadline = time.monotonic() + 120 * SLOWDOWN
+    try:
+        while len(refused) < n - 1:
+            ready = select.select(list(pidfds), [], [], max(0.0, deadline - time.monotonic()))[0]
+            if not ready:
+                break
+            for fd in ready:
+                p = pidfds.pop(fd)
+                os.close(fd)
+                p.wait()
                 refused.append(p)
-        time.sleep(0.05)
+    finally:
+        for fd in pidfds:
+            os.close(fd)
     running = [p for p in procs if p not in refused]
     assert len(running) == 1, [(p.returncode, p.stderr.read()) for p in refused]
     for p in refused:

@@ -249,6 +249,7 @@ def netmode(request, cfg):
     os.makedirs(cfg.state_dir, exist_ok=True)
     proc = subprocess.Popen([STARTER, "netd", "--state-dir", cfg.state_dir], stderr=subprocess.PIPE, text=True)
     sock = os.path.join(cfg.state_dir, "netd.sock")
+    # netd announces nothing: poll for its socket, with a deadline.
     deadline = time.monotonic() + 30
     while not os.path.exists(sock):
         assert proc.poll() is None, proc.stderr.read()
@@ -313,6 +314,8 @@ def _dead_pid():
 
 
 def _wait_gone(ifnames, timeout=30.0):
+    """The kernel removes a dead namespace's veths in a worker: poll, with a
+    deadline (no event reaches us)."""
     deadline = time.monotonic() + timeout
     while any(os.path.exists(f"/sys/class/net/{n}") for n in ifnames):
         assert time.monotonic() < deadline, f"the kernel kept {ifnames} after their namespaces died"

@@ -27,6 +27,8 @@ import ipaddress
 import socket
 import struct
 
+from starter.net import netlink
+
 _NETLINK_NETFILTER = 12
 _NFNL_SUBSYS_CTNETLINK = 1
 _IPCTNL_MSG_CT_NEW, _IPCTNL_MSG_CT_GET, _IPCTNL_MSG_CT_DELETE = 0, 1, 2
@@ -42,34 +44,18 @@ _FILTER_IP_SRC, _FILTER_IP_DST = 1 << 0, 1 << 1
 _ATTRS = {socket.AF_INET: (_CTA_IP_V4_SRC, _CTA_IP_V4_DST), socket.AF_INET6: (_CTA_IP_V6_SRC, _CTA_IP_V6_DST)}
 
 
-def _nla(kind, payload):
-    n = 4 + len(payload)
-    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n % 4)
-
-
-def _nlas(buf):
-    off = 0
-    while off + 4 <= len(buf):
-        n, kind = struct.unpack_from("=HH", buf, off)
-        if n < 4:
-            break
-        padded = (n + 3) & ~3
-        yield kind & 0x3FFF, buf[off + 4:off + n], buf[off:off + n].ljust(padded, b"\0")
-        off += padded
-
-
 def _msg(mtype, flags, seq, family, attrs):
     body = struct.pack("=BBH", family, 0, 0) + attrs
-    return struct.pack("=IHHII", 16 + len(body), (_NFNL_SUBSYS_CTNETLINK << 8) | mtype, flags, seq, 0) + body
+    return netlink.message((_NFNL_SUBSYS_CTNETLINK << 8) | mtype, flags, seq, body)
 
 
 def dump_request(family, packed_addr, direction, seq):
     """A dump of the entries whose original source (direction 0) or
     destination (1) is packed_addr, filtered by the kernel (pure)."""
     attr = _ATTRS[family][direction]
-    tup = _nla(_CTA_TUPLE_IP | _NLA_F_NESTED, _nla(attr, packed_addr))
-    flt = _nla(_CTA_FILTER_ORIG_FLAGS, struct.pack("=I", _FILTER_IP_SRC if direction == 0 else _FILTER_IP_DST))
-    attrs = _nla(_CTA_TUPLE_ORIG | _NLA_F_NESTED, tup) + _nla(_CTA_FILTER | _NLA_F_NESTED, flt)
+    tup = netlink.attr(_CTA_TUPLE_IP | _NLA_F_NESTED, netlink.attr(attr, packed_addr))
+    flt = netlink.attr(_CTA_FILTER_ORIG_FLAGS, struct.pack("=I", _FILTER_IP_SRC if direction == 0 else _FILTER_IP_DST))
+    attrs = netlink.attr(_CTA_TUPLE_ORIG | _NLA_F_NESTED, tup) + netlink.attr(_CTA_FILTER | _NLA_F_NESTED, flt)
     return _msg(_IPCTNL_MSG_CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, seq, family, attrs)
 
 
@@ -79,23 +65,17 @@ def parse_entries(data, family, packed_addrs):
     if its original source or destination is one of packed_addrs."""
     src_attr, dst_attr = _ATTRS[family]
     out, done, err = [], False, 0
-    off = 0
-    while off + 16 <= len(data):
-        length, mtype, _flags, _seq, _pid = struct.unpack_from("=IHHII", data, off)
-        if length < 16:
-            break
-        msg = data[off + 16:off + length]
-        off += (length + 3) & ~3
+    for mtype, _seq, msg in netlink.messages(data):
         if mtype == _NLMSG_DONE:
             done = True
         elif mtype == _NLMSG_ERROR:
-            err = struct.unpack_from("=i", msg)[0]
+            err = netlink.error_code(msg)
             done = True
         elif mtype == (_NFNL_SUBSYS_CTNETLINK << 8) | _IPCTNL_MSG_CT_NEW and len(msg) >= 4:
             if msg[0] != family:
                 continue
             orig = zone = None
-            for kind, val, raw in _nlas(msg[4:]):
+            for kind, val, raw in netlink.attrs(msg[4:]):
                 if kind == _CTA_TUPLE_ORIG:
                     orig = (val, raw)
                 elif kind == _CTA_ZONE:
@@ -103,9 +83,9 @@ def parse_entries(data, family, packed_addrs):
             if orig is None:
                 continue
             addrs = set()
-            for kind, val, _raw in _nlas(orig[0]):
+            for kind, val, _raw in netlink.attrs(orig[0]):
                 if kind == _CTA_TUPLE_IP:
-                    addrs |= {v for k, v, _r in _nlas(val) if k in (src_attr, dst_attr)}
+                    addrs |= {v for k, v, _r in netlink.attrs(val) if k in (src_attr, dst_attr)}
             if addrs & packed_addrs:
                 out.append(orig[1] + (zone or b""))
     return out, done, err
@@ -171,18 +151,12 @@ def _delete(s, family, matches, seq):
         s.send(b"".join(batch))
         acks = 0
         while acks < len(batch):
-            data = s.recv(1 << 17)
-            off = 0
-            while off + 16 <= len(data):
-                length, mtype, _f, _seq, _pid = struct.unpack_from("=IHHII", data, off)
-                if length < 16:
-                    break
+            for mtype, _seq, msg in netlink.messages(s.recv(1 << 17)):
                 if mtype == _NLMSG_ERROR:
                     acks += 1
-                    err = struct.unpack_from("=i", data, off + 16)[0]
+                    err = netlink.error_code(msg)
                     if err == 0:
                         deleted += 1
                     elif err != -errno.ENOENT:
                         raise OSError(-err, f"conntrack delete: {errno.errorcode.get(-err, -err)}")
-                off += (length + 3) & ~3
     return deleted

@@ -31,7 +31,6 @@ If the socket is missing or nobody listens, call() raises Unavailable and the
 facade does the work in-process.
 """
 
-import errno
 import os
 import struct
 
@@ -244,6 +243,8 @@ def _bind(path):
     """Bind the socket; refuse if another netd answers; drop a stale socket."""
     import socket
 
+    from starter.fileio import unlink_quiet
+
     probe = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     try:
         probe.connect(path)
@@ -255,10 +256,7 @@ def _bind(path):
         raise NetworkError(f"another netd is already listening on {path}", "stop it first")
     finally:
         probe.close()
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
+    unlink_quiet(path)
     s = socket.socket(socket.AF_UNIX, socket.SOCK_SEQPACKET | socket.SOCK_CLOEXEC)
     old = os.umask(0o177)
     try:
@@ -274,6 +272,8 @@ def _bind(path):
 def serve(cfg, path):
     import signal
 
+    from starter.fileio import unlink_quiet
+
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     server = Server(cfg, path)
     listener = _bind(path)
@@ -287,11 +287,7 @@ def serve(cfg, path):
         for sig, h in old.items():
             signal.signal(sig, h)
         listener.close()
-        try:
-            os.unlink(path)
-        except OSError as e:
-            if e.errno != errno.ENOENT:
-                raise
+        unlink_quiet(path)
         os.close(r)
         os.close(w)
         server.wiring.close()

@@ -246,84 +246,71 @@ _NLM_F_REQUEST = 1
 _NETLINK_NETFILTER = 12
 
 
-def _nla(kind, payload):
-    import struct
-
-    n = 4 + len(payload)
-    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n % 4)
-
-
-def _nlas(buf):
-    import struct
-
-    off = 0
-    while off + 4 <= len(buf):
-        n, kind = struct.unpack_from("=HH", buf, off)
-        if n < 4:
-            break
-        yield kind & 0x3FFF, buf[off + 4:off + n]
-        off += (n + 3) & ~3
-
-
 def getobj_request(table, name, seq):
     """The netlink message asking for one named counter (pure)."""
     import struct
 
+    from starter.net import netlink
+
     body = struct.pack("=BBH", _NFPROTO_INET, 0, 0)
-    body += _nla(_NFTA_OBJ_TABLE, table.encode() + b"\0")
-    body += _nla(_NFTA_OBJ_NAME, name.encode() + b"\0")
-    body += _nla(_NFTA_OBJ_TYPE, struct.pack(">I", _NFT_OBJECT_COUNTER))
-    mtype = (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETOBJ
-    return struct.pack("=IHHII", 16 + len(body), mtype, _NLM_F_REQUEST, seq, 0) + body
+    body += netlink.attr(_NFTA_OBJ_TABLE, table.encode() + b"\0")
+    body += netlink.attr(_NFTA_OBJ_NAME, name.encode() + b"\0")
+    body += netlink.attr(_NFTA_OBJ_TYPE, struct.pack(">I", _NFT_OBJECT_COUNTER))
+    return netlink.message((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETOBJ, _NLM_F_REQUEST, seq, body)
 
 
 def parse_getobj_replies(data):
     """-> {seq: {"bytes", "packets"} | -errno} from the kernel's answers (pure)."""
     import struct
 
+    from starter.net import netlink
+
     out = {}
-    off = 0
-    while off + 16 <= len(data):
-        length, mtype, _flags, seq, _pid = struct.unpack_from("=IHHII", data, off)
-        if length < 16:
-            break
-        msg = data[off + 16:off + length]
+    for mtype, seq, msg in netlink.messages(data):
         if mtype == _NLMSG_ERROR:
-            out[seq] = struct.unpack_from("=i", msg)[0]
+            out[seq] = netlink.error_code(msg)
         elif mtype == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWOBJ:
             c = {}
-            for kind, val in _nlas(msg[4:]):
+            for kind, val, _raw in netlink.attrs(msg[4:]):
                 if kind == _NFTA_OBJ_DATA:
-                    for k2, v2 in _nlas(val):
+                    for k2, v2, _raw2 in netlink.attrs(val):
                         if k2 == _NFTA_COUNTER_BYTES:
                             c["bytes"] = struct.unpack(">Q", v2)[0]
                         elif k2 == _NFTA_COUNTER_PACKETS:
                             c["packets"] = struct.unpack(">Q", v2)[0]
             out[seq] = c
-        off += (length + 3) & ~3
     return out
 
 
-def read_counters(table_name, key):
-    """The job's counters straight from the kernel, or None if it has none."""
+def _getobjs(table_name, names):
+    """Ask the kernel for these named counters in one round trip -> the
+    answer for each name, in order: {"bytes", "packets"} or -errno."""
     import socket
 
-    names = [f"{key}_{c}" for c in COUNTERS]
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_NETFILTER) as s:
         s.settimeout(5.0)
         s.send(b"".join(getobj_request(table_name, n, i + 1) for i, n in enumerate(names)))
         got = {}
         while len(got) < len(names):
             got.update(parse_getobj_replies(s.recv(65536)))
+    return [got.get(i + 1) for i in range(len(names))]
+
+
+def _counter_error(name, err):
+    import os
+
+    return NetworkError(f"nftables: reading counter {name} failed: {os.strerror(-err)}")
+
+
+def read_counters(table_name, key):
+    """The job's counters straight from the kernel, or None if it has none."""
+    names = [f"{key}_{c}" for c in COUNTERS]
     out = {}
-    for i, c in enumerate(COUNTERS):
-        r = got.get(i + 1)
+    for c, name, r in zip(COUNTERS, names, _getobjs(table_name, names)):
         if isinstance(r, int):
             if r == -2:  # ENOENT: no such table or counter
                 return None
-            import os
-
-            raise NetworkError(f"nftables: reading counter {names[i]} failed: {os.strerror(-r)}")
+            raise _counter_error(name, r)
         out["dropped" if c == "drop" else c] = r
     return out
 
@@ -331,26 +318,16 @@ def read_counters(table_name, key):
 def read_uplink_counters(table_name, uplinks):
     """-> {ifname: {"in": {bytes, packets}, "out": {...}}} node-wide, for the
     uplinks the table was built with; {} when there is no table."""
-    import socket
-
-    names = [(u, d) for u in uplinks for d in UPLINK_DIRECTIONS]
-    if not names:
+    pairs = [(u, d) for u in uplinks for d in UPLINK_DIRECTIONS]
+    if not pairs:
         return {}
-    with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_NETFILTER) as s:
-        s.settimeout(5.0)
-        s.send(b"".join(getobj_request(table_name, uplink_counter(u, d), i + 1) for i, (u, d) in enumerate(names)))
-        got = {}
-        while len(got) < len(names):
-            got.update(parse_getobj_replies(s.recv(65536)))
+    names = [uplink_counter(u, d) for u, d in pairs]
     out = {}
-    for i, (u, d) in enumerate(names):
-        r = got.get(i + 1)
+    for (u, d), name, r in zip(pairs, names, _getobjs(table_name, names)):
         if isinstance(r, int):
             if r == -2:
                 continue   # no such table or counter (a table made before these existed)
-            import os
-
-            raise NetworkError(f"nftables: reading counter {uplink_counter(u, d)} failed: {os.strerror(-r)}")
+            raise _counter_error(name, r)
         out.setdefault(u, {})[d] = r
     return out
 

@@ -26,7 +26,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from starter.errors import NetworkError
-from starter.net.sysctl import forwarding_path, write_sysctl
+from starter.net.sysctl import disable_ipv6_path, forwarding_path, write_sysctl
 from starter.ns import setns
 
 CLONE_NEWNET = 0x40000000
@@ -101,7 +101,7 @@ class Links:
             link = ipr.link("get", ifname=host_ifname)[0]
             idx, peer_idx = link["index"], link.get_attr("IFLA_LINK")
             # Before it goes up: no IPv6 link-local for the job to talk to.
-            write_sysctl(f"/proc/sys/net/ipv6/conf/{host_ifname}/disable_ipv6", "1")
+            write_sysctl(disable_ipv6_path(host_ifname), "1")
             if forward:
                 write_sysctl(forwarding_path(host_ifname), "1")
             ipr.addr("add", index=idx, address=gateway, prefixlen=prefixlen)

@@ -23,6 +23,7 @@ trustworthy as the profile next to the starter's code.
 import os
 
 from starter.errors import SpecError, StarterError
+from starter.fileio import unlink_best_effort
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "default.json")
 MAX_PROFILE = 1 << 20
@@ -223,7 +224,7 @@ def _cache_put(cache_dir, key, f):
         names = os.listdir(dfd)
         if len(names) >= CACHE_KEEP:  # profiles that changed often: start over
             for n in names:
-                _unlink(n, dfd)
+                unlink_best_effort(n, dfd)
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=dfd)
         try:
@@ -232,13 +233,6 @@ def _cache_put(cache_dir, key, f):
             os.close(fd)
         os.rename(tmp, key + ".bpf", src_dir_fd=dfd, dst_dir_fd=dfd)
     except OSError:
-        _unlink(tmp, dfd)
+        unlink_best_effort(tmp, dfd)
     finally:
         os.close(dfd)
-
-
-def _unlink(name, dfd):
-    try:
-        os.unlink(name, dir_fd=dfd)
-    except OSError:
-        pass

@@ -1,0 +1,55 @@
+"""The netlink wire format the starter speaks itself (pure, a leaf).
+
+Two readers talk netfilter netlink without a library: nft.read_counters
+(one named counter, straight from the kernel) and conntrack.forget (dump and
+delete a job's flows).  Both build and walk the same two structures:
+
+    message    nlmsghdr: u32 length, u16 type, u16 flags, u32 seq, u32 pid,
+               then the body; messages are padded to 4 bytes
+    attribute  nlattr: u16 length, u16 type, then the payload; padded to 4
+               bytes; the top two type bits are flags (nested, byte order)
+"""
+
+import struct
+
+HEADER = 16  # sizeof(struct nlmsghdr)
+
+
+def message(mtype, flags, seq, body):
+    """One netlink message: header + body."""
+    return struct.pack("=IHHII", HEADER + len(body), mtype, flags, seq, 0) + body
+
+
+def messages(data):
+    """-> (type, seq, body) of each whole message in data, as read from the socket."""
+    off = 0
+    while off + HEADER <= len(data):
+        length, mtype, _flags, seq, _pid = struct.unpack_from("=IHHII", data, off)
+        if length < HEADER:
+            break
+        yield mtype, seq, data[off + HEADER:off + length]
+        off += (length + 3) & ~3
+
+
+def attr(kind, payload):
+    """One attribute, padded."""
+    n = 4 + len(payload)
+    return struct.pack("=HH", n, kind) + payload + b"\0" * (-n % 4)
+
+
+def attrs(buf):
+    """-> (type without its flag bits, payload, the attribute as sent, padded)
+    of each attribute in buf."""
+    off = 0
+    while off + 4 <= len(buf):
+        n, kind = struct.unpack_from("=HH", buf, off)
+        if n < 4:
+            break
+        padded = (n + 3) & ~3
+        yield kind & 0x3FFF, buf[off + 4:off + n], buf[off:off + n].ljust(padded, b"\0")
+        off += padded
+
+
+def error_code(body):
+    """The (negative) errno of an NLMSG_ERROR message's body; 0 is an ack."""
+    return struct.unpack_from("=i", body)[0]
