@@ -13,7 +13,6 @@ name are the job's to choose, so control characters are replaced before
 they reach a terminal (no escape-sequence injection into the admin's tty).
 """
 
-import os
 import sys
 import time
 

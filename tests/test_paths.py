@@ -14,8 +14,6 @@ import time
 
 import pytest
 
-from conftest import STARTER
-
 USER = ("--user", "nobody")
 
 

@@ -312,7 +312,6 @@ def main():
         shutil.rmtree(tmp, ignore_errors=True)
         remove_bench_cgroups()
     med = {n: statistics.median(v) for n, v in times.items()}
-    ref = med.get("unshare -pnm --fork --mount-proc")
     print(f"start-to-exit of /bin/true in pid+net+mnt namespaces: median of {args.runs} rounds, "
           "every command once per round, order rotated")
     cols = [("unshare -pnm --fork --mount-proc", "x unshare"), ("runc run", "x runc"),
