@@ -68,8 +68,21 @@ from starter.errors import NetworkError
 
 FAMILY = "inet"
 COUNTERS = ("lan_in", "lan_out", "wan_in", "wan_out", "drop")
+# IPv6 traffic is counted apart (a job without IPv6 has none of these); the
+# report's combined figures are the sums.
+ZONES = ("lan_in", "lan_out", "wan_in", "wan_out")
+COUNTERS6 = tuple(z + "6" for z in ZONES)
 BLOCKED = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
-JOB_SETS = ("job_ifs", "job_src")
+# unspecified and loopback, IPv4-mapped, link-local, old site-local,
+# multicast; the clouds' metadata/DNS/NTP services (AWS fd00:ec2::/32, e.g.
+# fd00:ec2::254; GCP fd20:ce::254)
+BLOCKED6 = ("::/127", "::ffff:0.0.0.0/96", "fe80::/10", "fec0::/10", "ff00::/8",
+            "fd00:ec2::/32", "fd20:ce::254/128")
+ND = ["nd-neighbor-solicit", "nd-neighbor-advert"]
+ROUTER_MSGS = ["nd-router-solicit", "nd-router-advert", "nd-redirect"]
+# the job kernel's own multicast listener reports: dropped, not counted
+MLD = ["mld-listener-query", "mld-listener-report", "mld-listener-done", "mld2-listener-report"]
+JOB_SETS = ("job_ifs", "job_src", "job_src6")
 UPLINK_DIRECTIONS = ("in", "out")
 
 
@@ -99,7 +112,16 @@ def _ctr_map(key_expr, name):
 
 def _prefix(cidr):
     addr, _, plen = cidr.partition("/")
-    return {"prefix": {"addr": addr, "len": int(plen or 32)}}
+    return {"prefix": {"addr": addr, "len": int(plen or (128 if ":" in addr else 32))}}
+
+
+def split_families(cidrs):
+    """CIDR strings -> (IPv4 ones, IPv6 ones), order kept (pure)."""
+    return [c for c in cidrs if ":" not in c], [c for c in cidrs if ":" in c]
+
+
+def _icmpv6(types):
+    return _match(_payload("icmpv6", "type"), {"set": list(types)})
 
 
 ACCEPT = {"accept": None}
@@ -139,25 +161,32 @@ class Table:
     def table_obj(self):
         return {"family": FAMILY, "name": self.name}
 
-    def create(self, pool, lan=(), uplinks=(), guard_ifs=(), host_allow=()):
+    def create(self, pool, lan=(), uplinks=(), guard_ifs=(), host_allow=(), pool6=None, guard6_ifs=()):
         """The whole table, replacing any leftover of the same name atomically
-        (add + delete + add in one transaction; other tables untouched)."""
+        (add + delete + add in one transaction; other tables untouched).
+        lan holds both families; pool6 None: no IPv6 pool (nothing matches)."""
         t = self.table_obj()
+        lan4, lan6 = split_families(lan)
         iif, oif = _meta("iifname"), _meta("oifname")
         cmds = [{"add": {"table": t}}, {"delete": {"table": t}}, {"add": {"table": t}}]
         cmds.append({"add": {"counter": self._obj(name="dropped")}})
         cmds += [
             self._set("job_nets", "ipv4_addr", ["interval"], [_prefix(pool)]),
-            self._set("lan", "ipv4_addr", ["interval"], [_prefix(c) for c in lan]),
+            self._set("job_nets6", "ipv6_addr", ["interval"], [_prefix(pool6)] if pool6 else []),
+            self._set("lan", "ipv4_addr", ["interval"], [_prefix(c) for c in lan4]),
+            self._set("lan6", "ipv6_addr", ["interval"], [_prefix(c) for c in lan6]),
             self._set("blocked", "ipv4_addr", ["interval"], [_prefix(c) for c in BLOCKED]),
+            self._set("blocked6", "ipv6_addr", ["interval"], [_prefix(c) for c in BLOCKED6]),
             self._set("uplinks", "ifname", elem=list(uplinks)),
             self._set("guard_ifs", "ifname", elem=list(guard_ifs)),
+            self._set("guard6_ifs", "ifname", elem=list(guard6_ifs)),
             self._set("job_ifs", "ifname"),
             self._set("job_src", ["ifname", "ipv4_addr"]),
+            self._set("job_src6", ["ifname", "ipv6_addr"]),
             self._set("host_allow", ["inet_proto", "inet_service"],
                       elem=[{"concat": [p, int(n)]} for p, n in host_allow]),
         ]
-        cmds += [self._set("ctr_" + c, "ifname", map_="counter") for c in COUNTERS]
+        cmds += [self._set("ctr_" + c, "ifname", map_="counter") for c in COUNTERS + COUNTERS6]
         cmds += [{"add": {"counter": self._obj(name=uplink_counter(u, d))}}
                  for u in uplinks for d in UPLINK_DIRECTIONS]
         cmds += [self._set("ctr_uplink_" + d, "ifname", map_="counter",
@@ -165,42 +194,74 @@ class Table:
         cmds += [
             self._chain("prerouting", "prerouting", prio=-300),
             self._chain("job_ingress"),
+            self._chain("job_ingress6"),
             self._chain("input", "input"),
             self._chain("job_to_host"),
             self._chain("forward", "forward"),
             self._chain("job_out"),
+            self._chain("job_out6"),
             self._chain("job_in"),
             self._chain("job_in_count"),
+            self._chain("job_in_count6"),
             self._chain("postrouting", "postrouting", type_="nat", prio=100),
         ]
         drop_job = [_ctr_map(iif, "ctr_drop"), DROP]
+        nfproto = _meta("nfproto")
         cmds += [
             self._rule("prerouting", _match(iif, "@job_ifs"), {"jump": {"target": "job_ingress"}}),
-            self._rule("job_ingress", _match(_meta("nfproto"), "ipv4", "!="), *drop_job),
+            self._rule("job_ingress", _match(nfproto, "ipv6"), {"goto": {"target": "job_ingress6"}}),
+            self._rule("job_ingress", _match(nfproto, "ipv4", "!="), *drop_job),
             self._rule("job_ingress", _match({"concat": [iif, _payload("ip", "saddr")]}, "@job_src", "!="),
                        *drop_job),
             self._rule("job_ingress", _match(_payload("ip", "daddr"), "@blocked"), *drop_job),
+            # IPv6: router messages from a job are an attack, counted; its
+            # kernel's MLD reports are noise, dropped quietly; neighbour
+            # discovery (hop limit 255: never forwarded) passes; then the
+            # same source and destination checks as IPv4.
+            self._rule("job_ingress6", _icmpv6(ROUTER_MSGS), *drop_job),
+            self._rule("job_ingress6", _icmpv6(MLD), DROP),
+            self._rule("job_ingress6", _icmpv6(ND), _match(_payload("ip6", "hoplimit"), 255), ACCEPT),
+            self._rule("job_ingress6", _match({"concat": [iif, _payload("ip6", "saddr")]}, "@job_src6", "!="),
+                       *drop_job),
+            self._rule("job_ingress6", _match(_payload("ip6", "daddr"), "@blocked6"), *drop_job),
             self._rule("input", _match(iif, "@job_ifs"), {"jump": {"target": "job_to_host"}}),
+            self._rule("job_to_host", _icmpv6(ND), ACCEPT),
             self._rule("job_to_host", _match({"concat": [_meta("l4proto"), _payload("th", "dport")]},
                                              "@host_allow"), ACCEPT),
             self._rule("job_to_host", *drop_job),
             self._rule("forward", _match(iif, "@job_ifs"), {"jump": {"target": "job_out"}}),
             self._rule("forward", _match(oif, "@job_ifs"), {"jump": {"target": "job_in"}}),
-            self._rule("forward", _match(iif, "@guard_ifs"), {"counter": "dropped"}, DROP),
+            self._rule("forward", _match(nfproto, "ipv4"), _match(iif, "@guard_ifs"), {"counter": "dropped"}, DROP),
+            self._rule("forward", _match(nfproto, "ipv6"), _match(iif, "@guard6_ifs"), {"counter": "dropped"}, DROP),
             self._rule("job_out", _match(oif, "@uplinks", "!="), *drop_job),
             self._rule("job_out", _ctr_map(oif, "ctr_uplink_out")),
+            self._rule("job_out", _match(nfproto, "ipv6"), {"goto": {"target": "job_out6"}}),
             self._rule("job_out", _match(_payload("ip", "daddr"), "@lan"), _ctr_map(iif, "ctr_lan_out"), ACCEPT),
             self._rule("job_out", _ctr_map(iif, "ctr_wan_out"), ACCEPT),
+            self._rule("job_out6", _icmpv6(ND + ROUTER_MSGS), *drop_job),
+            self._rule("job_out6", _match(_payload("ip6", "daddr"), "@lan6"), _ctr_map(iif, "ctr_lan_out6"), ACCEPT),
+            self._rule("job_out6", _ctr_map(iif, "ctr_wan_out6"), ACCEPT),
             self._rule("job_in", _match({"ct": {"key": "state"}}, ["established", "related"], "in"),
                        {"goto": {"target": "job_in_count"}}),
             self._rule("job_in", {"counter": "dropped"}, DROP),
             self._rule("job_in_count", _ctr_map(iif, "ctr_uplink_in")),
+            self._rule("job_in_count", _match(nfproto, "ipv6"), {"goto": {"target": "job_in_count6"}}),
+            self._rule("job_in_count6", _match(_payload("ip6", "saddr"), "@lan6"), _ctr_map(oif, "ctr_lan_in6"),
+                       ACCEPT),
+            self._rule("job_in_count6", _ctr_map(oif, "ctr_wan_in6"), ACCEPT),
             self._rule("job_in_count", _match(_payload("ip", "saddr"), "@lan"), _ctr_map(oif, "ctr_lan_in"), ACCEPT),
             self._rule("job_in_count", _ctr_map(oif, "ctr_wan_in"), ACCEPT),
             self._rule("postrouting", _match(_payload("ip", "saddr"), "@job_nets"),
                        _match(oif, "@uplinks"), {"masquerade": None}),
+            self._rule("postrouting", _match(_payload("ip6", "saddr"), "@job_nets6"),
+                       _match(oif, "@uplinks"), {"masquerade": None}),
         ]
         return cmds
+
+    def add_guard6(self, ifnames):
+        """Uplinks whose IPv6 forwarding we turned on later (the first job
+        with IPv6): foreign traffic arriving there is not routed."""
+        return [self._elem("add", "guard6_ifs", list(ifnames))] if ifnames else []
 
     def delete(self):
         """Remove the table whether or not it exists (add is a no-op if it does)."""
@@ -210,23 +271,31 @@ class Table:
     def _elem(self, verb, set_name, elems):
         return {verb: {"element": self._obj(name=set_name, elem=elems)}}
 
-    def add_job(self, key, ifname, address):
-        """Counters first (map elements refer to them), then the elements."""
-        cmds = [{"add": {"counter": self._obj(name=f"{key}_{c}")}} for c in COUNTERS]
-        cmds += [self._elem("add", "ctr_" + c, [[ifname, f"{key}_{c}"]]) for c in COUNTERS]
+    def add_job(self, key, ifname, address, address6=None):
+        """Counters first (map elements refer to them), then the elements.
+        IPv6 counters and source only for a job with address6."""
+        names = COUNTERS + (COUNTERS6 if address6 else ())
+        cmds = [{"add": {"counter": self._obj(name=f"{key}_{c}")}} for c in names]
+        cmds += [self._elem("add", "ctr_" + c, [[ifname, f"{key}_{c}"]]) for c in names]
         cmds.append(self._elem("add", "job_src", [{"concat": [ifname, address]}]))
+        if address6:
+            cmds.append(self._elem("add", "job_src6", [{"concat": [ifname, address6]}]))
         # job_ifs last: the job's packets hit the chains only once everything
         # they refer to exists.
         cmds.append(self._elem("add", "job_ifs", [ifname]))
         return cmds
 
-    def del_job(self, key, ifname, address):
-        """The reverse of add_job: elements before the counters they name."""
+    def del_job(self, key, ifname, address, address6=None, has6=None):
+        """The reverse of add_job: elements before the counters they name.
+        has6 (default: bool(address6)): the job has IPv6 counters."""
+        names = COUNTERS + (COUNTERS6 if (address6 if has6 is None else has6) else ())
         cmds = [self._elem("delete", "job_ifs", [ifname])]
         if address:
             cmds.append(self._elem("delete", "job_src", [{"concat": [ifname, address]}]))
-        cmds += [self._elem("delete", "ctr_" + c, [ifname]) for c in COUNTERS]
-        cmds += [{"delete": {"counter": self._obj(name=f"{key}_{c}")}} for c in COUNTERS]
+        if address6:
+            cmds.append(self._elem("delete", "job_src6", [{"concat": [ifname, address6]}]))
+        cmds += [self._elem("delete", "ctr_" + c, [ifname]) for c in names]
+        cmds += [{"delete": {"counter": self._obj(name=f"{key}_{c}")}} for c in names]
         return cmds
 
 
@@ -305,26 +374,48 @@ def parse_getobj_replies(data):
 
 
 def read_counters(table_name, key):
-    """The job's counters straight from the kernel, or None if it has none."""
+    """The job's counters straight from the kernel, or None if it has none.
+    -> combine() of what was read."""
     import socket
 
-    names = [f"{key}_{c}" for c in COUNTERS]
+    names = [f"{key}_{c}" for c in COUNTERS + COUNTERS6]
     with socket.socket(socket.AF_NETLINK, socket.SOCK_RAW | socket.SOCK_CLOEXEC, _NETLINK_NETFILTER) as s:
         s.settimeout(5.0)
         s.send(b"".join(getobj_request(table_name, n, i + 1) for i, n in enumerate(names)))
         got = {}
         while len(got) < len(names):
             got.update(parse_getobj_replies(s.recv(65536)))
-    out = {}
-    for i, c in enumerate(COUNTERS):
+    raw = {}
+    for i, c in enumerate(COUNTERS + COUNTERS6):
         r = got.get(i + 1)
         if isinstance(r, int):
             if r == -2:  # ENOENT: no such table or counter
+                if c in COUNTERS6:
+                    continue   # a job without IPv6
                 return None
             import os
 
             raise NetworkError(f"nftables: reading counter {names[i]} failed: {os.strerror(-r)}")
-        out["dropped" if c == "drop" else c] = r
+        raw[c] = r
+    return combine(raw)
+
+
+def combine(raw):
+    """{lan_in.., drop, lan_in6..} as read -> the report's counters (pure):
+    lan_in, lan_out, wan_in, wan_out both families together (what they
+    always meant), dropped, "ipv4": the IPv4 share and, when the job had
+    IPv6, "ipv6": its share."""
+    zero = {"bytes": 0, "packets": 0}
+    v4 = {z: dict(raw.get(z) or zero) for z in ZONES}
+    has6 = any(z + "6" in raw for z in ZONES)
+    v6 = {z: dict(raw.get(z + "6") or zero) for z in ZONES} if has6 else None
+    out = {}
+    for z in ZONES:
+        out[z] = {k: v4[z][k] + (v6[z][k] if v6 else 0) for k in ("bytes", "packets")}
+    out["dropped"] = dict(raw.get("drop") or zero)
+    out["ipv4"] = v4
+    if v6 is not None:
+        out["ipv6"] = v6
     return out
 
 
