@@ -152,8 +152,7 @@ def test_config_validation_ipv6(tmp_path):
     from starter.net.wiring import validate
 
     sd = str(tmp_path)
-    pool, pool6 = validate(net.NetConfig(state_dir=sd, lan=("192.168.0.0/16", "2001:db8::/32")))
-    assert pool6.cidr == net.DEFAULT_POOL6
+    assert validate(net.NetConfig(state_dir=sd, lan=("192.168.0.0/16", "2001:db8::/32"))).cidr == net.DEFAULT_POOL
     for kw, msg in (({"lan": ("2001:db8::1/32",)}, "lan: .*host bits"),
                     ({"lan": ("fd70:7639:1864::/48",)}, "lan: .*overlaps the job address pool fd70"),
                     ({"pool6": "2001:db8::/64"}, "not a unique local"),

@@ -35,7 +35,8 @@ def _uplink_fingerprint(uplinks):
 
 
 def validate(cfg):
-    """-> (Pool, Pool6).  Everything that reaches nft or /proc/sys is checked here."""
+    """-> Pool.  Everything that reaches nft or /proc/sys is checked here
+    (pool6 too: ipam.Pool6(cfg.pool6) cannot fail after this)."""
     import ipaddress
 
     pool = ipam.Pool(cfg.pool)
@@ -67,7 +68,7 @@ def validate(cfg):
             set(cfg.table) - set("abcdefghijklmnopqrstuvwxyz0123456789_"):
         raise NetworkError(f"table: {cfg.table!r} must be starter[a-z0-9_]*",
                            "the project only ever touches tables named starter*")
-    return pool, pool6
+    return pool
 
 
 def _if_exists(ifname):
@@ -284,7 +285,8 @@ class Wiring:
 
     # -- one job ---------------------------------------------------------
     def setup(self, job_id, netns_fd, cfg, owner_pid):
-        pool, pool6 = validate(cfg)
+        pool = validate(cfg)
+        pool6 = ipam.Pool6(cfg.pool6)
         key = ipam.job_key(job_id, cfg.table)
         table = nft.Table(cfg.table)
         store = ipam.LeaseStore(cfg.state_dir)
