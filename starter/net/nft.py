@@ -14,6 +14,11 @@ the cost of adding a job grows with the number of jobs.
       set guard_ifs  { ifname }                  uplinks whose forwarding WE turned on
       set job_ifs    { ifname }                  host ends of job veths
       set job_src    { ifname . ipv4_addr }      the one source address each may use
+      set job_nets6, lan6, blocked6 { ipv6_addr, interval }   the same for IPv6
+                     (blocked6: ::/127, ::ffff:0:0/96, fe80::/10, fec0::/10,
+                     ff00::/8, fd00:ec2::/32, fd20:ce::254)
+      set job_src6   { ifname . ipv6_addr }      a job with IPv6: its address6
+      set guard6_ifs { ifname }                  uplinks whose IPv6 forwarding WE turned on
       set host_allow { inet_proto . inet_service }   host ports open to jobs
       map ctr_lan_in, ctr_lan_out, ctr_wan_in, ctr_wan_out, ctr_drop
                      { ifname : counter }        per-job named counters <key>_<name>
@@ -24,12 +29,20 @@ the cost of adding a job grows with the number of jobs.
       chain prerouting  (filter, prerouting, raw -300: before conntrack)
         iifname @job_ifs jump job_ingress
       chain job_ingress
+        meta nfproto ipv6                     -> goto job_ingress6
         meta nfproto != ipv4                  -> count to the job, drop
         iifname . ip saddr != @job_src        -> count, drop   (spoofing)
         ip daddr @blocked                     -> count, drop   (loopback, metadata)
+      chain job_ingress6
+        icmpv6 RS, RA, redirect               -> count, drop   (router messages)
+        icmpv6 MLD                            -> drop          (the job kernel's chatter)
+        icmpv6 NS, NA, hoplimit 255           -> accept        (neighbour discovery)
+        iifname . ip6 saddr != @job_src6      -> count, drop   (spoofing, link-local)
+        ip6 daddr @blocked6                   -> count, drop
       chain input       (filter, input, 0)
         iifname @job_ifs jump job_to_host
       chain job_to_host
+        icmpv6 NS, NA                         -> accept
         meta l4proto . th dport @host_allow   -> accept        (site proxy, resolver)
                                               -> count, drop   (the host itself)
       chain forward     (filter, forward, 0)
@@ -39,6 +52,8 @@ the cost of adding a job grows with the number of jobs.
       chain job_out
         oifname != @uplinks                   -> count, drop   (other jobs, other host nets)
         counter oifname map @ctr_uplink_out      (which uplink routing chose)
+        meta nfproto ipv6                     -> goto job_out6 (ND/router msgs: drop;
+                                                 ip6 daddr @lan6: lan_out6, else wan_out6)
         ip daddr @lan                         -> lan_out, accept
                                               -> wan_out, accept
       chain job_in
@@ -46,11 +61,18 @@ the cost of adding a job grows with the number of jobs.
                                               -> dropped, drop (no inbound connections)
       chain job_in_count
         counter iifname map @ctr_uplink_in       (a miss: not via an uplink)
+        meta nfproto ipv6                     -> goto job_in_count6 (lan_in6 / wan_in6)
         ip saddr @lan                         -> lan_in, accept
                                               -> wan_in, accept
       chain postrouting (nat, postrouting, srcnat)
         ip saddr @job_nets oifname @uplinks masquerade
+        ip6 saddr @job_nets6 oifname @uplinks masquerade      (NAT66)
     }
+
+A job with IPv6 has four more counters (<key>_lan_in6 ...): IPv6 bytes are
+counted there only, and the report's lan_in etc. are the sums.  The guard
+rules are per family (guard_ifs for IPv4, guard6_ifs for IPv6).  IPv6
+forwarding is per interface through force_forwarding (see net/sysctl.py).
 
 IPv4 forwarding is decided by the INPUT device's conf.<if>.forwarding; we set
 it on each job's host veth (it dies with the veth) and on the uplink, where
