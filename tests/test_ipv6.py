@@ -515,8 +515,30 @@ def _flows(address):
     return out
 
 
+@pytest.fixture(params=["in-process", "netd"])
+def netmode(request, cfg):
+    """As in test_uplinks: with netd the teardown finishes on its worker;
+    net.gc waits for it."""
+    if request.param == "in-process":
+        yield None
+        return
+    import signal
+
+    os.makedirs(cfg.state_dir, exist_ok=True)
+    proc = subprocess.Popen([STARTER, "netd", "--state-dir", cfg.state_dir], stderr=subprocess.PIPE, text=True)
+    sock = os.path.join(cfg.state_dir, "netd.sock")
+    deadline = time.monotonic() + 30
+    while not os.path.exists(sock):
+        assert proc.poll() is None, proc.stderr.read()
+        assert time.monotonic() < deadline, "netd did not come up"
+        time.sleep(0.05)
+    yield proc
+    proc.send_signal(signal.SIGTERM)
+    proc.wait(30)
+
+
 @pytest.mark.net
-def test_teardown_forgets_the_jobs_ipv6_flows(site6, cfg):
+def test_teardown_forgets_the_jobs_ipv6_flows(site6, cfg, netmode):
     N = 100
     port = site6.port()
     srv = subprocess.Popen(site6.ns.argv(nethosts.PY, "-c", MANY_SERVER, site6.wan6, str(port), str(N)),
@@ -547,6 +569,8 @@ def test_teardown_forgets_the_jobs_ipv6_flows(site6, cfg):
             s = site6.serve(site6.wan6, "send", 10_000)
             assert client(job, "recv", site6.wan6, s.port) == (0, "received 10000")
             net.teardown("next6", cfg)
+            net.gc(cfg, set())
+            assert _flows(lease.address6) == []
         finally:
             job.close()
     finally:

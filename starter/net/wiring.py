@@ -227,8 +227,8 @@ class Wiring:
         node's answer (which uplinks have IPv6, how to forward) is worked
         out once, by the first job that asks, and kept in the table record
         until the table goes: later jobs pay one file read."""
-        if cfg.ipv6 == "off":
-            return None
+        if cfg.ipv6 == "off" or (cfg.ipv6 == "auto" and not cfg.uplink):
+            return None     # no uplink: nowhere to send IPv6 (and no netlink dump to pay)
         rec = store.table_record() or {}
         v6 = rec.get("v6")
         if v6 is None:
