@@ -650,3 +650,45 @@ def test_dual_stack_through_the_cli(site6, tmp_path):
                         "--", "true"], capture_output=True, text=True, timeout=60)
     assert p.returncode == 125 and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "pool6: 2001:db8::/64 is not a unique local network" in p.stderr
+
+
+@pytest.mark.net
+def test_a_full_pool_heals_itself_and_keeps_ipv6(site6, tmp_path):
+    """A one-slot pool held by a dead job: the next job takes the slot and its
+    IPv6 works (reclaiming the last lease must not take the table, and with
+    it the uplink's IPv6 forwarding, from under the new job)."""
+    from starter.net.wiring import Wiring
+
+    c = net.NetConfig(state_dir=str(tmp_path / "state"), pool=POOL.replace(".0/24", ".0/30"), pool6=POOL6,
+                      uplink=(site6.uplink,), table="starter_t" + secrets.token_hex(3))
+    w = Wiring()
+    try:
+        p = subprocess.Popen(["true"])
+        p.wait()
+        ns = nethosts.Netns()
+        fd = ns.open_fd()
+        try:
+            dead = w.setup("dead", fd, c, p.pid)        # a starter that is gone
+        finally:
+            os.close(fd)
+            ns.close()
+        key = ipam.job_key("dead", c.table)
+        deadline = time.monotonic() + 30
+        while os.path.exists(f"/sys/class/net/{key}"):
+            assert time.monotonic() < deadline, "the kernel kept the dead job's veth"
+            time.sleep(0.01)
+        job = nethosts.Netns()
+        try:
+            lease = _setup(job, "new", c)
+            assert (lease.address, lease.address6) == (dead["address"], dead["address6"])
+            assert _sysctl(site6.uplink, "force_forwarding") == "1"
+            s = site6.serve(site6.wan6, "send", 1000)
+            assert client(job, "recv", site6.wan6, s.port) == (0, "received 1000")
+            net.teardown("new", c)
+        finally:
+            job.close()
+    finally:
+        net.gc(c, set())
+        w.close()
+    assert _sysctl(site6.uplink, "force_forwarding") == "0"
+    assert not os.path.exists(os.path.join(c.state_dir, "net"))

@@ -359,7 +359,9 @@ class Wiring:
                 continue
             # A key netd's worker is still finishing (its starter has left)
             # may be taken here too: both sides tolerate the other's removal.
-            self._teardown_key(store, cfg, key, lease)
+            # The table stays: this setup is about to use it (and the IPv6
+            # decision recorded with it).
+            self._teardown_key(store, cfg, key, lease, keep_table=True)
             return True
         return False
 
@@ -395,7 +397,7 @@ class Wiring:
                 return None
             return self._teardown_key(store, cfg, key, lease, defer=True)
 
-    def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False):
+    def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False, keep_table=False):
         """Read the counters, then remove rules, counters, veth, lease, and the
         table if this was the last job.  Every step tolerates absence."""
         table = nft.Table(cfg.table)
@@ -418,7 +420,7 @@ class Wiring:
         else:
             self._delete_veth(self.links, key)
             _forget_flows(lease)
-            self._release(store, cfg, key, lease, removed)
+            self._release(store, cfg, key, lease, removed, keep_table)
         return counters
 
     @staticmethod
@@ -437,11 +439,11 @@ class Wiring:
         with store:
             self._release(store, cfg, key, lease, None)
 
-    def _release(self, store, cfg, key, lease, removed):
+    def _release(self, store, cfg, key, lease, removed, keep_table=False):
         """The lease, and the table if no job is left.  Lock held."""
         table = nft.Table(cfg.table)
         store.release(key, lease.get("slot") if lease else None)
-        if store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
+        if not keep_table and store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
             self._delete_table(store, table)
             if removed is not None:
                 removed.append(f"table {nft.FAMILY} {cfg.table}")
