@@ -234,6 +234,18 @@ def test_counters_combined_and_per_family():
     assert "ipv6" not in no6 and no6["lan_in"] == c(100, 1)
 
 
+def test_classad_has_the_ipv6_share():
+    from starter import classad
+
+    c = lambda b, p: {"bytes": b, "packets": p}  # noqa: E731
+    ad = dict(classad.attributes({"network": nft.combine({"lan_in": c(100, 1), "drop": c(0, 0),
+                                                          "lan_in6": c(200, 2)})}))
+    assert ad["NetworkLanInputBytes"] == 300 and ad["NetworkIpv6LanInputBytes"] == 200
+    assert ad["NetworkIpv6LanInputPackets"] == 2 and "NetworkIpv6DroppedBytes" not in ad
+    no6 = dict(classad.attributes({"network": nft.combine({"lan_in": c(100, 1), "drop": c(0, 0)})}))
+    assert not any(k.startswith("NetworkIpv6") for k in no6)
+
+
 # -- the dual-stack site ----------------------------------------------------------
 class Site6:
     def __init__(self, stack):
