@@ -339,13 +339,21 @@ def _sysctl(ifname, key, family="ipv6"):
 @pytest.mark.net
 def test_dual_stack_job_reaches_lan_and_wan_counted_per_family(site6, cfg):
     assert _sysctl(site6.uplink, "force_forwarding") == "0"
-    eth0 = {k: _sysctl("eth0", k) for k in ("forwarding", "force_forwarding", "accept_ra")}
+    # the job's interface is named eth0 too: its sysctls are written in its namespace only
+    eth0 = {k: _sysctl("eth0", k) for k in ("forwarding", "force_forwarding", "accept_ra", "accept_dad",
+                                            "disable_ipv6")}
     job = nethosts.Netns()
     try:
         lease = _setup(job, "dual", cfg)
         assert lease.address6 == str(ipam.Pool6(POOL6).slot(0)[1]) and lease.address == ipam.Pool(POOL).slot(0)[1]
         assert _sysctl(site6.uplink, "force_forwarding") == "1"
         assert _sysctl(lease.host_ifname, "accept_ra") == "0"
+        # inside the job: no DAD wait, no RA taken; its address usable at once
+        inside = nethosts.run(*job.argv("cat", "/proc/sys/net/ipv6/conf/eth0/accept_dad",
+                                        "/proc/sys/net/ipv6/conf/eth0/accept_ra")).stdout.split()
+        assert inside == ["0", "0"]
+        addrs = job.ip("-6", "addr", "show", "dev", "eth0").stdout
+        assert f"{lease.address6}/126" in addrs and "tentative" not in addrs, addrs
         N4, N6, M4, M6, K4, K6 = 1_000_000, 1_500_000, 600_000, 800_000, 400_000, 700_000
         for host, n in ((site6.lan4, N4), (site6.lan6, N6), (site6.wan4, M4), (site6.wan6, M6)):
             srv = site6.serve(host, "send", n)
@@ -599,6 +607,7 @@ def test_ipv6_off_gives_no_ipv6(site6, tmp_path):
         lease = _setup(job, "off", cfg)
         assert lease.address6 is None
         assert job.ip("-6", "addr", "show", "dev", "eth0").stdout.strip() == ""
+        assert _sysctl("eth0", "disable_ipv6") == "0"         # the host's eth0: untouched
         assert "default" not in job.ip("-6", "route").stdout
         assert client(job, "connect", site6.wan6, 80, timeout=1)[0] == 3
         assert _sysctl(site6.uplink, "force_forwarding") == "0"   # nothing turned on for IPv6
