@@ -389,20 +389,24 @@ def _dropped(job_id, cfg):
     return net.counters(job_id, cfg)["dropped"]["packets"]
 
 
-def _send_icmpv6(ns, src, dst, icmp_type, hoplimit=255):
-    """One raw ICMPv6 message (e.g. a router advertisement) from inside ns."""
+def _send_icmpv6(ns, src, dst, icmp_type, hoplimit=255, target=None):
+    """One raw ICMPv6 message from inside ns: a router advertisement (134),
+    or with target a neighbour solicitation (135) for it."""
     code = r"""
 import socket, struct, sys
-src, dst, t, hl = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+src, dst, t, hl, target = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), sys.argv[5]
 s = socket.socket(socket.AF_INET6, socket.SOCK_RAW, socket.IPPROTO_ICMPV6)
 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_MULTICAST_HOPS, hl)
 s.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_UNICAST_HOPS, hl)
 s.bind((src, 0, 0, socket.if_nametoindex("eth0")))
-body = struct.pack("!BBHBBHII", t, 0, 0, 64, 0, 1800, 0, 0)   # an RA's fixed part
+if target:   # NS: reserved, target, source link-layer address option
+    body = struct.pack("!BBHI", t, 0, 0, 0) + socket.inet_pton(socket.AF_INET6, target) + bytes([1, 1, 2, 0, 0, 0, 0, 0x99])
+else:        # an RA's fixed part
+    body = struct.pack("!BBHBBHII", t, 0, 0, 64, 0, 1800, 0, 0)
 s.sendto(body, (dst, 0, 0, socket.if_nametoindex("eth0")))
 print("sent")
 """
-    r = ns.python(code, src, dst, icmp_type, hoplimit)
+    r = ns.python(code, src, dst, icmp_type, hoplimit, target or "")
     assert r.returncode == 0, r.stderr
 
 
@@ -492,6 +496,21 @@ def test_isolation_ipv6(site6, tmp_path):
         routes = subprocess.run(["ip", "-6", "route", "show", "dev", la.host_ifname], capture_output=True,
                                 text=True).stdout
         assert "default" not in routes and "ra" not in routes.split()
+
+        # neighbour discovery only from its own two addresses: a spoofed
+        # solicitation (which would make the host add a neighbour entry:
+        # a flood of them fills the host's table) is a counted drop
+        assert ll == ipam.JOB_LINK_LOCAL6
+        a.ip("-6", "addr", "add", "fe80::99/64", "dev", "eth0", "nodad")
+        _send_icmpv6(a, "fe80::99", host_ll, 135, target=host_ll)
+        time.sleep(0.2)
+        d4b = _dropped("iso6-a", cfg)
+        assert d4b == d4 + 1
+        neigh = subprocess.run(["ip", "-6", "neigh", "show", "dev", la.host_ifname], capture_output=True,
+                               text=True).stdout
+        assert "fe80::99" not in neigh, neigh
+        a.ip("-6", "addr", "del", "fe80::99/64", "dev", "eth0")
+        d4 = d4b
 
         # a spoofed source (the job is root in its namespace), including
         # another job's address

@@ -101,6 +101,11 @@ class Pool:
 
 
 SLOT_PREFIXLEN6 = 126  # the same four addresses: ::0 unused, gateway ::1, job ::2, ::3 unused
+# The job's link-local address, the same on every job's link (link-locals
+# are per link): a fixed one, not one made from the MAC, so the rules know
+# the only two sources a job may use (this and its address6), neighbour
+# discovery included.
+JOB_LINK_LOCAL6 = "fe80::2"
 ULA = "fc00::/7"
 
 

@@ -17,7 +17,8 @@ the cost of adding a job grows with the number of jobs.
       set job_nets6, lan6, blocked6 { ipv6_addr, interval }   the same for IPv6
                      (blocked6: ::/127, ::ffff:0:0/96, fe80::/10, fec0::/10,
                      ff00::/8, fd00:ec2::/32, fd20:ce::254)
-      set job_src6   { ifname . ipv6_addr }      a job with IPv6: its address6
+      set job_src6   { ifname . ipv6_addr }      a job with IPv6: its address6 and its
+                                                 fixed link-local fe80::2 (ipam.JOB_LINK_LOCAL6)
       set guard6_ifs { ifname }                  uplinks whose IPv6 forwarding WE turned on
       set host_allow { inet_proto . inet_service }   host ports open to jobs
       map ctr_lan_in, ctr_lan_out, ctr_wan_in, ctr_wan_out, ctr_drop
@@ -36,8 +37,9 @@ the cost of adding a job grows with the number of jobs.
       chain job_ingress6
         icmpv6 RS, RA, redirect               -> count, drop   (router messages)
         icmpv6 MLD                            -> drop          (the job kernel's chatter)
-        icmpv6 NS, NA, hoplimit 255           -> accept        (neighbour discovery)
-        iifname . ip6 saddr != @job_src6      -> count, drop   (spoofing, link-local)
+        icmpv6 NS, NA, hoplimit 255,
+          iifname . ip6 saddr @job_src6       -> accept        (neighbour discovery)
+        iifname . ip6 saddr != @job_src6      -> count, drop   (spoofing)
         ip6 daddr @blocked6                   -> count, drop
       chain input       (filter, input, 0)
         iifname @job_ifs jump job_to_host
@@ -87,6 +89,7 @@ import json
 import threading
 
 from starter.errors import NetworkError
+from starter.net.ipam import JOB_LINK_LOCAL6
 
 FAMILY = "inet"
 COUNTERS = ("lan_in", "lan_out", "wan_in", "wan_out", "drop")
@@ -242,7 +245,8 @@ class Table:
             # same source and destination checks as IPv4.
             self._rule("job_ingress6", _icmpv6(ROUTER_MSGS), *drop_job),
             self._rule("job_ingress6", _icmpv6(MLD), DROP),
-            self._rule("job_ingress6", _icmpv6(ND), _match(_payload("ip6", "hoplimit"), 255), ACCEPT),
+            self._rule("job_ingress6", _icmpv6(ND), _match(_payload("ip6", "hoplimit"), 255),
+                       _match({"concat": [iif, _payload("ip6", "saddr")]}, "@job_src6"), ACCEPT),
             self._rule("job_ingress6", _match({"concat": [iif, _payload("ip6", "saddr")]}, "@job_src6", "!="),
                        *drop_job),
             self._rule("job_ingress6", _match(_payload("ip6", "daddr"), "@blocked6"), *drop_job),
@@ -301,7 +305,8 @@ class Table:
         cmds += [self._elem("add", "ctr_" + c, [[ifname, f"{key}_{c}"]]) for c in names]
         cmds.append(self._elem("add", "job_src", [{"concat": [ifname, address]}]))
         if address6:
-            cmds.append(self._elem("add", "job_src6", [{"concat": [ifname, address6]}]))
+            cmds.append(self._elem("add", "job_src6", [{"concat": [ifname, address6]},
+                                                       {"concat": [ifname, JOB_LINK_LOCAL6]}]))
         # job_ifs last: the job's packets hit the chains only once everything
         # they refer to exists.
         cmds.append(self._elem("add", "job_ifs", [ifname]))
@@ -315,7 +320,8 @@ class Table:
         if address:
             cmds.append(self._elem("delete", "job_src", [{"concat": [ifname, address]}]))
         if address6:
-            cmds.append(self._elem("delete", "job_src6", [{"concat": [ifname, address6]}]))
+            cmds.append(self._elem("delete", "job_src6", [{"concat": [ifname, address6]},
+                                                          {"concat": [ifname, JOB_LINK_LOCAL6]}]))
         cmds += [self._elem("delete", "ctr_" + c, [ifname]) for c in names]
         cmds += [{"delete": {"counter": self._obj(name=f"{key}_{c}")}} for c in names]
         return cmds

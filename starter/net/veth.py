@@ -26,6 +26,7 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from starter.errors import NetworkError
+from starter.net.ipam import JOB_LINK_LOCAL6
 from starter.net.sysctl import forwarding6_path, forwarding_path, ipv6_path, write_sysctl
 from starter.ns import setns
 
@@ -111,7 +112,8 @@ class Links:
         the host end's own IPv6 forwarding (force_forwarding).  Both ends
         get accept_ra=0 and accept_dad=0 (the addresses also IFA_F_NODAD):
         no router advertisement is taken from the other side, and the job
-        can use its address at once.
+        can use its address at once.  The job's link-local is the fixed
+        ipam.JOB_LINK_LOCAL6 (addr_gen_mode 1: none made from the MAC).
 
         On error the pair is deleted again (deleting the host end deletes the
         peer) and NetworkError is raised."""
@@ -155,12 +157,15 @@ class Links:
         if v6 is None:
             sysctls = ((JOB_IFNAME, "disable_ipv6", "1"),)
         else:
-            sysctls = ((JOB_IFNAME, "accept_dad", "0"), (JOB_IFNAME, "accept_ra", "0"))
+            # no link-local made from the MAC: the fixed one below
+            sysctls = ((JOB_IFNAME, "addr_gen_mode", "1"), (JOB_IFNAME, "accept_dad", "0"),
+                       (JOB_IFNAME, "accept_ra", "0"))
         sock = netlink_socket_in(netns_fd, sysctls)
         job = IPRoute(fileno=sock.detach())
         try:
             job.addr("add", index=peer_idx, address=address, prefixlen=prefixlen)
             if v6 is not None:
+                job.addr("add", index=peer_idx, address=JOB_LINK_LOCAL6, prefixlen=64, flags=IFA_F_NODAD)
                 job.addr("add", index=peer_idx, address=v6[1], prefixlen=v6[2], flags=IFA_F_NODAD)
             job.link("set", index=peer_idx, state="up")
             job.link("set", index=LOOPBACK_IFINDEX, state="up")
