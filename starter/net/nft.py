@@ -35,10 +35,11 @@ the cost of adding a job grows with the number of jobs.
         iifname . ip saddr != @job_src        -> count, drop   (spoofing)
         ip daddr @blocked                     -> count, drop   (loopback, metadata)
       chain job_ingress6
-        icmpv6 RS, RA, redirect               -> count, drop   (router messages)
-        icmpv6 MLD                            -> drop          (the job kernel's chatter)
-        icmpv6 NS, NA, hoplimit 255,
-          iifname . ip6 saddr @job_src6       -> accept        (neighbour discovery)
+        meta l4proto ipv6-icmp                -> jump job_icmp6, then on:
+          icmpv6 RS, RA, redirect             -> count, drop   (router messages)
+          icmpv6 MLD                          -> drop          (the job kernel's chatter)
+          icmpv6 NS, NA, hoplimit 255,
+            iifname . ip6 saddr @job_src6     -> accept        (neighbour discovery)
         iifname . ip6 saddr != @job_src6      -> count, drop   (spoofing)
         ip6 daddr @blocked6                   -> count, drop
       chain input       (filter, input, 0)
@@ -220,6 +221,7 @@ class Table:
             self._chain("prerouting", "prerouting", prio=-300),
             self._chain("job_ingress"),
             self._chain("job_ingress6"),
+            self._chain("job_icmp6"),
             self._chain("input", "input"),
             self._chain("job_to_host"),
             self._chain("forward", "forward"),
@@ -243,9 +245,11 @@ class Table:
             # kernel's MLD reports are noise, dropped quietly; neighbour
             # discovery (hop limit 255: never forwarded) passes; then the
             # same source and destination checks as IPv4.
-            self._rule("job_ingress6", _icmpv6(ROUTER_MSGS), *drop_job),
-            self._rule("job_ingress6", _icmpv6(MLD), DROP),
-            self._rule("job_ingress6", _icmpv6(ND), _match(_payload("ip6", "hoplimit"), 255),
+            # (ICMPv6 in a chain of its own: data packets pass one test, not three)
+            self._rule("job_ingress6", _match(_meta("l4proto"), "ipv6-icmp"), {"jump": {"target": "job_icmp6"}}),
+            self._rule("job_icmp6", _icmpv6(ROUTER_MSGS), *drop_job),
+            self._rule("job_icmp6", _icmpv6(MLD), DROP),
+            self._rule("job_icmp6", _icmpv6(ND), _match(_payload("ip6", "hoplimit"), 255),
                        _match({"concat": [iif, _payload("ip6", "saddr")]}, "@job_src6"), ACCEPT),
             self._rule("job_ingress6", _match({"concat": [iif, _payload("ip6", "saddr")]}, "@job_src6", "!="),
                        *drop_job),
