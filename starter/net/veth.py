@@ -40,8 +40,9 @@ IFA_F_NODAD = 0x02
 def netlink_socket_in(netns_fd, sysctls=()):
     """A NETLINK_ROUTE socket living in the namespace behind netns_fd.
 
-    sysctls: ((ifname, key, value), ...) IPv6 settings of the job's own
-    interfaces, written from the same thread while it is in the job's
+    sysctls: ((ifname, key, value, required), ...) IPv6 settings of the
+    job's own interfaces (a missing one is an error only if required),
+    written from the same thread while it is in the job's
     namespace: /proc/sys/net shows the namespace of the thread that opens
     it, and the job's interface is named eth0 like the host's, so the
     thread's namespace is checked first (a write must never reach the host's
@@ -58,8 +59,8 @@ def netlink_socket_in(netns_fd, sysctls=()):
                 if sysctls:
                     if os.stat("/proc/thread-self/ns/net").st_ino != want:  # pragma: no cover
                         raise NetworkError("the sysctl writer is not in the job's network namespace")
-                    for ifname, key, value in sysctls:
-                        if not write_sysctl(ipv6_path(ifname, key), value):
+                    for ifname, key, value, required in sysctls:
+                        if not write_sysctl(ipv6_path(ifname, key), value) and required:
                             raise NetworkError(f"the job's net.ipv6.conf.{ifname}.{key} is missing",
                                                "is IPv6 disabled on this kernel (ipv6.disable=1)?")
             finally:
@@ -155,11 +156,12 @@ class Links:
         if not peer_idx:
             raise NetworkError("the veth peer's index is unknown")
         if v6 is None:
-            sysctls = ((JOB_IFNAME, "disable_ipv6", "1"),)
+            # (a kernel booted with ipv6.disable=1 has no such file: fine)
+            sysctls = ((JOB_IFNAME, "disable_ipv6", "1", False),)
         else:
             # no link-local made from the MAC: the fixed one below
-            sysctls = ((JOB_IFNAME, "addr_gen_mode", "1"), (JOB_IFNAME, "accept_dad", "0"),
-                       (JOB_IFNAME, "accept_ra", "0"))
+            sysctls = ((JOB_IFNAME, "addr_gen_mode", "1", True), (JOB_IFNAME, "accept_dad", "0", True),
+                       (JOB_IFNAME, "accept_ra", "0", True))
         sock = netlink_socket_in(netns_fd, sysctls)
         job = IPRoute(fileno=sock.detach())
         try:
