@@ -732,3 +732,68 @@ def test_a_full_pool_heals_itself_and_keeps_ipv6(site6, tmp_path):
         w.close()
     assert _sysctl(site6.uplink, "force_forwarding") == "0"
     assert not os.path.exists(os.path.join(c.state_dir, "net"))
+
+
+def _nat6_args(site6):
+    return ["--net", "nat", "--pool", POOL, "--pool6", POOL6, "--lan", site6.lan_cidrs[0],
+            "--lan", site6.lan_cidrs[1], "--uplink", site6.uplink]
+
+
+@pytest.mark.net
+def test_nat_job_is_isolated_over_ipv6_through_the_cli(starter, site6):
+    """test_run_nat.test_nat_job_is_isolated over IPv6: the gateway (the
+    host), the metadata address, loopback; while the WAN host is reached."""
+    srv = site6.serve(site6.wan6, "send", 10)
+    code = ("import socket, subprocess\n"
+            "gw = subprocess.run(['ip', '-6', 'route', 'show', 'default'], capture_output=True, text=True)"
+            ".stdout.split()[2]\n"
+            "for host in (gw, 'fd00:ec2::254', '::1'):\n"
+            "    try:\n"
+            "        socket.create_connection((host, 22), timeout=1).close(); print('reached', host)\n"
+            "    except OSError:\n"
+            "        print('blocked', host)\n"
+            f"s = socket.create_connection(('{site6.wan6}', {srv.port}), timeout=10)\n"
+            "print('wan', len(s.recv(100)))\n")
+    p = starter("run", *_nat6_args(site6), "--ipv6", "on", "--", "/usr/bin/python3", "-c", code, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert "reached" not in p.stdout, p.stdout
+    assert p.stdout.count("blocked") == 3 and "wan 10" in p.stdout, p.stdout
+
+
+@pytest.mark.net
+def test_kill9_of_a_dual_stack_job_then_gc_leaves_the_node_as_before(starter, site6, state_dir):
+    def node():
+        veths = subprocess.run(["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True).stdout
+        tables = subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+        state = sorted(os.listdir(state_dir)) if os.path.isdir(state_dir) else []
+        # (only our own veths: other runs on the node make and remove theirs)
+        return sorted(l.split(": ")[1].split("@")[0] for l in veths.splitlines() if ": st6" in l), \
+            tables, state, _sysctl(site6.uplink, "force_forwarding")
+
+    before = node()
+    srv = site6.serve(site6.wan6, "send", 1 << 30)          # a flow still open when the job dies
+    proc = subprocess.Popen([STARTER, "run", "--id", "nat6crash", *_nat6_args(site6), "--", "/usr/bin/python3",
+                             "-c", f"import socket, time; s = socket.create_connection(('{site6.wan6}', "
+                             f"{srv.port})); s.recv(10); time.sleep(300)"])
+    deadline = time.monotonic() + 30
+    st = {}
+    while time.monotonic() < deadline and not (st.get("state") == "running" and _flows(st["address6"])):
+        try:
+            with open(os.path.join(state_dir, "nat6crash.json")) as f:
+                st = json.load(f)
+        except (OSError, ValueError):
+            pass
+        time.sleep(0.05)
+    assert st.get("state") == "running" and st.get("address6"), st
+    assert _flows(st["address6"])
+    assert _sysctl(site6.uplink, "force_forwarding") == "1"
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 10
+    while os.path.exists(f"/proc/{st['pid']}") and time.monotonic() < deadline:
+        time.sleep(0.01)
+    out = starter("gc", check=0).stdout
+    assert "nat6crash" in out
+    assert _flows(st["address6"]) == []
+    assert node() == before, out
+    assert not os.path.exists(f"/sys/class/net/{st['host_ifname']}")
