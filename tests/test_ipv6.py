@@ -797,3 +797,33 @@ def test_kill9_of_a_dual_stack_job_then_gc_leaves_the_node_as_before(starter, si
     assert _flows(st["address6"]) == []
     assert node() == before, out
     assert not os.path.exists(f"/sys/class/net/{st['host_ifname']}")
+
+
+@pytest.mark.net
+def test_two_dual_stack_uplinks_each_destination_leaves_by_its_route(site6, tmp_path):
+    """As test_uplinks' two-uplink case, over IPv6: each site's server sees
+    the job masqueraded (NAT66) to that site's uplink address, and each
+    uplink's node-wide counters count what went its way."""
+    with contextlib.ExitStack() as stack:
+        other = Site6(stack)
+        sites = (site6, other)
+        c = net.NetConfig(state_dir=str(tmp_path / "state"), pool=POOL, pool6=POOL6, lan=site6.lan_cidrs,
+                          uplink=(site6.uplink, other.uplink), table="starter_t" + secrets.token_hex(3))
+        job = nethosts.Netns()
+        try:
+            _setup(job, "two6", c)
+            sizes = (300_000, 100_000)
+            for s, n in zip(sites, sizes):
+                srv = s.serve(s.wan6, "send", n)
+                assert client(job, "recv", s.wan6, srv.port) == (0, f"received {n}")
+                assert srv.stdout.readline().split()[1] == s.addr6
+            per_uplink = nft.read_uplink_counters(c.table, c.uplink)
+            final = net.teardown("two6", c)
+        finally:
+            job.close()
+            net.gc(c, set())
+        a, b = (per_uplink[s.uplink]["in"]["bytes"] for s in sites)
+        assert a >= sizes[0] and sizes[1] <= b < sizes[0], per_uplink
+        assert abs(_payload(final["ipv6"]["wan_in"], HDR6) - sum(sizes)) <= 0.01 * sum(sizes), final
+        for s in sites:
+            assert _sysctl(s.uplink, "force_forwarding") == "0"
