@@ -83,7 +83,9 @@ class Limits(Spec):
 
 class Network(Spec):
     """mode none: own namespace, loopback only.  host: the host's network
-    (no namespace).  nat: own namespace + veth + NAT with LAN/WAN counters."""
+    (no namespace).  nat: own namespace + veth + NAT with LAN/WAN counters;
+    ipv6 auto|on|off and pool6 (a ULA CIDR) add an IPv6 address beside the
+    IPv4 one (starter.net.NetConfig)."""
 
     __slots__ = ("mode", "lan", "pool", "uplink", "allow_host_ports", "resolver", "ipv6", "pool6")
     DEFAULTS = {"mode": "none", "lan": (), "uplink": (), "allow_host_ports": (), "ipv6": "auto"}
