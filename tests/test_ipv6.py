@@ -827,3 +827,35 @@ def test_two_dual_stack_uplinks_each_destination_leaves_by_its_route(site6, tmp_
         assert abs(_payload(final["ipv6"]["wan_in"], HDR6) - sum(sizes)) <= 0.01 * sum(sizes), final
         for s in sites:
             assert _sysctl(s.uplink, "force_forwarding") == "0"
+
+
+NET_STEPS = ("net-lease", "net-veth", "net-nft", "net-setup", "running", "teardown-net")
+
+
+@pytest.mark.net
+@pytest.mark.parametrize("how", ["kill", "fail"])
+@pytest.mark.parametrize("step", NET_STEPS)
+def test_a_dual_stack_job_cut_at_every_network_step_leaves_nothing(site6, state_dir, step, how):
+    """test_faults for a job with IPv6: the starter killed (then gc) or the
+    step failing (fail closed at once) anywhere in the network's life: no
+    veth, no counters, no lease, and the uplink's IPv6 forwarding back to 0."""
+    if how == "fail" and step == "running":
+        pytest.skip("a failure after the job runs is the teardown tests' case (test_faults)")
+    job_id = f"f6-{step}-{how}"
+    env = dict(os.environ, STARTER_FAULT=step + (":fail" if how == "fail" else ""), STARTER_STATE_DIR=state_dir)
+    p = subprocess.run([STARTER, "run", "--id", job_id, "--user", "nobody", *_nat6_args(site6), "--ipv6", "on",
+                        "--", "true"], env=env, capture_output=True, text=True, timeout=120)
+    if how == "kill":
+        assert p.returncode == -9, (p.returncode, p.stderr)
+    elif step == "teardown-net":   # the job ran: its code, and the step left for gc
+        assert p.returncode == 0 and "teardown net failed" in p.stderr, p.stderr
+    else:                          # fail closed: the job never ran
+        assert p.returncode == 125 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    g = subprocess.run([STARTER, "gc", "--state-dir", state_dir], capture_output=True, text=True, timeout=120)
+    assert g.returncode == 0, (g.stdout, g.stderr)
+    key = ipam.job_key(job_id)
+    assert not os.path.exists(f"/sys/class/net/{key}")
+    assert key not in subprocess.run(["nft", "list", "table", "inet", "starter"], capture_output=True,
+                                     text=True).stdout
+    assert not os.path.exists(os.path.join(state_dir, "net")), os.listdir(os.path.join(state_dir, "net"))
+    assert _sysctl(site6.uplink, "force_forwarding") == "0"
