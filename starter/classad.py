@@ -108,12 +108,17 @@ def attributes(report):
                 out.append((name, v))
     net = report.get("network")
     if isinstance(net, dict):
-        for key, prefix in NETWORK.items():
-            c = net.get(key)
-            if isinstance(c, dict):
-                for unit in ("bytes", "packets"):
-                    if c.get(unit) is not None:
-                        out.append((prefix + camel(unit), c[unit]))
+        # the combined figures, then the IPv6 share (NetworkIpv6LanInputBytes ...)
+        # when the job had IPv6; IPv4's is the difference
+        for sub, infix in ((net, ""), (net.get("ipv6"), "Ipv6")):
+            if not isinstance(sub, dict):
+                continue
+            for key, prefix in NETWORK.items():
+                c = sub.get(key)
+                if isinstance(c, dict):
+                    for unit in ("bytes", "packets"):
+                        if c.get(unit) is not None:
+                            out.append(("Network" + infix + prefix[len("Network"):] + camel(unit), c[unit]))
     survivors = report.get("unkillable")
     if isinstance(survivors, list):       # [{pid, state, wchan}]: the pids, and where they hang
         out.append(("StarterUnkillable", [s.get("pid") if isinstance(s, dict) else s for s in survivors]))

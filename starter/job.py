@@ -269,7 +269,8 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         finally:
             os.close(fd)
         fault("net-setup")
-        job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway)
+        job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
+                         address6=lease.address6)
         trace.mark("net")
 
     child.release()
@@ -282,7 +283,8 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     trace.mark("exec")
     job_state.update(state="running", pid=child.pid)
     fault("running")
-    events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None)
+    events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None,
+                address6=lease.address6 if lease else None)
     trace.mark("running")
 
     sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace,
@@ -341,11 +343,7 @@ def _release_scratch(sc, report):
 def _net_config(spec):
     from starter import net
 
-    kw = {"state_dir": spec.state_dir, "lan": spec.network.lan, "uplink": spec.network.uplink,
-          "allow_host_ports": spec.network.allow_host_ports, "resolver": spec.network.resolver}
-    if spec.network.pool:
-        kw["pool"] = spec.network.pool
-    return net.NetConfig(**kw)
+    return net.config_for(spec)
 
 
 def _net_teardown(job_id, cfg, report):

@@ -31,6 +31,7 @@ JOB_ACCOUNT_CMD = (f"useradd --system --user-group --no-create-home --home-dir /
                    f"--shell /usr/sbin/nologin {JOB_ACCOUNT}")
 
 NET_MODES = ("none", "host", "nat")
+IPV6_MODES = ("auto", "on", "off")   # network.ipv6 / --ipv6 (see starter.net.NetConfig)
 REPORT_FORMATS = ("json", "classad")
 ACTIONS = ("vacate", "suspend", "resume", "kill")
 OOM_POLICIES = ("kill", "continue")
@@ -82,10 +83,12 @@ class Limits(Spec):
 
 class Network(Spec):
     """mode none: own namespace, loopback only.  host: the host's network
-    (no namespace).  nat: own namespace + veth + NAT with LAN/WAN counters."""
+    (no namespace).  nat: own namespace + veth + NAT with LAN/WAN counters;
+    ipv6 auto|on|off and pool6 (a ULA CIDR) add an IPv6 address beside the
+    IPv4 one (starter.net.NetConfig)."""
 
-    __slots__ = ("mode", "lan", "pool", "uplink", "allow_host_ports", "resolver")
-    DEFAULTS = {"mode": "none", "lan": (), "uplink": (), "allow_host_ports": ()}
+    __slots__ = ("mode", "lan", "pool", "uplink", "allow_host_ports", "resolver", "ipv6", "pool6")
+    DEFAULTS = {"mode": "none", "lan": (), "uplink": (), "allow_host_ports": (), "ipv6": "auto"}
 
 
 class JobSpec(Spec):
@@ -326,7 +329,8 @@ _FILE_KEYS = {
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "pids": "pids", "wall_time": "wall-time"}
 _NET_KEYS = {"mode": "net", "lan": "lan", "pool": "pool", "uplink": "uplink",
-             "allow_host_ports": "allow-host-port", "resolver": "resolver"}
+             "allow_host_ports": "allow-host-port", "resolver": "resolver",
+             "ipv6": "ipv6", "pool6": "pool6"}
 
 
 def _flatten_file(doc):
@@ -447,7 +451,7 @@ def _make(raw):
     if mode not in NET_MODES:
         raise SpecError("net", f"{V.show(mode)} is not one of {', '.join(NET_MODES)}")
     if mode != "nat":
-        for k in ("lan", "pool", "uplink", "allow-host-port", "resolver"):
+        for k in ("lan", "pool", "uplink", "allow-host-port", "resolver", "ipv6", "pool6"):
             if raw.get(k):
                 raise SpecError(k, "only applies with --net nat")
     # Several uplinks: the host's routing picks one per destination; each is
@@ -456,8 +460,12 @@ def _make(raw):
     resolver = raw.get("resolver")
     if resolver is not None:
         resolver = V.ip_address("resolver", resolver)
+    ipv6 = V.string("ipv6", raw.get("ipv6") or "auto")
+    if ipv6 not in IPV6_MODES:
+        raise SpecError("ipv6", f"{V.show(ipv6)} is not one of {', '.join(IPV6_MODES)}")
     network = Network(
-        mode=mode,
+        mode=mode, ipv6=ipv6,
+        pool6=V.cidr("pool6", raw["pool6"]) if raw.get("pool6") else None,
         lan=tuple(V.cidr("lan", c) for c in _list("lan", raw.get("lan", []))),
         pool=V.cidr("pool", raw["pool"]) if raw.get("pool") else None,
         uplink=uplink,

@@ -19,8 +19,12 @@ removed at the end.  Traffic goes only to those namespaces.
   iperf3           job namespace -> WAN host: through our NAT (1 job, and with
                    --jobs jobs' elements loaded) vs the same routed path over
                    a plain veth with no nft table at all
+  ipv6             on a dual-stack site (tests/test_ipv6.py's): setup+teardown
+                   of an IPv4-only job (--ipv6 off) next to a dual-stack one,
+                   and iperf3 over IPv6 through NAT66 vs a plain routed veth
+                   (--ipv6-only: just this part)
 
-Usage: .venv/bin/python scripts/bench.d/net.py [--jobs 500] [--rounds 15] [--iperf-seconds 3]
+Usage: .venv/bin/python scripts/bench.d/net.py [--jobs 500] [--rounds 15] [--iperf-seconds 3] [--ipv6-only]
 """
 
 import argparse
@@ -246,15 +250,136 @@ def starter_runs(site, state, runs, extra):
     return statistics.median(times)
 
 
+# -- IPv6 ---------------------------------------------------------------------
+def iperf6(ns_server, host, client_ns, seconds, port_of, runs=3):
+    out = []
+    for _ in range(runs):
+        port = port_of()
+        srv = subprocess.Popen(ns_server.argv("iperf3", "-s", "-1", "-p", str(port)),
+                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            time.sleep(0.3)
+            r = subprocess.run(client_ns.argv("iperf3", "-c", host, "-p", str(port), "-t", str(seconds), "-J"),
+                               capture_output=True, text=True, timeout=seconds + 30)
+            out.append(json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9)
+        finally:
+            if srv.poll() is None:
+                srv.kill()
+            srv.wait()
+    return statistics.median(out)
+
+
+@contextlib.contextmanager
+def plain_routed_ns6(site, stack):
+    """IPv6 twin of plain_routed_ns: a plain veth routed (not NATed) to the
+    dual-stack site's WAN host, IPv6 forwarding on our two test interfaces
+    only (force_forwarding; conf.all untouched), restored below."""
+    ns = nethosts.Netns()
+    stack.callback(ns.close)
+    host_if = "st6p" + secrets.token_hex(3)
+    prefix = site.addr6.rsplit("::", 1)[0] + ":ff"
+    nethosts.run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(ns.pid))
+    try:
+        nethosts.run("ip", "-6", "addr", "add", f"{prefix}::1/64", "dev", host_if, "nodad")
+        nethosts.run("ip", "link", "set", host_if, "up")
+        ns.ip("-6", "addr", "add", f"{prefix}::2/64", "dev", "eth0", "nodad")
+        ns.ip("link", "set", "eth0", "up")
+        ns.ip("-6", "route", "add", "default", "via", f"{prefix}::1")
+        site.ns.ip("-6", "route", "add", f"{prefix}::/64", "via", site.addr6)
+        flags = [f"/proc/sys/net/ipv6/conf/{i}/force_forwarding" for i in (host_if, site.uplink)]
+        old = []
+        for f in flags:
+            with open(f) as fh:
+                old.append(fh.read().strip())
+            with open(f, "w") as fh:
+                fh.write("1")
+        try:
+            yield ns
+        finally:
+            for f, v in zip(flags, old):
+                with contextlib.suppress(FileNotFoundError), open(f, "w") as fh:
+                    fh.write(v)
+    finally:
+        nethosts.run("ip", "link", "del", host_if, check=False)
+
+
+def bench_ipv6(args):
+    from test_ipv6 import Site6
+
+    with contextlib.ExitStack() as stack:
+        site = Site6(stack)
+        state = tempfile.mkdtemp(prefix="starter-bench-net6-", dir="/run")
+        stack.callback(shutil.rmtree, state, True)
+        table = "starter_bench6"
+        cfgs = {mode: net.NetConfig(state_dir=state, pool=POOL, lan=site.lan_cidrs, uplink=(site.uplink,),
+                                    table=table, ipv6=mode) for mode in ("off", "auto")}
+        stack.callback(lambda: net._local().gc(cfgs["off"], set()))
+        w = net._local()
+        # a long-lived job keeps the table, so each round is a job's own cost
+        keep = nethosts.Netns()
+        stack.callback(keep.close)
+        fd = keep.open_fd()
+        w.setup("keep", fd, cfgs["auto"], os.getpid())
+        os.close(fd)
+        cost = {}
+        for mode in ("off", "auto", "off", "auto"):      # interleaved against drift
+            for i in range(args.rounds):
+                ns = nethosts.Netns()
+                try:
+                    fd = ns.open_fd()
+                    t0 = time.perf_counter()
+                    lease = w.setup(f"c{mode}{i}", fd, cfgs[mode], os.getpid())
+                    t1 = time.perf_counter()
+                    os.close(fd)
+                    assert bool(lease.get("address6")) == (mode == "auto"), lease
+                finally:
+                    ns.close()
+                t2 = time.perf_counter()
+                w.teardown(f"c{mode}{i}", cfgs[mode])
+                t3 = time.perf_counter()
+                cost.setdefault(mode, []).append((t1 - t0, t3 - t2))
+        tp = {}
+        if not args.skip_iperf:
+            # The reference runs on a second, identical site: the table's
+            # guard drops routed (not NATed) replies on the jobs' uplink.
+            # Runs alternate, one of each per round, so load from others on
+            # the node hits both alike.
+            ref_site = Site6(stack)
+            with plain_routed_ns6(ref_site, stack) as plain:
+                for _ in range(3):
+                    for label, srv_site, host, ns in (("plain veth, routed", ref_site, ref_site.wan6, plain),
+                                                      ("NAT66, 1 job", site, site.wan6, keep),
+                                                      ("NAT44, 1 job", site, site.wan4, keep)):
+                        tp.setdefault(label, []).append(
+                            iperf6(srv_site.ns, host, ns, args.iperf_seconds, srv_site.port, runs=1))
+            tp = {k: statistics.median(v) for k, v in tp.items()}
+        w.teardown("keep", cfgs["auto"])
+    print(f"\nnet/ipv6: per-job setup + teardown, in-process, median of {2 * args.rounds} (ms)")
+    for mode, label in (("off", "IPv4 only (--ipv6 off)"), ("auto", "dual-stack")):
+        s = statistics.median(x[0] for x in cost[mode])
+        t = statistics.median(x[1] for x in cost[mode])
+        print(f"  {label:<24} {ms(s)} {ms(t):>8} {ms(s + t)}")
+    if tp:
+        print(f"\nnet/ipv6: iperf3 TCP job ns -> WAN host, {args.iperf_seconds} s, median of 3, interleaved (Gbit/s)")
+        ref = tp["plain veth, routed"]
+        for k, v in tp.items():
+            note = f"{v / ref:5.2f}x plain IPv6 veth (target 0.90)" if k != "NAT44, 1 job" else "(the same job, IPv4)"
+            print(f"  {k:<20} {v:6.2f}   {note}")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--jobs", type=int, default=500)
     ap.add_argument("--rounds", type=int, default=15)
     ap.add_argument("--iperf-seconds", type=int, default=3)
     ap.add_argument("--skip-iperf", action="store_true")
+    ap.add_argument("--ipv6-only", action="store_true")
     args = ap.parse_args()
     if os.geteuid() != 0:
         sys.exit("net bench: run as root")
+    if args.ipv6_only:
+        bench_ipv6(args)
+        return
 
     # `starter run` uses the default table; measure it only when that table is
     # free (nobody runs NAT jobs on the node), and then use it throughout, so
@@ -341,6 +466,7 @@ def main():
             if one and k.startswith("NAT") and k != "NAT, 1 job":
                 rel += f", {v / one:5.2f}x 1-job (target 0.95)"
             print(f"  {k:<20} {v:6.2f}   {rel}")
+    bench_ipv6(args)
 
 
 if __name__ == "__main__":

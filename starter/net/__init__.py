@@ -11,12 +11,18 @@ Each call goes to netd (the per-node helper holding pyroute2 and the
 libnftables handle) when its socket answers, else runs in-process and pays
 for the imports there.  Importing this module imports neither.
 
-Counters: {"lan_in"|"lan_out"|"wan_in"|"wan_out"|"dropped": {"bytes", "packets"}}.
+Counters: {"lan_in"|"lan_out"|"wan_in"|"wan_out"|"dropped": {"bytes", "packets"}},
+both families together, plus "ipv4": {lan_in, lan_out, wan_in, wan_out} and,
+for a job that had IPv6, "ipv6": the same per family.
 """
 
 import os
 
 DEFAULT_POOL = "10.213.0.0/16"
+# A unique local (RFC 4193) /64 whose 40-bit global ID is the first 40 bits
+# of sha256("starter job network"): pseudo-random as the RFC asks, and the
+# same on every node, so a site sees one documented range.
+DEFAULT_POOL6 = "fd70:7639:1864::/64"
 SOCKET_NAME = "netd.sock"
 
 
@@ -26,7 +32,12 @@ class NetConfig:
 
     state_dir         leases under <state_dir>/net/, netd socket <state_dir>/netd.sock
     pool              IPv4 CIDR cut into one /30 per job
-    lan               CIDRs counted as LAN (everything else is WAN)
+    pool6             IPv6 unique local CIDR cut into one /126 per job; a job
+                      gets slot n of both pools (one lease, two addresses)
+    ipv6              "auto" (IPv6 where an uplink has it), "on" (required:
+                      an error if an uplink lacks it), "off"; per job, jobs
+                      on a node need not agree
+    lan               CIDRs counted as LAN (everything else is WAN), both families
     uplink            interfaces to masquerade out of, a tuple (a single name
                       or None is accepted); each destination leaves by the
                       host's own routing, and only traffic routed out of one
@@ -38,13 +49,16 @@ class NetConfig:
     table             the nft table (inet family); always starter*
     """
 
-    __slots__ = ("state_dir", "pool", "lan", "uplink", "allow_host_ports", "resolver", "table")
+    __slots__ = ("state_dir", "pool", "lan", "uplink", "allow_host_ports", "resolver", "table",
+                 "pool6", "ipv6")
 
     def __init__(self, state_dir, pool=DEFAULT_POOL, lan=(), uplink=None,
-                 allow_host_ports=(), resolver=None, table="starter"):
+                 allow_host_ports=(), resolver=None, table="starter", pool6=DEFAULT_POOL6, ipv6="auto"):
         s = object.__setattr__
         s(self, "state_dir", state_dir)
         s(self, "pool", pool)
+        s(self, "pool6", pool6 or DEFAULT_POOL6)
+        s(self, "ipv6", ipv6 or "auto")
         s(self, "lan", tuple(lan))
         s(self, "uplink", _names(uplink))
         s(self, "allow_host_ports", tuple((p, int(n)) for p, n in allow_host_ports))
@@ -81,17 +95,20 @@ def _names(v):
 
 
 class NetLease:
-    """What the job got: its address, the gateway (host end) and the veth."""
+    """What the job got: its address, the gateway (host end) and the veth;
+    address6/gateway6 None when the job has no IPv6."""
 
-    __slots__ = ("job_id", "address", "gateway", "prefixlen", "host_ifname")
+    __slots__ = ("job_id", "address", "gateway", "prefixlen", "host_ifname", "address6", "gateway6")
 
-    def __init__(self, job_id, address, gateway, prefixlen, host_ifname):
+    def __init__(self, job_id, address, gateway, prefixlen, host_ifname, address6=None, gateway6=None):
         self.job_id, self.address, self.gateway = job_id, address, gateway
         self.prefixlen, self.host_ifname = prefixlen, host_ifname
+        self.address6, self.gateway6 = address6, gateway6
 
     @classmethod
     def from_record(cls, rec):
-        return cls(rec["job_id"], rec["address"], rec["gateway"], rec["prefixlen"], rec["host_ifname"])
+        return cls(rec["job_id"], rec["address"], rec["gateway"], rec["prefixlen"], rec["host_ifname"],
+                   rec.get("address6"), rec.get("gateway6"))
 
     def __eq__(self, other):
         return isinstance(other, NetLease) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
@@ -106,7 +123,8 @@ def config_for(spec):
     return NetConfig(state_dir=spec.state_dir, pool=getattr(n, "pool", None) or DEFAULT_POOL,
                      lan=getattr(n, "lan", ()) or (), uplink=getattr(n, "uplink", ()),
                      allow_host_ports=getattr(n, "allow_host_ports", ()) or (),
-                     resolver=getattr(n, "resolver", None))
+                     resolver=getattr(n, "resolver", None),
+                     pool6=getattr(n, "pool6", None) or DEFAULT_POOL6, ipv6=getattr(n, "ipv6", None) or "auto")
 
 
 def socket_path(cfg):

@@ -1,4 +1,5 @@
-"""Address leases: the pool cut into per-job /30s, one lease per live job.
+"""Address leases: the pool cut into per-job /30s, one lease per live job;
+a job with IPv6 also gets slot n of the IPv6 pool (a /126), in the same lease.
 
 Layout under <state_dir>/net/ (root-only, 0700), present only while a NAT
 job runs (an empty state directory means nothing runs):
@@ -97,6 +98,57 @@ class Pool:
         import ipaddress
 
         return ipaddress.ip_network(self.cidr).overlaps(ipaddress.ip_network(cidr, strict=False))
+
+
+SLOT_PREFIXLEN6 = 126  # the same four addresses: ::0 unused, gateway ::1, job ::2, ::3 unused
+# The job's link-local address, the same on every job's link (link-locals
+# are per link): a fixed one, not one made from the MAC, so the rules know
+# the only two sources a job may use (this and its address6), neighbour
+# discovery included.
+JOB_LINK_LOCAL6 = "fe80::2"
+ULA = "fc00::/7"
+
+
+class Pool6:
+    """An IPv6 unique local CIDR cut into /126 slots, slot n beside the IPv4
+    pool's slot n.  Pure arithmetic, no state."""
+
+    __slots__ = ("cidr", "base", "prefixlen", "size")
+
+    def __init__(self, cidr):
+        import ipaddress
+
+        try:
+            net = ipaddress.IPv6Network(cidr, strict=True)
+        except ValueError as e:
+            raise NetworkError(f"pool6: {e}", "give an IPv6 unique local network such as fd70:7639:1864::/64") from None
+        if not net.subnet_of(ipaddress.IPv6Network(ULA)):
+            raise NetworkError(f"pool6: {cidr} is not a unique local network (inside {ULA})",
+                               "job addresses must not be routable from outside: give a ULA prefix "
+                               "such as fd70:7639:1864::/64")
+        if net.prefixlen > SLOT_PREFIXLEN6:
+            raise NetworkError(f"pool6: {cidr} is smaller than one /{SLOT_PREFIXLEN6}",
+                               "give a network of /126 or larger, e.g. a /64")
+        self.cidr = str(net)
+        self.base = int(net.network_address)
+        self.prefixlen = net.prefixlen
+        self.size = 1 << (SLOT_PREFIXLEN6 - net.prefixlen)
+
+    def slot(self, n):
+        """-> (gateway, address, network) of slot n, as strings."""
+        import ipaddress
+
+        if not 0 <= n < self.size:
+            raise ValueError(f"slot {n} outside pool6 {self.cidr}")
+        net = self.base + 4 * n
+        a = ipaddress.IPv6Address
+        return str(a(net + 1)), str(a(net + 2)), f"{a(net)}/{SLOT_PREFIXLEN6}"
+
+    def overlaps(self, cidr):
+        import ipaddress
+
+        other = ipaddress.ip_network(cidr, strict=False)
+        return other.version == 6 and ipaddress.ip_network(self.cidr).overlaps(other)
 
 
 def _ntoa(n):
@@ -207,8 +259,9 @@ class LeaseStore:
             return 0
 
     # -- changes -------------------------------------------------------
-    def acquire(self, job_id, key, pool, owner_pid):
-        """Take a free slot for job_id.  Call with the lock held."""
+    def acquire(self, job_id, key, pool, owner_pid, pool6=None):
+        """Take a free slot for job_id; with pool6, the job also gets the
+        IPv6 addresses of the same slot.  Call with the lock held."""
         if self.get_by_key(key) is not None:
             raise NetworkError(f"job {job_id!r} already holds a network lease",
                                "job ids must be unique among running jobs; if that job is gone, run `starter gc`")
@@ -236,6 +289,10 @@ class LeaseStore:
             "network": network, "host_ifname": key,
             "owner_pid": owner_pid, "owner_start": proc_starttime(owner_pid),
         }
+        if pool6 is not None:
+            gateway6, address6, network6 = pool6.slot(n)
+            lease.update(pool6=pool6.cidr, address6=address6, gateway6=gateway6,
+                         prefixlen6=SLOT_PREFIXLEN6, network6=network6)
         try:
             write_atomic(self._path(key), json.dumps(lease))
         except BaseException:

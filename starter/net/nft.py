@@ -14,6 +14,12 @@ the cost of adding a job grows with the number of jobs.
       set guard_ifs  { ifname }                  uplinks whose forwarding WE turned on
       set job_ifs    { ifname }                  host ends of job veths
       set job_src    { ifname . ipv4_addr }      the one source address each may use
+      set job_nets6, lan6, blocked6 { ipv6_addr, interval }   the same for IPv6
+                     (blocked6: ::/127, ::ffff:0:0/96, fe80::/10, fec0::/10,
+                     ff00::/8, fd00:ec2::/32, fd20:ce::254)
+      set job_src6   { ifname . ipv6_addr }      a job with IPv6: its address6 and its
+                                                 fixed link-local fe80::2 (ipam.JOB_LINK_LOCAL6)
+      set guard6_ifs { ifname }                  uplinks whose IPv6 forwarding WE turned on
       set host_allow { inet_proto . inet_service }   host ports open to jobs
       map ctr_lan_in, ctr_lan_out, ctr_wan_in, ctr_wan_out, ctr_drop
                      { ifname : counter }        per-job named counters <key>_<name>
@@ -24,12 +30,22 @@ the cost of adding a job grows with the number of jobs.
       chain prerouting  (filter, prerouting, raw -300: before conntrack)
         iifname @job_ifs jump job_ingress
       chain job_ingress
+        meta nfproto ipv6                     -> goto job_ingress6
         meta nfproto != ipv4                  -> count to the job, drop
         iifname . ip saddr != @job_src        -> count, drop   (spoofing)
         ip daddr @blocked                     -> count, drop   (loopback, metadata)
+      chain job_ingress6
+        meta l4proto ipv6-icmp                -> jump job_icmp6, then on:
+          icmpv6 RS, RA, redirect             -> count, drop   (router messages)
+          icmpv6 MLD                          -> drop          (the job kernel's chatter)
+          icmpv6 NS, NA, hoplimit 255,
+            iifname . ip6 saddr @job_src6     -> accept        (neighbour discovery)
+        iifname . ip6 saddr != @job_src6      -> count, drop   (spoofing)
+        ip6 daddr @blocked6                   -> count, drop
       chain input       (filter, input, 0)
         iifname @job_ifs jump job_to_host
       chain job_to_host
+        icmpv6 NS, NA                         -> accept
         meta l4proto . th dport @host_allow   -> accept        (site proxy, resolver)
                                               -> count, drop   (the host itself)
       chain forward     (filter, forward, 0)
@@ -39,6 +55,8 @@ the cost of adding a job grows with the number of jobs.
       chain job_out
         oifname != @uplinks                   -> count, drop   (other jobs, other host nets)
         counter oifname map @ctr_uplink_out      (which uplink routing chose)
+        meta nfproto ipv6                     -> goto job_out6 (ND/router msgs: drop;
+                                                 ip6 daddr @lan6: lan_out6, else wan_out6)
         ip daddr @lan                         -> lan_out, accept
                                               -> wan_out, accept
       chain job_in
@@ -46,11 +64,18 @@ the cost of adding a job grows with the number of jobs.
                                               -> dropped, drop (no inbound connections)
       chain job_in_count
         counter iifname map @ctr_uplink_in       (a miss: not via an uplink)
+        meta nfproto ipv6                     -> goto job_in_count6 (lan_in6 / wan_in6)
         ip saddr @lan                         -> lan_in, accept
                                               -> wan_in, accept
       chain postrouting (nat, postrouting, srcnat)
         ip saddr @job_nets oifname @uplinks masquerade
+        ip6 saddr @job_nets6 oifname @uplinks masquerade      (NAT66)
     }
+
+A job with IPv6 has four more counters (<key>_lan_in6 ...): IPv6 bytes are
+counted there only, and the report's lan_in etc. are the sums.  The guard
+rules are per family (guard_ifs for IPv4, guard6_ifs for IPv6).  IPv6
+forwarding is per interface through force_forwarding (see net/sysctl.py).
 
 IPv4 forwarding is decided by the INPUT device's conf.<if>.forwarding; we set
 it on each job's host veth (it dies with the veth) and on the uplink, where
@@ -65,11 +90,25 @@ import json
 import threading
 
 from starter.errors import NetworkError
+from starter.net.ipam import JOB_LINK_LOCAL6
 
 FAMILY = "inet"
 COUNTERS = ("lan_in", "lan_out", "wan_in", "wan_out", "drop")
+# IPv6 traffic is counted apart (a job without IPv6 has none of these); the
+# report's combined figures are the sums.
+ZONES = ("lan_in", "lan_out", "wan_in", "wan_out")
+COUNTERS6 = tuple(z + "6" for z in ZONES)
 BLOCKED = ("0.0.0.0/8", "127.0.0.0/8", "169.254.0.0/16", "224.0.0.0/4", "240.0.0.0/4")
-JOB_SETS = ("job_ifs", "job_src")
+# unspecified and loopback, IPv4-mapped, link-local, old site-local,
+# multicast; the clouds' metadata/DNS/NTP services (AWS fd00:ec2::/32, e.g.
+# fd00:ec2::254; GCP fd20:ce::254)
+BLOCKED6 = ("::/127", "::ffff:0.0.0.0/96", "fe80::/10", "fec0::/10", "ff00::/8",
+            "fd00:ec2::/32", "fd20:ce::254/128")
+ND = ["nd-neighbor-solicit", "nd-neighbor-advert"]
+ROUTER_MSGS = ["nd-router-solicit", "nd-router-advert", "nd-redirect"]
+# the job kernel's own multicast listener reports: dropped, not counted
+MLD = ["mld-listener-query", "mld-listener-report", "mld-listener-done", "mld2-listener-report"]
+JOB_SETS = ("job_ifs", "job_src", "job_src6")
 UPLINK_DIRECTIONS = ("in", "out")
 
 
@@ -99,7 +138,16 @@ def _ctr_map(key_expr, name):
 
 def _prefix(cidr):
     addr, _, plen = cidr.partition("/")
-    return {"prefix": {"addr": addr, "len": int(plen or 32)}}
+    return {"prefix": {"addr": addr, "len": int(plen or (128 if ":" in addr else 32))}}
+
+
+def split_families(cidrs):
+    """CIDR strings -> (IPv4 ones, IPv6 ones), order kept (pure)."""
+    return [c for c in cidrs if ":" not in c], [c for c in cidrs if ":" in c]
+
+
+def _icmpv6(types):
+    return _match(_payload("icmpv6", "type"), {"set": list(types)})
 
 
 ACCEPT = {"accept": None}
@@ -139,25 +187,32 @@ class Table:
     def table_obj(self):
         return {"family": FAMILY, "name": self.name}
 
-    def create(self, pool, lan=(), uplinks=(), guard_ifs=(), host_allow=()):
+    def create(self, pool, lan=(), uplinks=(), guard_ifs=(), host_allow=(), pool6=None, guard6_ifs=()):
         """The whole table, replacing any leftover of the same name atomically
-        (add + delete + add in one transaction; other tables untouched)."""
+        (add + delete + add in one transaction; other tables untouched).
+        lan holds both families; pool6 None: no IPv6 pool (nothing matches)."""
         t = self.table_obj()
+        lan4, lan6 = split_families(lan)
         iif, oif = _meta("iifname"), _meta("oifname")
         cmds = [{"add": {"table": t}}, {"delete": {"table": t}}, {"add": {"table": t}}]
         cmds.append({"add": {"counter": self._obj(name="dropped")}})
         cmds += [
             self._set("job_nets", "ipv4_addr", ["interval"], [_prefix(pool)]),
-            self._set("lan", "ipv4_addr", ["interval"], [_prefix(c) for c in lan]),
+            self._set("job_nets6", "ipv6_addr", ["interval"], [_prefix(pool6)] if pool6 else []),
+            self._set("lan", "ipv4_addr", ["interval"], [_prefix(c) for c in lan4]),
+            self._set("lan6", "ipv6_addr", ["interval"], [_prefix(c) for c in lan6]),
             self._set("blocked", "ipv4_addr", ["interval"], [_prefix(c) for c in BLOCKED]),
+            self._set("blocked6", "ipv6_addr", ["interval"], [_prefix(c) for c in BLOCKED6]),
             self._set("uplinks", "ifname", elem=list(uplinks)),
             self._set("guard_ifs", "ifname", elem=list(guard_ifs)),
+            self._set("guard6_ifs", "ifname", elem=list(guard6_ifs)),
             self._set("job_ifs", "ifname"),
             self._set("job_src", ["ifname", "ipv4_addr"]),
+            self._set("job_src6", ["ifname", "ipv6_addr"]),
             self._set("host_allow", ["inet_proto", "inet_service"],
                       elem=[{"concat": [p, int(n)]} for p, n in host_allow]),
         ]
-        cmds += [self._set("ctr_" + c, "ifname", map_="counter") for c in COUNTERS]
+        cmds += [self._set("ctr_" + c, "ifname", map_="counter") for c in COUNTERS + COUNTERS6]
         cmds += [{"add": {"counter": self._obj(name=uplink_counter(u, d))}}
                  for u in uplinks for d in UPLINK_DIRECTIONS]
         cmds += [self._set("ctr_uplink_" + d, "ifname", map_="counter",
@@ -165,42 +220,78 @@ class Table:
         cmds += [
             self._chain("prerouting", "prerouting", prio=-300),
             self._chain("job_ingress"),
+            self._chain("job_ingress6"),
+            self._chain("job_icmp6"),
             self._chain("input", "input"),
             self._chain("job_to_host"),
             self._chain("forward", "forward"),
             self._chain("job_out"),
+            self._chain("job_out6"),
             self._chain("job_in"),
             self._chain("job_in_count"),
+            self._chain("job_in_count6"),
             self._chain("postrouting", "postrouting", type_="nat", prio=100),
         ]
         drop_job = [_ctr_map(iif, "ctr_drop"), DROP]
+        nfproto = _meta("nfproto")
         cmds += [
             self._rule("prerouting", _match(iif, "@job_ifs"), {"jump": {"target": "job_ingress"}}),
-            self._rule("job_ingress", _match(_meta("nfproto"), "ipv4", "!="), *drop_job),
+            self._rule("job_ingress", _match(nfproto, "ipv6"), {"goto": {"target": "job_ingress6"}}),
+            self._rule("job_ingress", _match(nfproto, "ipv4", "!="), *drop_job),
             self._rule("job_ingress", _match({"concat": [iif, _payload("ip", "saddr")]}, "@job_src", "!="),
                        *drop_job),
             self._rule("job_ingress", _match(_payload("ip", "daddr"), "@blocked"), *drop_job),
+            # IPv6: router messages from a job are an attack, counted; its
+            # kernel's MLD reports are noise, dropped quietly; neighbour
+            # discovery (hop limit 255: never forwarded) passes; then the
+            # same source and destination checks as IPv4.
+            # (ICMPv6 in a chain of its own: data packets pass one test, not three)
+            self._rule("job_ingress6", _match(_meta("l4proto"), "ipv6-icmp"), {"jump": {"target": "job_icmp6"}}),
+            self._rule("job_icmp6", _icmpv6(ROUTER_MSGS), *drop_job),
+            self._rule("job_icmp6", _icmpv6(MLD), DROP),
+            self._rule("job_icmp6", _icmpv6(ND), _match(_payload("ip6", "hoplimit"), 255),
+                       _match({"concat": [iif, _payload("ip6", "saddr")]}, "@job_src6"), ACCEPT),
+            self._rule("job_ingress6", _match({"concat": [iif, _payload("ip6", "saddr")]}, "@job_src6", "!="),
+                       *drop_job),
+            self._rule("job_ingress6", _match(_payload("ip6", "daddr"), "@blocked6"), *drop_job),
             self._rule("input", _match(iif, "@job_ifs"), {"jump": {"target": "job_to_host"}}),
+            self._rule("job_to_host", _icmpv6(ND), ACCEPT),
             self._rule("job_to_host", _match({"concat": [_meta("l4proto"), _payload("th", "dport")]},
                                              "@host_allow"), ACCEPT),
             self._rule("job_to_host", *drop_job),
             self._rule("forward", _match(iif, "@job_ifs"), {"jump": {"target": "job_out"}}),
             self._rule("forward", _match(oif, "@job_ifs"), {"jump": {"target": "job_in"}}),
-            self._rule("forward", _match(iif, "@guard_ifs"), {"counter": "dropped"}, DROP),
+            self._rule("forward", _match(nfproto, "ipv4"), _match(iif, "@guard_ifs"), {"counter": "dropped"}, DROP),
+            self._rule("forward", _match(nfproto, "ipv6"), _match(iif, "@guard6_ifs"), {"counter": "dropped"}, DROP),
             self._rule("job_out", _match(oif, "@uplinks", "!="), *drop_job),
             self._rule("job_out", _ctr_map(oif, "ctr_uplink_out")),
+            self._rule("job_out", _match(nfproto, "ipv6"), {"goto": {"target": "job_out6"}}),
             self._rule("job_out", _match(_payload("ip", "daddr"), "@lan"), _ctr_map(iif, "ctr_lan_out"), ACCEPT),
             self._rule("job_out", _ctr_map(iif, "ctr_wan_out"), ACCEPT),
+            self._rule("job_out6", _icmpv6(ND + ROUTER_MSGS), *drop_job),
+            self._rule("job_out6", _match(_payload("ip6", "daddr"), "@lan6"), _ctr_map(iif, "ctr_lan_out6"), ACCEPT),
+            self._rule("job_out6", _ctr_map(iif, "ctr_wan_out6"), ACCEPT),
             self._rule("job_in", _match({"ct": {"key": "state"}}, ["established", "related"], "in"),
                        {"goto": {"target": "job_in_count"}}),
             self._rule("job_in", {"counter": "dropped"}, DROP),
             self._rule("job_in_count", _ctr_map(iif, "ctr_uplink_in")),
+            self._rule("job_in_count", _match(nfproto, "ipv6"), {"goto": {"target": "job_in_count6"}}),
+            self._rule("job_in_count6", _match(_payload("ip6", "saddr"), "@lan6"), _ctr_map(oif, "ctr_lan_in6"),
+                       ACCEPT),
+            self._rule("job_in_count6", _ctr_map(oif, "ctr_wan_in6"), ACCEPT),
             self._rule("job_in_count", _match(_payload("ip", "saddr"), "@lan"), _ctr_map(oif, "ctr_lan_in"), ACCEPT),
             self._rule("job_in_count", _ctr_map(oif, "ctr_wan_in"), ACCEPT),
             self._rule("postrouting", _match(_payload("ip", "saddr"), "@job_nets"),
                        _match(oif, "@uplinks"), {"masquerade": None}),
+            self._rule("postrouting", _match(_payload("ip6", "saddr"), "@job_nets6"),
+                       _match(oif, "@uplinks"), {"masquerade": None}),
         ]
         return cmds
+
+    def add_guard6(self, ifnames):
+        """Uplinks whose IPv6 forwarding we turned on later (the first job
+        with IPv6): foreign traffic arriving there is not routed."""
+        return [self._elem("add", "guard6_ifs", list(ifnames))] if ifnames else []
 
     def delete(self):
         """Remove the table whether or not it exists (add is a no-op if it does)."""
@@ -210,23 +301,33 @@ class Table:
     def _elem(self, verb, set_name, elems):
         return {verb: {"element": self._obj(name=set_name, elem=elems)}}
 
-    def add_job(self, key, ifname, address):
-        """Counters first (map elements refer to them), then the elements."""
-        cmds = [{"add": {"counter": self._obj(name=f"{key}_{c}")}} for c in COUNTERS]
-        cmds += [self._elem("add", "ctr_" + c, [[ifname, f"{key}_{c}"]]) for c in COUNTERS]
+    def add_job(self, key, ifname, address, address6=None):
+        """Counters first (map elements refer to them), then the elements.
+        IPv6 counters and source only for a job with address6."""
+        names = COUNTERS + (COUNTERS6 if address6 else ())
+        cmds = [{"add": {"counter": self._obj(name=f"{key}_{c}")}} for c in names]
+        cmds += [self._elem("add", "ctr_" + c, [[ifname, f"{key}_{c}"]]) for c in names]
         cmds.append(self._elem("add", "job_src", [{"concat": [ifname, address]}]))
+        if address6:
+            cmds.append(self._elem("add", "job_src6", [{"concat": [ifname, address6]},
+                                                       {"concat": [ifname, JOB_LINK_LOCAL6]}]))
         # job_ifs last: the job's packets hit the chains only once everything
         # they refer to exists.
         cmds.append(self._elem("add", "job_ifs", [ifname]))
         return cmds
 
-    def del_job(self, key, ifname, address):
-        """The reverse of add_job: elements before the counters they name."""
+    def del_job(self, key, ifname, address, address6=None, has6=None):
+        """The reverse of add_job: elements before the counters they name.
+        has6 (default: bool(address6)): the job has IPv6 counters."""
+        names = COUNTERS + (COUNTERS6 if (address6 if has6 is None else has6) else ())
         cmds = [self._elem("delete", "job_ifs", [ifname])]
         if address:
             cmds.append(self._elem("delete", "job_src", [{"concat": [ifname, address]}]))
-        cmds += [self._elem("delete", "ctr_" + c, [ifname]) for c in COUNTERS]
-        cmds += [{"delete": {"counter": self._obj(name=f"{key}_{c}")}} for c in COUNTERS]
+        if address6:
+            cmds.append(self._elem("delete", "job_src6", [{"concat": [ifname, address6]},
+                                                          {"concat": [ifname, JOB_LINK_LOCAL6]}]))
+        cmds += [self._elem("delete", "ctr_" + c, [ifname]) for c in names]
+        cmds += [{"delete": {"counter": self._obj(name=f"{key}_{c}")}} for c in names]
         return cmds
 
 
@@ -303,15 +404,37 @@ def _counter_error(name, err):
 
 
 def read_counters(table_name, key):
-    """The job's counters straight from the kernel, or None if it has none."""
-    names = [f"{key}_{c}" for c in COUNTERS]
-    out = {}
-    for c, name, r in zip(COUNTERS, names, _getobjs(table_name, names)):
+    """The job's counters straight from the kernel, or None if it has none.
+    -> combine() of what was read."""
+    names = [f"{key}_{c}" for c in COUNTERS + COUNTERS6]
+    raw = {}
+    for c, name, r in zip(COUNTERS + COUNTERS6, names, _getobjs(table_name, names)):
         if isinstance(r, int):
             if r == -2:  # ENOENT: no such table or counter
+                if c in COUNTERS6:
+                    continue   # a job without IPv6
                 return None
             raise _counter_error(name, r)
-        out["dropped" if c == "drop" else c] = r
+        raw[c] = r
+    return combine(raw)
+
+
+def combine(raw):
+    """{lan_in.., drop, lan_in6..} as read -> the report's counters (pure):
+    lan_in, lan_out, wan_in, wan_out both families together (what they
+    always meant), dropped, "ipv4": the IPv4 share and, when the job had
+    IPv6, "ipv6": its share."""
+    zero = {"bytes": 0, "packets": 0}
+    v4 = {z: dict(raw.get(z) or zero) for z in ZONES}
+    has6 = any(z + "6" in raw for z in ZONES)
+    v6 = {z: dict(raw.get(z + "6") or zero) for z in ZONES} if has6 else None
+    out = {}
+    for z in ZONES:
+        out[z] = {k: v4[z][k] + (v6[z][k] if v6 else 0) for k in ("bytes", "packets")}
+    out["dropped"] = dict(raw.get("drop") or zero)
+    out["ipv4"] = v4
+    if v6 is not None:
+        out["ipv6"] = v6
     return out
 
 

@@ -26,18 +26,29 @@ from pyroute2 import IPRoute
 from pyroute2.netlink.exceptions import NetlinkError
 
 from starter.errors import NetworkError
-from starter.net.sysctl import disable_ipv6_path, forwarding_path, write_sysctl
+from starter.net.ipam import JOB_LINK_LOCAL6
+from starter.net.sysctl import forwarding6_path, forwarding_path, ipv6_path, write_sysctl
 from starter.ns import setns
 
 CLONE_NEWNET = 0x40000000
 SIOCGSKNS = 0x894C
 JOB_IFNAME = "eth0"
 LOOPBACK_IFINDEX = 1  # the kernel gives lo index 1 in every netns
+IFA_F_NODAD = 0x02
 
 
-def netlink_socket_in(netns_fd):
-    """A NETLINK_ROUTE socket living in the namespace behind netns_fd."""
+def netlink_socket_in(netns_fd, sysctls=()):
+    """A NETLINK_ROUTE socket living in the namespace behind netns_fd.
+
+    sysctls: ((ifname, key, value, required), ...) IPv6 settings of the
+    job's own interfaces (a missing one is an error only if required),
+    written from the same thread while it is in the job's
+    namespace: /proc/sys/net shows the namespace of the thread that opens
+    it, and the job's interface is named eth0 like the host's, so the
+    thread's namespace is checked first (a write must never reach the host's
+    eth0)."""
     box = {}
+    want = os.fstat(netns_fd).st_ino
 
     def work():
         home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
@@ -45,6 +56,13 @@ def netlink_socket_in(netns_fd):
             setns(netns_fd, CLONE_NEWNET)
             try:
                 box["sock"] = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 0)
+                if sysctls:
+                    if os.stat("/proc/thread-self/ns/net").st_ino != want:  # pragma: no cover
+                        raise NetworkError("the sysctl writer is not in the job's network namespace")
+                    for ifname, key, value, required in sysctls:
+                        if not write_sysctl(ipv6_path(ifname, key), value) and required:
+                            raise NetworkError(f"the job's net.ipv6.conf.{ifname}.{key} is missing",
+                                               "is IPv6 disabled on this kernel (ipv6.disable=1)?")
             finally:
                 try:
                     setns(home, CLONE_NEWNET)
@@ -60,6 +78,8 @@ def netlink_socket_in(netns_fd):
     t.start()
     t.join()
     if "error" in box:
+        if "sock" in box:
+            box["sock"].close()
         raise box["error"]
     sock = box["sock"]
     try:
@@ -85,8 +105,16 @@ class Links:
     def close(self):
         self.ipr.close()
 
-    def create(self, host_ifname, netns_fd, gateway, address, prefixlen, forward):
+    def create(self, host_ifname, netns_fd, gateway, address, prefixlen, forward, v6=None):
         """Make the pair, address both ends, route the job via the host end.
+
+        v6: None (no IPv6: disabled on both ends) or (gateway6, address6,
+        prefixlen6, forward6): the same for IPv6, with forward6 turning on
+        the host end's own IPv6 forwarding (force_forwarding).  Both ends
+        get accept_ra=0 and accept_dad=0 (the addresses also IFA_F_NODAD):
+        no router advertisement is taken from the other side, and the job
+        can use its address at once.  The job's link-local is the fixed
+        ipam.JOB_LINK_LOCAL6 (addr_gen_mode 1: none made from the MAC).
 
         On error the pair is deleted again (deleting the host end deletes the
         peer) and NetworkError is raised."""
@@ -100,13 +128,22 @@ class Links:
             # One get: our index and, in IFLA_LINK, the peer's index in the job's ns.
             link = ipr.link("get", ifname=host_ifname)[0]
             idx, peer_idx = link["index"], link.get_attr("IFLA_LINK")
-            # Before it goes up: no IPv6 link-local for the job to talk to.
-            write_sysctl(disable_ipv6_path(host_ifname), "1")
+            # Before it goes up: without IPv6, no IPv6 link-local for the
+            # job to talk to; with it, no RA taken from the job, no DAD wait.
+            if v6 is None:
+                write_sysctl(ipv6_path(host_ifname, "disable_ipv6"), "1")
+            else:
+                write_sysctl(ipv6_path(host_ifname, "accept_ra"), "0")
+                write_sysctl(ipv6_path(host_ifname, "accept_dad"), "0")
+                if v6[3]:
+                    write_sysctl(forwarding6_path(host_ifname), "1")
             if forward:
                 write_sysctl(forwarding_path(host_ifname), "1")
             ipr.addr("add", index=idx, address=gateway, prefixlen=prefixlen)
+            if v6 is not None:
+                ipr.addr("add", index=idx, address=v6[0], prefixlen=v6[2], flags=IFA_F_NODAD)
             ipr.link("set", index=idx, state="up")
-            self._configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen)
+            self._configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen, v6)
         except NetlinkError as e:
             self.delete(host_ifname)
             raise _error(f"configure veth {host_ifname}", e) from None
@@ -115,16 +152,28 @@ class Links:
             raise
 
     @staticmethod
-    def _configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen):
+    def _configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen, v6=None):
         if not peer_idx:
             raise NetworkError("the veth peer's index is unknown")
-        sock = netlink_socket_in(netns_fd)
+        if v6 is None:
+            # (a kernel booted with ipv6.disable=1 has no such file: fine)
+            sysctls = ((JOB_IFNAME, "disable_ipv6", "1", False),)
+        else:
+            # no link-local made from the MAC: the fixed one below
+            sysctls = ((JOB_IFNAME, "addr_gen_mode", "1", True), (JOB_IFNAME, "accept_dad", "0", True),
+                       (JOB_IFNAME, "accept_ra", "0", True))
+        sock = netlink_socket_in(netns_fd, sysctls)
         job = IPRoute(fileno=sock.detach())
         try:
             job.addr("add", index=peer_idx, address=address, prefixlen=prefixlen)
+            if v6 is not None:
+                job.addr("add", index=peer_idx, address=JOB_LINK_LOCAL6, prefixlen=64, flags=IFA_F_NODAD)
+                job.addr("add", index=peer_idx, address=v6[1], prefixlen=v6[2], flags=IFA_F_NODAD)
             job.link("set", index=peer_idx, state="up")
             job.link("set", index=LOOPBACK_IFINDEX, state="up")
             job.route("add", dst="0.0.0.0/0", gateway=gateway, oif=peer_idx)
+            if v6 is not None:
+                job.route("add", dst="::/0", gateway=v6[0], oif=peer_idx, family=socket.AF_INET6)
         finally:
             job.close()
 
@@ -138,11 +187,12 @@ class Links:
             return False
         return True
 
-    def host_addresses(self):
-        """[(cidr, ifname)] of the host's IPv4 addresses (pool overlap check)."""
+    def host_addresses(self, family=socket.AF_INET):
+        """[(cidr, ifname)] of the host's addresses of one family (pool
+        overlap check; AF_INET6: also which uplinks have IPv6)."""
         names = {l["index"]: l.get_attr("IFLA_IFNAME") for l in self.ipr.get_links()}
         return [(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", names.get(a["index"], "?"))
-                for a in self.ipr.get_addr(family=socket.AF_INET)]
+                for a in self.ipr.get_addr(family=family)]
 
 
 def _error(what, e):

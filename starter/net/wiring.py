@@ -13,7 +13,7 @@ import os
 
 from starter.errors import NetworkError
 from starter.net import ipam, nft
-from starter.net.sysctl import forwarding_path, read_sysctl, write_sysctl
+from starter.net.sysctl import forwarding6_path, forwarding_path, ipv6_forwarding_mode, read_sysctl, write_sysctl
 from starter.state import QUICK_BUDGET_S, fault, is_live
 
 
@@ -22,7 +22,7 @@ def cfg_fingerprint(cfg):
     return {
         "pool": cfg.pool, "lan": sorted(cfg.lan), "uplink": _uplink_fingerprint(cfg.uplink),
         "allow_host_ports": sorted([p, int(n)] for p, n in cfg.allow_host_ports),
-        "table": cfg.table,
+        "table": cfg.table, "pool6": cfg.pool6,
     }
 
 
@@ -35,17 +35,25 @@ def _uplink_fingerprint(uplinks):
 
 
 def validate(cfg):
-    """-> Pool.  Everything that reaches nft or /proc/sys is checked here."""
+    """-> Pool.  Everything that reaches nft or /proc/sys is checked here
+    (pool6 too: ipam.Pool6(cfg.pool6) cannot fail after this)."""
     import ipaddress
 
     pool = ipam.Pool(cfg.pool)
+    pool6 = ipam.Pool6(cfg.pool6)
+    if pool6.size < pool.size:
+        raise NetworkError(f"pool6: {pool6.cidr} has fewer /{ipam.SLOT_PREFIXLEN6} slots than pool {pool.cidr} "
+                           f"has /{ipam.SLOT_PREFIXLEN}s", "a job gets slot n of both: give a /64")
+    if cfg.ipv6 not in ("auto", "on", "off"):
+        raise NetworkError(f"ipv6: {cfg.ipv6!r} is not one of auto, on, off")
     for c in cfg.lan:
         try:
-            net = ipaddress.IPv4Network(c, strict=True)
+            net = ipaddress.ip_network(c, strict=True)
         except ValueError as e:
-            raise NetworkError(f"lan: {e}", "give IPv4 networks such as 10.0.0.0/8") from None
-        if pool.overlaps(str(net)):
-            raise NetworkError(f"lan: {c} overlaps the job address pool {pool.cidr}",
+            raise NetworkError(f"lan: {e}", "give networks such as 10.0.0.0/8 or 2001:db8::/32") from None
+        p = pool if net.version == 4 else pool6
+        if p.overlaps(str(net)):
+            raise NetworkError(f"lan: {c} overlaps the job address pool {p.cidr}",
                                "choose a pool that is not used on the site network")
     for name in cfg.uplink:
         ipam.check_ifname("uplink", name)
@@ -163,15 +171,19 @@ class Wiring:
 
     # -- the table -------------------------------------------------------
     def _check_pool_is_free(self, cfg, own=()):
-        """The pool must not overlap any host address (the site's own nets);
+        """The pools must not overlap any host address (the site's own nets);
         `own`: veths of this state dir's leases (a table rebuilt under them)."""
-        pool = ipam.Pool(cfg.pool)
-        for cidr, ifname in self.links.host_addresses():
-            if pool.overlaps(cidr) and ifname not in own:
+        import socket
+
+        for which, p, family in (("pool", ipam.Pool(cfg.pool), socket.AF_INET),
+                                 ("pool6", ipam.Pool6(cfg.pool6), socket.AF_INET6)):
+            for cidr, ifname in self.links.host_addresses(family):
+                if not p.overlaps(cidr) or ifname in own:
+                    continue
                 hint = ("a job veth left by a crash or by a starter with another state dir: "
                         "run `starter gc`" if ipam.is_job_key(ifname)
-                        else "configure a job address pool that is not used on this node")
-                raise NetworkError(f"pool: {cfg.pool} overlaps {cidr} on {ifname}", hint)
+                        else f"configure a job address {which} that is not used on this node")
+                raise NetworkError(f"{which}: {getattr(cfg, which)} overlaps {cidr} on {ifname}", hint)
 
     def _create_table(self, store, cfg, table):
         self._check_pool_is_free(cfg, own={lease.get("key") for lease in store.all()})
@@ -184,10 +196,12 @@ class Wiring:
             if read_sysctl(forwarding_path(name)) == "0":
                 guard.append(name)
         # Record first: a crash after the sysctl write must still restore it.
-        store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard})
+        # (A table rebuilt under running jobs keeps the IPv6 decision.)
+        v6 = (store.table_record() or {}).get("v6")
+        store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard, "v6": v6})
         try:
-            self.nft.run(table.create(cfg.pool, cfg.lan, list(cfg.uplink),
-                                      guard, cfg.allow_host_ports), "create table")
+            self.nft.run(table.create(cfg.pool, cfg.lan, list(cfg.uplink), guard, cfg.allow_host_ports,
+                                      cfg.pool6, (v6 or {}).get("guard6", ())), "create table")
             for ifname in guard:
                 write_sysctl(forwarding_path(ifname), "1")
         except BaseException:
@@ -201,7 +215,64 @@ class Wiring:
         for ifname in rec.get("guard", ()):
             if _if_exists(ifname):
                 write_sysctl(forwarding_path(ifname), "0")
+        for ifname in (rec.get("v6") or {}).get("guard6", ()):
+            if _if_exists(ifname):
+                write_sysctl(forwarding6_path(ifname), "0")
         store.set_table_record(None)
+
+    # -- IPv6 --------------------------------------------------------------
+    def _ipv6_for_job(self, store, cfg, table):
+        """Whether this job gets IPv6: None (no), else whether its host veth
+        needs its own IPv6 forwarding flag.  Lock held, table made.  The
+        node's answer (which uplinks have IPv6, how to forward) is worked
+        out once, by the first job that asks, and kept in the table record
+        until the table goes: later jobs pay one file read."""
+        if cfg.ipv6 == "off" or (cfg.ipv6 == "auto" and not cfg.uplink):
+            return None     # no uplink: nowhere to send IPv6 (and no netlink dump to pay)
+        rec = store.table_record() or {}
+        v6 = rec.get("v6")
+        if v6 is None:
+            v6 = self._enable_ipv6(store, cfg, table, rec)
+        usable = v6.get("uplinks") or []
+        if cfg.ipv6 == "on":
+            if v6.get("mode") is None:
+                raise NetworkError("ipv6 on: this kernel cannot forward IPv6 per interface (net.ipv6.conf.*."
+                                   "force_forwarding, Linux 6.17) and net.ipv6.conf.all.forwarding is 0",
+                                   "set net.ipv6.conf.all.forwarding=1 (with accept_ra=2 on uplinks that learn "
+                                   "their route from router advertisements), or run jobs with --ipv6 off")
+            if not cfg.uplink:
+                raise NetworkError("ipv6 on: no uplink is configured", "give --uplink IFACE, or --ipv6 off")
+            missing = [u for u in cfg.uplink if u not in usable]
+            if missing:
+                raise NetworkError(f"ipv6 on: uplink {missing[0]!r} has no global IPv6 address",
+                                   "give the uplink an IPv6 address, or run with --ipv6 auto (IPv6 where an "
+                                   "uplink has it) or --ipv6 off")
+        elif not usable or v6.get("mode") is None:
+            return None
+        return v6["mode"] == "per-interface"
+
+    def _enable_ipv6(self, store, cfg, table, rec):
+        import ipaddress
+        import socket
+
+        mode = ipv6_forwarding_mode()
+        have = set()
+        for cidr, ifname in self.links.host_addresses(socket.AF_INET6):
+            a = ipaddress.ip_interface(cidr).ip
+            if not (a.is_link_local or a.is_loopback or a.is_multicast):
+                have.add(ifname)
+        uplinks = [u for u in cfg.uplink if u in have]
+        guard6 = []
+        if mode == "per-interface":
+            guard6 = [u for u in uplinks if read_sysctl(forwarding6_path(u)) == "0"]
+        v6 = {"mode": mode, "uplinks": uplinks, "guard6": guard6}
+        rec["v6"] = v6
+        store.set_table_record(rec)   # first: a crash must still restore the sysctls
+        if guard6:
+            self.nft.run(table.add_guard6(guard6), "add IPv6 guard")
+            for u in guard6:
+                write_sysctl(forwarding6_path(u), "1")
+        return v6
 
     def _check_table_matches(self, store, cfg):
         rec = store.table_record()
@@ -215,24 +286,31 @@ class Wiring:
     # -- one job ---------------------------------------------------------
     def setup(self, job_id, netns_fd, cfg, owner_pid):
         pool = validate(cfg)
+        pool6 = ipam.Pool6(cfg.pool6)
         key = ipam.job_key(job_id, cfg.table)
         table = nft.Table(cfg.table)
         store = ipam.LeaseStore(cfg.state_dir)
         with store, contextlib.ExitStack() as undo:
             try:
-                first = store.count() == 0
-                if not first:
+                # The table first: whether the job gets IPv6 is the node's
+                # answer, recorded with the table.
+                if store.count() == 0:
+                    self._create_table(store, cfg, table)
+                else:
                     self._check_table_matches(store, cfg)
-                lease = self._acquire(store, cfg, job_id, key, pool, owner_pid)
+                forward6 = self._ipv6_for_job(store, cfg, table)
+                lease = self._acquire(store, cfg, job_id, key, pool, owner_pid,
+                                      pool6 if forward6 is not None else None)
                 undo.callback(store.release, key, lease["slot"])
                 fault("net-lease")
-                if first:
-                    self._create_table(store, cfg, table)
+                v6 = None
+                if lease.get("address6"):
+                    v6 = (lease["gateway6"], lease["address6"], lease["prefixlen6"], forward6)
                 self.links.create(key, netns_fd, lease["gateway"], lease["address"],
-                                  lease["prefixlen"], forward=bool(cfg.uplink))
+                                  lease["prefixlen"], forward=bool(cfg.uplink), v6=v6)
                 undo.callback(self.links.delete, key)
                 fault("net-veth")
-                self._add_job(store, cfg, table, key, lease["address"])
+                self._add_job(store, cfg, table, key, lease["address"], lease.get("address6"))
                 fault("net-nft")
                 undo.pop_all()
             except BaseException:
@@ -245,14 +323,14 @@ class Wiring:
                 raise
         return lease
 
-    def _acquire(self, store, cfg, job_id, key, pool, owner_pid):
+    def _acquire(self, store, cfg, job_id, key, pool, owner_pid, pool6=None):
         """A lease; a full pool first gives up one dead job's lease."""
         try:
-            return store.acquire(job_id, key, pool, owner_pid)
+            return store.acquire(job_id, key, pool, owner_pid, pool6)
         except ipam.PoolExhausted:
             if not self._reclaim_one(store, cfg):
                 raise
-        return store.acquire(job_id, key, pool, owner_pid)
+        return store.acquire(job_id, key, pool, owner_pid, pool6)
 
     def _reclaim_one(self, store, cfg):
         """The pool is full: reclaim the lease of one dead job, if a scan
@@ -281,13 +359,15 @@ class Wiring:
                 continue
             # A key netd's worker is still finishing (its starter has left)
             # may be taken here too: both sides tolerate the other's removal.
-            self._teardown_key(store, cfg, key, lease)
+            # The table stays: this setup is about to use it (and the IPv6
+            # decision recorded with it).
+            self._teardown_key(store, cfg, key, lease, keep_table=True)
             return True
         return False
 
-    def _add_job(self, store, cfg, table, key, address):
+    def _add_job(self, store, cfg, table, key, address, address6=None):
         try:
-            self.nft.run(table.add_job(key, key, address), "add job rules")
+            self.nft.run(table.add_job(key, key, address, address6), "add job rules")
         except nft.NftError as e:
             if not e.enoent or self.nft.table_exists(table):
                 raise
@@ -296,8 +376,9 @@ class Wiring:
             self._create_table(store, cfg, table)
             for other in store.all():
                 if other.get("key") != key and other.get("address") and _if_exists(other["key"]):
-                    self.nft.run(table.add_job(other["key"], other["key"], other["address"]), "re-add job")
-            self.nft.run(table.add_job(key, key, address), "add job rules")
+                    self.nft.run(table.add_job(other["key"], other["key"], other["address"],
+                                               other.get("address6")), "re-add job")
+            self.nft.run(table.add_job(key, key, address, address6), "add job rules")
 
     def counters(self, job_id, cfg):
         return nft.read_counters(cfg.table, ipam.job_key(job_id, cfg.table))
@@ -316,18 +397,21 @@ class Wiring:
                 return None
             return self._teardown_key(store, cfg, key, lease, defer=True)
 
-    def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False):
+    def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False, keep_table=False):
         """Read the counters, then remove rules, counters, veth, lease, and the
         table if this was the last job.  Every step tolerates absence."""
         table = nft.Table(cfg.table)
         address = lease.get("address") if lease else None
         counters = nft.read_counters(cfg.table, key)
+        # The IPv6 objects: by the lease, or (no lease: gc) by the counters found.
+        address6 = lease.get("address6") if lease else None
+        has6 = bool(address6) or bool(counters and "ipv6" in counters)
         if counters is not None or address:
             try:
-                self.nft.run(table.del_job(key, key, address), "remove job rules")
+                self.nft.run(table.del_job(key, key, address, address6, has6), "remove job rules")
             except nft.NftError:
                 # Half-built job: remove what exists, one object at a time.
-                for cmd in table.del_job(key, key, address):
+                for cmd in table.del_job(key, key, address, address6, has6):
                     with contextlib.suppress(nft.NftError):
                         self.nft.run([cmd], "remove job rule")
         if defer and self._queue is not None:
@@ -336,7 +420,7 @@ class Wiring:
         else:
             self._delete_veth(self.links, key)
             _forget_flows(lease)
-            self._release(store, cfg, key, lease, removed)
+            self._release(store, cfg, key, lease, removed, keep_table)
         return counters
 
     @staticmethod
@@ -355,11 +439,11 @@ class Wiring:
         with store:
             self._release(store, cfg, key, lease, None)
 
-    def _release(self, store, cfg, key, lease, removed):
+    def _release(self, store, cfg, key, lease, removed, keep_table=False):
         """The lease, and the table if no job is left.  Lock held."""
         table = nft.Table(cfg.table)
         store.release(key, lease.get("slot") if lease else None)
-        if store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
+        if not keep_table and store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
             self._delete_table(store, table)
             if removed is not None:
                 removed.append(f"table {nft.FAMILY} {cfg.table}")
