@@ -312,10 +312,11 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
                   cgroup=backend.kind, **stats)
     report.update(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
     if spec.delegate:
+        from starter.cgroups.files import ran_out_of_memory
+
         payloads, left_out = cg.payload_stats()
         report.update(delegated=True, payloads=payloads, payloads_truncated=left_out,
-                      payloads_oom=[p["name"] for p in payloads
-                                    if p.get("oom_kill_local", p.get("oom_kill", 0)) > 0])
+                      payloads_oom=[p["name"] for p in payloads if ran_out_of_memory(p)])
     if out.unkillable:
         # Nothing the job holds may be reused while its processes live: the
         # cgroup, address, scratch and entry stay for `starter gc`.

@@ -89,10 +89,24 @@ def test_payload_walk_escapes_names_and_follows_no_link(tmp_path):
     assert left == 0
     deep = got[1]
     assert deep["memory_peak_bytes"] == 12345 and deep["oom_kill"] == 2 and deep["oom"] == 1
+    assert files.ran_out_of_memory(deep) and not files.ran_out_of_memory(got[0])
     assert deep["cpu_s"] == 1.5 and "memory_peak_bytes" not in got[0]
     got, left = files.subtree_figures(str(top), 2)
     assert [g["name"] for g in got] == ["a", "a/deep"] and left == 3
     assert len(files.show_name(b"\xff" * 255)) == files.NAME_MAX_SHOWN
+
+
+def test_classad_report_lists_payload_figures():
+    from starter import classad
+
+    ad = dict(classad.attributes({
+        "exit_code": 0, "signal": None, "delegated": True, "payloads_truncated": 0, "payloads_oom": ["p256"],
+        "payloads": [{"name": "p256", "cpu_s": 1.5, "memory_peak_bytes": 268 << 20, "oom_kill": 1, "oom_group_kill": 0},
+                     {"name": "p512", "cpu_s": 0.25, "oom_kill": 0, "oom_group_kill": 0}]}))
+    assert ad["StarterPayloadNames"] == ["p256", "p512"]
+    assert ad["StarterPayloadMemoryPeakBytes"] == [268 << 20, None]
+    assert ad["StarterPayloadOomKills"] == [1, 0] and ad["StarterPayloadsOom"] == ["p256"]
+    assert "StarterPayloads" not in ad
 
 
 # ---------------------------------------------------------------- pure v2 (VM)
@@ -308,3 +322,69 @@ def test_vacate_empties_and_removes_what_the_pilot_built(starter, tmp_path, stat
     assert [pid for pid in pids if process_alive(pid)] == []
     names = {x["name"] for x in r["payloads"]}
     assert {"frozen", "hidden", "tdom", "tdom/t", "d0/d1/d2/d3/d4/d5/d6/d7/d8/d9"} <= names, names
+
+
+JOB_OOM_PILOT = r'''
+import os, sys
+CG = "/sys/fs/cgroup"
+os.mkdir(CG + "/nolimit")
+r, wr = os.pipe()
+pid = os.fork()
+if pid == 0:
+    os.close(wr)
+    os.read(r, 1)
+    os.execv(sys.executable, [sys.executable, "-c",
+             "b = []\nwhile True:\n    b.append(bytearray(16 << 20))\n"])
+os.close(r)
+with open(CG + "/nolimit/cgroup.procs", "w") as f:
+    f.write(str(pid))
+os.close(wr)
+os.waitpid(pid, 0)
+os.pause()     # the job-level group kill ends this too
+'''
+
+
+@pytest.mark.cgroup_v2
+def test_reaching_the_jobs_own_limit_ends_the_job(starter, tmp_path):
+    """A payload without a limit of its own reaches the job's: the starter's
+    memory.oom.group on the job's cgroup kills the whole job, reason oom."""
+    _pure_v2_or_skip()
+    report = tmp_path / "report.json"
+    p = starter("run", "--delegate", "--memory", "128M", "--report", str(report),
+                "--", PY, "-c", JOB_OOM_PILOT, timeout=300 * SLOWDOWN)
+    r = json.loads(report.read_text())
+    assert r["reason"] == "oom" and r["oom"] is True and p.returncode == 137, (r, p.stderr)
+    # No payload reached a limit of its own: the job did.
+    assert r["payloads_oom"] == [], r["payloads"]
+    assert {x["name"]: x for x in r["payloads"]}["nolimit"]["oom_kill"] >= 1
+
+
+USERNS_PILOT = r'''
+import errno, os
+CG = "/sys/fs/cgroup"
+def w(path, value):
+    fd = os.open(path, os.O_WRONLY)
+    try:
+        os.write(fd, str(value).encode())
+    finally:
+        os.close(fd)
+assert os.getuid() == 0
+os.mkdir(CG + "/p")
+w(CG + "/p/memory.max", 64 << 20)
+w(CG + "/p/cgroup.procs", os.getpid())
+try:
+    w(CG + "/memory.max", "max")
+    print("raised")
+except OSError as e:
+    print(errno.errorcode[e.errno])
+'''
+
+
+@pytest.mark.cgroup_v2
+def test_userns_root_pilot_owns_its_subtree(starter, tmp_path):
+    """With --userns-root the subtree belongs to the mapped host uid: root in
+    the job's user namespace manages it, and still cannot raise the limit."""
+    _pure_v2_or_skip()
+    p = starter("run", "--delegate", "--userns-root", "--memory", "256M", "--",
+                PY, "-c", USERNS_PILOT, timeout=300 * SLOWDOWN)
+    assert p.returncode == 0 and p.stdout.strip() in ("EPERM", "EACCES"), (p.stdout, p.stderr)

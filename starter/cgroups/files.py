@@ -462,8 +462,9 @@ def cgroup_figures(dir_fd):
     """One cgroup's own usage (hierarchical: it and everything below it):
     cpu_s (cpu.stat usage_usec), memory_peak_bytes (memory.peak, left out
     where the kernel has none), memory_max_bytes (None: max), oom, oom_kill,
-    oom_group_kill (memory.events), oom_kill_local (memory.events.local:
-    processes of this very cgroup the OOM killer took)."""
+    oom_group_kill (memory.events), oom_local and oom_kill_local
+    (memory.events.local: this cgroup's own limit was reached / processes
+    of this very cgroup the OOM killer took)."""
     out = {}
     cpu = parse_flat_keyed(_read_at(dir_fd, "cpu.stat"))
     if "usage_usec" in cpu:
@@ -482,8 +483,17 @@ def cgroup_figures(dir_fd):
             out[k] = ev.get(k, 0)
         local = _read_at(dir_fd, "memory.events.local")
         if local is not None:
-            out["oom_kill_local"] = parse_flat_keyed(local).get("oom_kill", 0)
+            local = parse_flat_keyed(local)
+            out["oom_local"] = local.get("oom", 0)
+            out["oom_kill_local"] = local.get("oom_kill", 0)
     return out
+
+
+def ran_out_of_memory(fig):
+    """cgroup_figures() -> did this cgroup reach its own memory limit and
+    the OOM killer kill in it?  (Not: a process in it was a victim of an
+    OOM of an ancestor, such as the whole job's.)"""
+    return fig.get("oom_local", fig.get("oom", 0)) > 0 and fig.get("oom_kill", 0) > 0
 
 
 def subtree_figures(top, limit):
