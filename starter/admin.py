@@ -376,7 +376,7 @@ def enter(state_dir, job_id, argv, user=None):
             # processes) nor in one the job made: a root-owned leaf of its own.
             from starter.cgroups.base import ENTER_PREFIX
 
-            leaf = f"{ENTER_PREFIX}{os.getpid()}"
+            leaf = f"{ENTER_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"   # not a name the job can guess
             cgroup_fd = leaf_fd = cg.open_leaf(leaf)
         env = {"PATH": DEFAULT_PATH, "HOME": home or "/",
                "TERM": os.environ.get("TERM", "dumb")}

@@ -302,7 +302,10 @@ class V2Delegation:
         enter` into a delegated job) -> an O_DIRECTORY fd for
         CLONE_INTO_CGROUP; the caller closes it and calls remove_leaf()."""
         p = os.path.join(self.upath, name)
-        mkdir(p)
+        if not mkdir(p):
+            # The job owns the directory and may have made `name` first: a
+            # cgroup the job controls is no place for the admin's process.
+            raise CgroupError(f"{p} already exists: the job made it", "try again (the name has the pid in it)")
         try:
             return os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as e:
