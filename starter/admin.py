@@ -227,6 +227,8 @@ def _usage(state_dir, st):
         out["cpu_s"] = round((stats.get("cpu_user_s") or 0) + (stats.get("cpu_system_s") or 0), 3)
         out["memory_bytes"] = stats.get("memory_current_bytes")
         out["stats"] = stats
+        if st.get("delegate"):   # the same per-sub-cgroup figures as the report
+            out["payloads"], out["payloads_truncated"] = cg.payload_stats()
     except (StarterError, OSError):
         pass
     if st.get("net") == "nat":

@@ -212,7 +212,8 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     # (cgroups.warm_up), and this work fills some of that wait.
     from starter import mounts as M
 
-    first_mounts = M.cgroup_view(backend.view(), writable=spec.delegate) + M.private_dirs(spec.uid, spec.gid, spec.limits.memory)
+    first_mounts = (M.cgroup_view(backend.view(), writable=spec.delegate)
+                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory))
     last_mounts = M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
     rlimits = rlimit_table(spec.rlimits)
     cwd_fallbacks = () if cwd else default_cwds(spec)

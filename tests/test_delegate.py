@@ -304,6 +304,11 @@ def test_vacate_empties_and_removes_what_the_pilot_built(starter, tmp_path, stat
         assert files.read_text(os.path.join(top, "tdom", "t", "cgroup.type")).strip() == "threaded"
         assert os.stat(top).st_uid != 0 and os.stat(os.path.join(top, "memory.max")).st_uid == 0
 
+        # status covers the whole subtree, payloads listed.
+        sj = json.loads(starter("status", "pilot2", "--json", timeout=60 * SLOWDOWN).stdout)
+        assert sj["delegate"] is True and sj["stats"]["pids_current"] >= 5, sj
+        assert {"frozen", "hidden", "tdom"} <= {x["name"] for x in sj["payloads"]}, sj
+
         # `starter enter` lands in a leaf of its own, not in the pilot's cgroups.
         e = starter("enter", "pilot2", "--", "cat", "/proc/self/cgroup", timeout=120 * SLOWDOWN)
         assert e.returncode == 0 and e.stdout.strip().startswith("0::/enter-"), (e.stdout, e.stderr)
