@@ -267,9 +267,12 @@ signal.pause()
 '''
 
 
-@pytest.mark.cgroup_v2
-def test_vacate_empties_and_removes_what_the_pilot_built(starter, tmp_path, state_dir):
-    _pure_v2_or_skip()
+STARTER = os.path.join(os.path.dirname(__file__), "..", ".venv", "bin", "starter")
+
+
+def _start_pilot(tmp_path, state_dir, job_id):
+    """Start VACATE_PILOT; once it says ready -> (proc, its cgroup, the host
+    pids in its subtree, the cgroups in it)."""
     from starter.cgroups.base import subdirs_bottom_up
 
     shared = tmp_path / "shared"
@@ -278,11 +281,10 @@ def test_vacate_empties_and_removes_what_the_pilot_built(starter, tmp_path, stat
     fifo = shared / "ready"
     os.mkfifo(fifo, 0o666)
     os.chmod(fifo, 0o666)
-    report = tmp_path / "report.json"
     rfd = os.open(fifo, os.O_RDONLY | os.O_NONBLOCK)
-    proc = subprocess.Popen([os.path.join(os.path.dirname(__file__), "..", ".venv", "bin", "starter"),
-                             "run", "--id", "pilot2", "--delegate", "--memory", "1G", "--pids", "500",
-                             "--grace", "0.5", "--bind", f"{shared}:/srv", "--report", str(report),
+    proc = subprocess.Popen([STARTER, "run", "--id", job_id, "--delegate", "--memory", "1G", "--pids", "500",
+                             "--grace", "0.5", "--bind", f"{shared}:/srv",
+                             "--report", str(tmp_path / "report.json"),
                              "--", PY, "-c", VACATE_PILOT, "/srv/ready"],
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
@@ -290,15 +292,33 @@ def test_vacate_empties_and_removes_what_the_pilot_built(starter, tmp_path, stat
 
         poll = select.poll()
         poll.register(rfd, select.POLLIN)
-        assert poll.poll(int(240_000 * SLOWDOWN / 7)), "the pilot never said ready"
-        assert os.read(rfd, 16) == b"ready"
-        with open(os.path.join(state_dir, "pilot2.json")) as f:
-            top = json.load(f)["cgroup"]["unified"]
-        cgs = subdirs_bottom_up(top)
-        pids = set()
-        for d in cgs:
-            for name in ("cgroup.procs", "cgroup.threads"):
-                pids.update(files.read_pids(os.path.join(d, name)))
+        ready = poll.poll(int(240_000 * SLOWDOWN / 7)) and os.read(rfd, 16) == b"ready"
+    finally:
+        os.close(rfd)
+    if not ready:
+        proc.kill()
+        raise AssertionError(f"the pilot never said ready: {proc.communicate()}")
+    with open(os.path.join(state_dir, f"{job_id}.json")) as f:
+        top = json.load(f)["cgroup"]["unified"]
+    cgs = subdirs_bottom_up(top)
+    pids = set()
+    for d in cgs:
+        for name in ("cgroup.procs", "cgroup.threads"):
+            pids.update(files.read_pids(os.path.join(d, name)))
+    return proc, top, pids, cgs
+
+
+def _gone(proc):
+    if proc.poll() is None:
+        proc.kill()
+        proc.communicate()
+
+
+@pytest.mark.cgroup_v2
+def test_vacate_empties_and_removes_what_the_pilot_built(starter, tmp_path, state_dir):
+    _pure_v2_or_skip()
+    proc, top, pids, cgs = _start_pilot(tmp_path, state_dir, "pilot2")
+    try:
         assert len(cgs) >= 15 and len(pids) >= 5, (cgs, pids)
         assert stat.S_IMODE(os.stat(os.path.join(top, "hidden")).st_mode) == 0
         assert files.read_text(os.path.join(top, "tdom", "t", "cgroup.type")).strip() == "threaded"
@@ -317,16 +337,31 @@ def test_vacate_empties_and_removes_what_the_pilot_built(starter, tmp_path, stat
         assert v.returncode == 0, (v.stdout, v.stderr)
         _, err = proc.communicate(timeout=120 * SLOWDOWN)
     finally:
-        os.close(rfd)
-        if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
-    r = json.loads(report.read_text())
+        _gone(proc)
+    r = json.loads((tmp_path / "report.json").read_text())
     assert r["reason"] == "vacated", (r, err)
     assert not os.path.exists(top), "the delegated subtree was left behind"
     assert [pid for pid in pids if process_alive(pid)] == []
     names = {x["name"] for x in r["payloads"]}
     assert {"frozen", "hidden", "tdom", "tdom/t", "d0/d1/d2/d3/d4/d5/d6/d7/d8/d9"} <= names, names
+
+
+@pytest.mark.cgroup_v2
+def test_gc_after_kill9_removes_the_pilots_subtree(starter, tmp_path, state_dir):
+    """The starter dies (kill -9) under a pilot with frozen, deep, chmod 000
+    and threaded cgroups: its PID 1 dies with it, and gc kills and removes
+    the rest bottom-up."""
+    _pure_v2_or_skip()
+    proc, top, pids, _ = _start_pilot(tmp_path, state_dir, "pilot3")
+    try:
+        proc.kill()
+        proc.communicate(timeout=60 * SLOWDOWN)
+        out = starter("gc", timeout=120 * SLOWDOWN)
+        assert out.returncode == 0, (out.stdout, out.stderr)
+    finally:
+        _gone(proc)
+    assert not os.path.exists(top), (out.stdout, out.stderr)
+    assert [pid for pid in pids if process_alive(pid)] == []
 
 
 JOB_OOM_PILOT = r'''
