@@ -428,3 +428,44 @@ def test_userns_root_pilot_owns_its_subtree(starter, tmp_path):
     p = starter("run", "--delegate", "--userns-root", "--memory", "256M", "--",
                 PY, "-c", USERNS_PILOT, timeout=300 * SLOWDOWN)
     assert p.returncode == 0 and p.stdout.strip() in ("EPERM", "EACCES"), (p.stdout, p.stderr)
+
+
+@pytest.mark.cgroup_v2
+def test_freeze_kill_fallback_reaches_frozen_and_threaded_descendants():
+    """Kernels before 5.14 (no cgroup.kill; --delegate is refused there, but
+    a job can still have sub-cgroups): the freeze-and-SIGKILL fallback also
+    empties a frozen sub-cgroup and a threaded one."""
+    _pure_v2_or_skip()
+    from starter import cgroups
+    from starter.cgroups.base import EventsWatch, Limits
+
+    be = cgroups.backend_for(_layout(), f"starter-test-{os.getpid()}")
+    cg = be.create(f"t{os.getpid()}-fallback", Limits(pids=50))
+    procs = []
+    try:
+        top = cg.paths["unified"]
+        for d in ("frozen", "tdom", "tdom/t"):
+            os.mkdir(os.path.join(top, d))
+        files.write(os.path.join(top, "tdom", "t", "cgroup.type"), "threaded")
+        for d in ("frozen", "tdom", "tdom/t"):
+            p = subprocess.Popen(["sleep", "300"])
+            procs.append(p)
+            files.write(os.path.join(top, d, "cgroup.procs"), p.pid)
+        files.write(os.path.join(top, "frozen", "cgroup.freeze"), 1)
+        assert files.read_pids(os.path.join(top, "tdom", "t", "cgroup.threads")) == [procs[2].pid]
+        w = EventsWatch(os.path.join(top, "cgroup.events"))
+        try:
+            cg._kill_by_freezing()
+            while not cg.is_empty():
+                assert w.wait(30 * SLOWDOWN), "the fallback left processes behind"
+        finally:
+            w.close()
+        assert [p.wait(10) for p in procs] == [-9, -9, -9]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        cg.destroy()
+        be.close()
+    assert not os.path.exists(top)
