@@ -65,6 +65,41 @@ def test_nsdelegate_is_read_from_the_mount():
     assert files.super_options(mi, "/nowhere") == set()
 
 
+FIX = os.path.join(os.path.dirname(__file__), "fixtures", "cgroup")
+
+
+def _fixture_backend(kind):
+    from starter import cgroups
+
+    def read(name):
+        with open(os.path.join(FIX, name)) as f:
+            return f.read()
+
+    mi = read(f"mountinfo.{kind}")
+    return cgroups.backend_for(files.detect_layout(mi, read(f"proc_cgroup.{kind}")), "/starter"), mi
+
+
+@pytest.mark.parametrize("kind", ["v1", "hybrid"])
+def test_backends_without_v2_refuse(kind):
+    from starter.errors import CgroupError
+
+    be, mi = _fixture_backend(kind)
+    with pytest.raises(CgroupError, match="not safe"):
+        be.check_delegation(mi)
+
+
+def test_v2_without_nsdelegate_fails_closed():
+    """Without nsdelegate the job's namespace root is no delegation boundary:
+    refused, with the remount that fixes it."""
+    from starter.errors import CgroupError
+
+    be, mi = _fixture_backend("v2")
+    assert "nsdelegate" in mi
+    with pytest.raises(CgroupError, match="needs the nsdelegate option") as ei:
+        be.check_delegation(mi.replace("nsdelegate,", ""))
+    assert "remount,nsdelegate" in ei.value.hint and "\n" not in str(ei.value)
+
+
 def test_payload_walk_escapes_names_and_follows_no_link(tmp_path):
     """The walk over the job's sub-cgroups on plain directories: names are
     the job's (escaped, bounded), links are not followed, the count limit
