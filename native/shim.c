@@ -1069,7 +1069,7 @@ static _Noreturn void child_main(const struct child_ctx *c)
      * clone time would root the v1 views at the starter's cgroups).  Before
      * any cgroup mount: mounted inside it they show the job's subtree, and
      * cgroup2 mount options are ignored outside the initial namespace. */
-    if ((c->s->nsflags & SHIM_NEWCGROUP) && unshare(CLONE_NEWCGROUP) < 0)
+    if ((c->s->nsflags & SHIM_NEWCGROUP) && !c->s->cgroupns_at_clone && unshare(CLONE_NEWCGROUP) < 0)
         fail(c, "unshare", "cgroup namespace");
     setup_namespaces(c);
     /* The caller's terminal is not the job's controlling tty, so TIOCSTI
@@ -1261,6 +1261,11 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
     int r = take_trees(s, trees);
     if (r < 0)
         return r;
+    /* Rooted at cgroup_fd's cgroup only where clone3 puts the child there. */
+    if (s->cgroupns_at_clone && (s->cgroup_fd < 0 || clone3_state < 0)) {
+        close_trees(s, trees);
+        return -EOPNOTSUPP;
+    }
     r = open_pipes(&p, s->init);
     if (r < 0) {
         close_trees(s, trees);
@@ -1273,7 +1278,18 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
     pthread_sigmask(SIG_SETMASK, &all, &old);
     int pidfd = -1, attached = 0;
     uint64_t flags = (uint64_t)(unsigned int)(s->nsflags & ~SHIM_NEWCGROUP); /* see child_main */
+    if (s->cgroupns_at_clone)
+        flags |= (uint64_t)(unsigned int)(s->nsflags & SHIM_NEWCGROUP);
     pid_t pid = do_clone(flags, s->cgroup_fd, &pidfd, &attached);
+    if (pid > 0 && s->cgroupns_at_clone && !attached) {
+        /* clone() fallback: that namespace is rooted at the starter's cgroup. */
+        kill(pid, SIGKILL);
+        while (waitpid(pid, NULL, 0) < 0 && errno == EINTR)
+            ;
+        close(pidfd);
+        pid = -1;
+        errno = EOPNOTSUPP;
+    }
     if (pid == 0) {
         struct child_ctx c;
         child_close_parent_ends(&p);

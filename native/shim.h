@@ -125,6 +125,12 @@ struct shim_spec {
     int reset_inherited;      /* oom_score_adj, nice, sched, affinity, umask, ... (see shim.c) */
     const struct shim_rlimit *rlimits; /* set while still root; needs reset_inherited */
     int nrlimits;
+    /* --delegate (issue 15): make the cgroup namespace at clone time, rooted
+     * at cgroup_fd's cgroup (CLONE_INTO_CGROUP|CLONE_NEWCGROUP), not by
+     * unshare after release: the starter moves the child into a leaf below
+     * that cgroup before release, and the job sees the cgroup, not the leaf,
+     * as its root.  Only with clone3 (shim_spawn fails EOPNOTSUPP without). */
+    int cgroupns_at_clone;
 };
 
 struct shim_child {

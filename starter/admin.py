@@ -227,6 +227,8 @@ def _usage(state_dir, st):
         out["cpu_s"] = round((stats.get("cpu_user_s") or 0) + (stats.get("cpu_system_s") or 0), 3)
         out["memory_bytes"] = stats.get("memory_current_bytes")
         out["stats"] = stats
+        if st.get("delegate"):   # the same per-sub-cgroup figures as the report
+            out["payloads"], out["payloads_truncated"] = cg.payload_stats()
     except (StarterError, OSError):
         pass
     if st.get("net") == "nat":
@@ -367,8 +369,17 @@ def enter(state_dir, job_id, argv, user=None):
     sc_filter = seccomp.load(st.get("seccomp", "default"), bool(st.get("allow_userns")), state_dir)
     pid = st["pid"]
     pidfd = os.pidfd_open(pid)
+    leaf = leaf_fd = None
     try:
         cg = job_cgroup(st, job_id)
+        cgroup_fd = cg.clone_fd()
+        if st.get("delegate"):
+            # Not in the job's own cgroup (it has children: no internal
+            # processes) nor in one the job made: a root-owned leaf of its own.
+            from starter.cgroups.base import ENTER_PREFIX
+
+            leaf = f"{ENTER_PREFIX}{os.getpid()}-{os.urandom(4).hex()}"   # not a name the job can guess
+            cgroup_fd = leaf_fd = cg.open_leaf(leaf)
         env = {"PATH": DEFAULT_PATH, "HOME": home or "/",
                "TERM": os.environ.get("TERM", "dumb")}
         if name:
@@ -380,7 +391,7 @@ def enter(state_dir, job_id, argv, user=None):
             raise StarterError(f"job {job_id!r} (pid {pid}) shares the host's mount namespace",
                                "its PID 1 is gone or was replaced; `starter ps` shows its state")
         child = ns.enter(pidfd, namespaces, list(argv), env, cwd="/", uid=uid, gid=gid,
-                         groups=groups, cgroup_fd=cg.clone_fd(), released=False, seccomp=sc_filter,
+                         groups=groups, cgroup_fd=cgroup_fd, released=False, seccomp=sc_filter,
                          rlimits=rlimit_table())
         try:
             cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything
@@ -390,4 +401,7 @@ def enter(state_dir, job_id, argv, user=None):
         finally:
             child.close()
     finally:
+        if leaf_fd is not None:
+            os.close(leaf_fd)
+            cg.remove_leaf(leaf)
         os.close(pidfd)

@@ -61,6 +61,13 @@ NETWORK = {"lan_in": "NetworkLanInput", "lan_out": "NetworkLanOutput",
            "wan_in": "NetworkWanInput", "wan_out": "NetworkWanOutput", "dropped": "NetworkDropped"}
 
 
+# --delegate: the per-sub-cgroup figures as parallel lists (a ClassAd has no
+# list of records that HTCondor's tools show well).
+PAYLOAD_LISTS = {"name": "StarterPayloadNames", "cpu_s": "StarterPayloadCpuSeconds",
+                 "memory_peak_bytes": "StarterPayloadMemoryPeakBytes",
+                 "oom_kill": "StarterPayloadOomKills", "oom_group_kill": "StarterPayloadOomGroupKills"}
+
+
 def quote(s):
     s = "".join(" " if (ord(c) < 0x20 or ord(c) == 0x7F) else c for c in str(s))
     s = s.replace("\\\"", "/\"")
@@ -123,7 +130,11 @@ def attributes(report):
     if isinstance(survivors, list):       # [{pid, state, wchan}]: the pids, and where they hang
         out.append(("StarterUnkillable", [s.get("pid") if isinstance(s, dict) else s for s in survivors]))
         out.append(("StarterUnkillableWchan", [str(s.get("wchan")) if isinstance(s, dict) else "" for s in survivors]))
-    known = set(MAPPING) | {"signal", "network", "unkillable"}
+    payloads = report.get("payloads")
+    if isinstance(payloads, list):        # --delegate: one list per figure, in the same order
+        for key, name in PAYLOAD_LISTS.items():
+            out.append((name, [p.get(key) if isinstance(p, dict) else None for p in payloads]))
+    known = set(MAPPING) | {"signal", "network", "unkillable", "payloads"}
     for field in report:
         if field not in known:
             _flatten(out, "Starter" + camel(field), report[field])

@@ -67,6 +67,7 @@ RUN_OPTIONS = {
     "--cpu-weight": ("cpu-weight", "value", "N  cpu weight 1..10000 (default 100)"),
     "--pids": ("pids", "value", "N  most processes/threads at once"),
     "--wall-time": ("wall-time", "value", "SECONDS  wall-clock limit; then the job is killed (reason timeout)"),
+    "--delegate": ("delegate", "flag", "give the job its cgroup subtree to manage (pilots; cgroup v2 with nsdelegate only)"),
     "--oom-policy": ("oom-policy", "value", "kill|continue  kill: an OOM kill of any process ends the job (reason oom; default); continue: only that process dies"),
     "--grace": ("grace", "value", "SECONDS  vacate: time between SIGTERM and the kill (default 10)"),
     "--on-signal": ("on-signal", "multi", "SIG=ACTION  map a signal to vacate|suspend|resume|kill"),

@@ -203,6 +203,8 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
 
     # The cgroup, with its limits, before anything runs in it.
     backend = cgroups.open_backend(spec.cgroup_parent)
+    if spec.delegate:   # refused before anything of the job's cgroup exists
+        backend.check_delegation()
     # The job's own cgroup tree, /dev/shm and temp dirs first (the spec's
     # mounts may stack on them); the state directory and /proc/keys hidden
     # last.  Planned before the cgroup is made: on layouts with v1
@@ -210,12 +212,14 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     # (cgroups.warm_up), and this work fills some of that wait.
     from starter import mounts as M
 
-    first_mounts = M.cgroup_view(backend.view()) + M.private_dirs(spec.uid, spec.gid, spec.limits.memory)
+    first_mounts = (M.cgroup_view(backend.view(), writable=spec.delegate)
+                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory))
     last_mounts = M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
     rlimits = rlimit_table(spec.rlimits)
     cwd_fallbacks = () if cwd else default_cwds(spec)
     job_state.update(cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
-                     cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent)   # before it exists
+                     cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent,
+                     delegate=spec.delegate)   # before it exists
     cg = backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
         memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
         cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
@@ -245,7 +249,7 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
         uid=spec.uid, gid=spec.gid,
         groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
         mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter,
-        userns_root=spec.userns_root, rlimits=rlimits)
+        userns_root=spec.userns_root, rlimits=rlimits, cgroupns_at_clone=spec.delegate)
     trace.mark("plan")
     child = ns.spawn(child_spec)
     undo.push(child.close, label="child")
@@ -253,6 +257,10 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
     cg.add_pid(child.pid, cloned=child_spec.cgroup_fd is not None)
     cgroups.warm_up_done()
+    if spec.delegate:
+        # Before release: the job starts in job/, sees its cgroup as the root
+        # and finds the subtree its own (the teardown above removes it all).
+        cg.delegate(child.pid, spec.uid, spec.gid)
     fault("clone")
     trace.mark("attach")
 
@@ -294,14 +302,25 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
 
     # Measure before anything is destroyed.
     stats = cg.stats()
-    reason, code, sig = classify(out, stats.get("oom_kills"), spec.oom_policy)
+    oom = stats.get("oom_kills")
+    if spec.delegate and oom:
+        # A payload that reached a limit the job set itself is the job's
+        # business (payloads_oom names it); the job was OOM-killed only when
+        # its own limit was reached or it was group-killed.
+        oom = oom if cg.own_oom() else 0
+    reason, code, sig = classify(out, oom, spec.oom_policy)
     if stats.get("oom_kills"):
         events.emit("oom", oom_kills=stats.get("oom_kills"))
     report.update(reason=reason, exit_code=code, signal=sig,
                   wall_s=round(time.monotonic() - sup.started, 6),
                   cgroup=backend.kind, **stats)
-    report.update(oom=None if stats.get("oom_kills") is None else stats["oom_kills"] > 0,
-                  oom_policy=spec.oom_policy)
+    report.update(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
+    if spec.delegate:
+        from starter.cgroups.files import ran_out_of_memory
+
+        payloads, left_out = cg.payload_stats()
+        report.update(delegated=True, payloads=payloads, payloads_truncated=left_out,
+                      payloads_oom=[p["name"] for p in payloads if ran_out_of_memory(p)])
     if out.unkillable:
         # Nothing the job holds may be reused while its processes live: the
         # cgroup, address, scratch and entry stay for `starter gc`.

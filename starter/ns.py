@@ -60,13 +60,13 @@ class ChildSpec:
     __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
                  "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
                  "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks", "seccomp",
-                 "userns_root", "reset_inherited", "rlimits")
+                 "userns_root", "reset_inherited", "rlimits", "cgroupns_at_clone")
 
     def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
                  namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
                  keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
                  drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=(), seccomp=None,
-                 userns_root=False, reset_inherited=True, rlimits=None):
+                 userns_root=False, reset_inherited=True, rlimits=None, cgroupns_at_clone=False):
         self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
         self.env = env                # dict[str, str]: exactly the job's environment
         self.cwd = cwd
@@ -88,6 +88,9 @@ class ChildSpec:
         self.userns_root = userns_root  # uid/gid 0 in a new user namespace mapped to uid/gid
         self.reset_inherited = reset_inherited  # oom_score_adj, nice, sched, affinity, umask...
         self.rlimits = rlimits        # ((SHIM_RLIMIT index, soft, hard, asked), ...); None: keep
+        # cgroup namespace made by clone3 itself, rooted at cgroup_fd's cgroup
+        # (--delegate: the starter then moves the child into a leaf below it)
+        self.cgroupns_at_clone = cgroupns_at_clone
 
     def __repr__(self):
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
@@ -412,6 +415,7 @@ def _build(spec, keep, entering=False, src_fds=None):
         c.seccomp_flags = spec.seccomp.flags
     c.userns_root = 1 if spec.userns_root else 0
     c.reset_inherited = 1 if spec.reset_inherited else 0
+    c.cgroupns_at_clone = 1 if spec.cgroupns_at_clone else 0
     rl = ffi.new("struct shim_rlimit[]", max(len(rlimits), 1))
     keep.append(rl)
     for i, (res, soft, hard, asked) in enumerate(rlimits):

@@ -99,13 +99,14 @@ class JobSpec(Spec):
         "scratch", "execute_dir", "keep_scratch", "manifest",
         "manifest_digest", "inputs",
         "seccomp", "allow_userns", "userns_root", "rlimits",
-        "oom_policy", "kill_timeout",
+        "oom_policy", "kill_timeout", "delegate",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
         "on_signal": (), "keep_scratch": False, "report_format": "json",
         "seccomp": "default", "allow_userns": False, "userns_root": False, "rlimits": (),
         "oom_policy": "kill", "kill_timeout": KILL_TIMEOUT,
+        "delegate": False,
     }
 
 
@@ -324,7 +325,7 @@ _FILE_KEYS = {
     "manifest_digest": "manifest-digest", "inputs": "inputs",
     "seccomp": "seccomp", "allow_userns": "allow-userns",
     "userns_root": "userns-root", "rlimits": None,
-    "oom_policy": "oom-policy",
+    "oom_policy": "oom-policy", "delegate": "delegate",
 }
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "pids": "pids", "wall_time": "wall-time"}
@@ -497,7 +498,7 @@ def _make(raw):
 
     report_format = V.string("report-format", raw.get("report-format", "json"))
     if report_format not in REPORT_FORMATS:
-        raise SpecError("report-format", f"{report_format!r} is not one of {', '.join(REPORT_FORMATS)}")
+        raise SpecError("report-format", f"{V.show(report_format)} is not one of {', '.join(REPORT_FORMATS)}")
     userns_root = _bool("userns-root", raw.get("userns-root", False))
     if userns_root and uid == 0:
         raise SpecError("userns-root", "maps root inside to the job's host uid, which is 0 here",
@@ -508,7 +509,7 @@ def _make(raw):
         rlimits[name] = (name, soft, hard)  # a later one wins
     oom_policy = V.string("oom-policy", raw.get("oom-policy", "kill"))
     if oom_policy not in OOM_POLICIES:
-        raise SpecError("oom-policy", f"{oom_policy!r} is not one of {', '.join(OOM_POLICIES)}")
+        raise SpecError("oom-policy", f"{V.show(oom_policy)} is not one of {', '.join(OOM_POLICIES)}")
 
     cwd = raw.get("cwd")
     return JobSpec(
@@ -540,6 +541,7 @@ def _make(raw):
         userns_root=userns_root,
         rlimits=tuple(rlimits.values()),
         oom_policy=oom_policy,
+        delegate=_bool("delegate", raw.get("delegate", False)),
         kill_timeout=V.number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
                                   0.1, MAX_GRACE),
     )

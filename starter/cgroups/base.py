@@ -26,12 +26,25 @@ from ..errors import CgroupError, SpecError
 from . import files
 
 JOB_PREFIX = "job-"
+# --delegate: the leaf the job's processes start in, and `starter enter`'s
+# own leaves (enter-<pid>), in the job's cgroup.
+DELEGATE_LEAF = "job"
+ENTER_PREFIX = "enter-"
 
 CPU_PERIOD_US = 100_000
 CPU_WEIGHT_MIN, CPU_WEIGHT_MAX = 1, 10_000
 CPU_SHARES_MIN, CPU_SHARES_MAX = 2, 262_144
 # pids.max accepts up to PID_MAX_LIMIT (2^22); larger values are the kernel's to refuse.
 PIDS_MAX_SANE = 2**31 - 1
+
+
+# v1 has no delegation boundary: a v1 cgroup's owner can move its tasks to
+# any cgroup it can write, its limit files sit in the same directory, and the
+# hybrid layout's v1 half is the same.  The kernel's docs call v1 delegation
+# unsafe; --delegate is cgroup v2 only.
+DELEGATE_V1_REFUSAL = ("--delegate needs a pure cgroup v2 host: delegating "
+                       "cgroup v1 hierarchies (v1 or hybrid) is not safe")
+DELEGATE_V1_HINT = "run the job without --delegate, or on a node booted with cgroup v2 only"
 
 
 def check_job_id(job_id):
@@ -315,6 +328,29 @@ class JobCgroup:
         Call before the job runs."""
         return None
 
+    # -- delegation (--delegate; cgroup v2 only) ---------------------------
+    def delegate(self, pid, uid, gid):
+        """Hand the job's cgroup subtree to uid:gid, `pid` in a leaf of it.
+        Backend.check_delegation() refuses first where this cannot work."""
+        raise CgroupError(DELEGATE_V1_REFUSAL, DELEGATE_V1_HINT)
+
+    def open_leaf(self, name):
+        """A root-owned leaf in a delegated job's cgroup -> a directory fd."""
+        raise CgroupError(DELEGATE_V1_REFUSAL, DELEGATE_V1_HINT)
+
+    def remove_leaf(self, name):
+        pass
+
+    def own_oom(self):
+        """Did the OOM killer act for the job as a whole (not only inside a
+        sub-cgroup a delegated job limited itself)?"""
+        return bool(self.oom_kills())
+
+    def payload_stats(self, limit=None):
+        """-> ([figures of each sub-cgroup], number left out); ([], 0) where
+        nothing is delegated."""
+        return [], 0
+
     def kill(self, timeout=5.0):
         """SIGKILL every process of the job, in every hierarchy and every
         sub-cgroup, until none is left.  -> the pids still there after
@@ -513,6 +549,10 @@ class Backend:
 
     def distinct_parents(self):
         return list(dict.fromkeys(self.parents.values()))
+
+    def check_delegation(self, mountinfo=None):
+        """Raise CgroupError unless jobs can get a delegated subtree here."""
+        raise CgroupError(DELEGATE_V1_REFUSAL, DELEGATE_V1_HINT)
 
     # -- capabilities (probed from files, cached once known) ---------------
     def _probe_dirs(self, role):

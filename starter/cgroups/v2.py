@@ -31,6 +31,7 @@ from ..errors import CgroupError
 from . import files
 from .base import (
     CPU_PERIOD_US,
+    DELEGATE_LEAF,
     Backend,
     EventsWatch,
     JobCgroup,
@@ -165,6 +166,9 @@ class UnifiedTracking:
             pass
         for d in subdirs_bottom_up(self.upath):
             kill_pids(files.read_pids(os.path.join(d, "cgroup.procs")))
+            # A threaded cgroup (a delegated job can make them) lists no
+            # processes, only threads; SIGKILL to a thread ends its process.
+            kill_pids(files.read_pids(os.path.join(d, "cgroup.threads")))
         for d in subdirs_bottom_up(self.upath):
             try:
                 files.write(os.path.join(d, "cgroup.freeze"), 0)
@@ -263,12 +267,107 @@ class V2Resources:
         return self._oom
 
 
+class V2Delegation:
+    """--delegate: the job's cgroup handed to the job's user (cgroup-v2.rst,
+    "Delegation"), the starter's limits and kill staying above it.
+
+        job-<id>/                 limits, memory.oom.group, cgroup.max.*: root's
+          cgroup.procs, cgroup.subtree_control, cgroup.threads, the dir: the user's
+          job/                    the job's first process (no internal processes)
+          <whatever the job makes: payload cgroups, its own limits in them>
+          enter-<pid>/            `starter enter` (root-owned, removed after)
+
+    The job's cgroup namespace is rooted at job-<id> (shim: cgroupns_at_clone),
+    so it sees that as /sys/fs/cgroup; nsdelegate on the host's cgroup2 mount
+    makes the namespace root a delegation boundary (checked by
+    V2Backend.check_delegation)."""
+
+    def delegate(self, pid, uid, gid):
+        """Move `pid` (cloned into the job's cgroup, not yet released) into
+        the leaf job/, enable the controllers the job's cgroup has for its
+        children, bound the subtree, then chown the delegation files of the
+        job's cgroup and of job/ to uid:gid.  Raises CgroupError (the job
+        must not start then; destroy() removes what was made)."""
+        d = self.upath
+        leaf = os.path.join(d, DELEGATE_LEAF)
+        mkdir(leaf)
+        files.write(os.path.join(leaf, "cgroup.procs"), int(pid))
+        files.write(os.path.join(d, "cgroup.max.depth"), DELEGATE_MAX_DEPTH)
+        files.write(os.path.join(d, "cgroup.max.descendants"), DELEGATE_MAX_DESCENDANTS)
+        want = [c for c in CONTROLLERS if c in _controllers(d)]
+        if want:
+            files.write(os.path.join(d, "cgroup.subtree_control"), " ".join("+" + c for c in want))
+        for cg in (d, leaf):
+            for name in DELEGATED_FILES:
+                p = os.path.join(cg, name) if name else cg
+                try:
+                    os.chown(p, uid, gid, follow_symlinks=False)
+                except OSError as e:
+                    raise CgroupError(f"cannot hand {p} to uid {uid}: {os.strerror(e.errno)}",
+                                      files.hint_for(e.errno)) from None
+
+    def open_leaf(self, name):
+        """Make a root-owned leaf `name` in the job's cgroup (for `starter
+        enter` into a delegated job) -> an O_DIRECTORY fd for
+        CLONE_INTO_CGROUP; the caller closes it and calls remove_leaf()."""
+        p = os.path.join(self.upath, name)
+        if not mkdir(p):
+            # The job owns the directory and may have made `name` first: a
+            # cgroup the job controls is no place for the admin's process.
+            raise CgroupError(f"{p} already exists: the job made it", "try again (the name has the pid in it)")
+        try:
+            return os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+        except OSError as e:
+            _rmdir_quiet(p)
+            raise CgroupError(f"cannot open {p}: {os.strerror(e.errno)}", files.hint_for(e.errno)) from None
+
+    def remove_leaf(self, name):
+        p = os.path.join(self.upath, name)
+        try:
+            os.rmdir(p)
+        except FileNotFoundError:
+            pass
+        except OSError:
+            pass   # still busy: destroy() removes it with the job
+
+    def own_oom(self):
+        """The OOM killer acted for the job as a whole: the job's own limit
+        was reached (memory.events.local "oom") or the job was group-killed
+        (a global OOM; "oom_group_kill").  An OOM inside a sub-cgroup the job
+        limited itself counts in neither."""
+        ev = files.parse_flat_keyed(files.read_text_or_none(os.path.join(self.upath, "memory.events.local")))
+        return ev.get("oom", 0) > 0 or ev.get("oom_group_kill", 0) > 0
+
+    def payload_stats(self, limit=None):
+        """Figures of every cgroup below the job's (depth first, at most
+        `limit`) -> (list of dicts, number left out).  The names are the
+        job's: escaped, bounded, and the walk never follows a link."""
+        return files.subtree_figures(self.upath, PAYLOADS_MAX if limit is None else limit)
+
+
+# The files of a cgroup that delegation hands over ("" = the directory).
+DELEGATED_FILES = ("", "cgroup.procs", "cgroup.subtree_control", "cgroup.threads")
+# Bounds on a delegated subtree (cgroup.max.depth / .descendants of the job's
+# cgroup, root's): keep walks, the report and cleanup bounded.
+DELEGATE_MAX_DEPTH = 16
+DELEGATE_MAX_DESCENDANTS = 1024
+# Sub-cgroups listed in the report (depth first); the rest are counted.
+PAYLOADS_MAX = 64
+
+
+def _rmdir_quiet(p):
+    try:
+        os.rmdir(p)
+    except OSError:
+        pass
+
+
 def _swap_active():
     text = files.read_text_or_none("/proc/swaps") or ""
     return len(text.strip().splitlines()) > 1
 
 
-class V2Job(UnifiedTracking, V2Resources, JobCgroup):
+class V2Job(UnifiedTracking, V2Resources, V2Delegation, JobCgroup):
     pass
 
 
@@ -283,6 +382,24 @@ class V2Backend(Backend):
 
     def roles(self):
         return ("unified",)
+
+    def check_delegation(self, mountinfo=None):
+        """--delegate needs nsdelegate on the cgroup2 mount (a cgroup
+        namespace is then a delegation boundary: the job can neither move a
+        process out of it nor write its root's limit files) and cgroup.kill
+        (one write ends the whole subtree, whatever the job built)."""
+        m = self.layout.unified
+        if mountinfo is None:
+            mountinfo = files.read_text("/proc/self/mountinfo")
+        opts = files.super_options(mountinfo, m.mount_point)
+        if "nsdelegate" not in opts:
+            raise CgroupError(
+                f"--delegate needs the nsdelegate option on the cgroup2 mount {m.mount_point}",
+                f"remount it with `mount -o remount,nsdelegate {m.mount_point}` (systemd mounts it so), "
+                "or run the job without --delegate")
+        if not self.supports_kill:
+            raise CgroupError("--delegate needs cgroup.kill (Linux 5.14 or later)",
+                              "run the job without --delegate on this kernel")
 
     @property
     def supports_memory_peak(self):
