@@ -68,36 +68,51 @@ def is_job_key(name):
 
 
 class Pool:
-    """An IPv4 CIDR cut into /30 slots.  Pure arithmetic, no state."""
+    """An IPv4 CIDR cut into /30 slots of four addresses: network (unused),
+    gateway (+1, the host end), the job (+2), broadcast (unused).  Pure
+    arithmetic, no state.  Pool6 is the same for IPv6."""
 
     __slots__ = ("cidr", "base", "prefixlen", "size")
+    FIELD, VERSION, SLOT = "pool", 4, SLOT_PREFIXLEN
+    WANT = "give an IPv4 network such as 10.213.0.0/16"
+    LARGER = "give a network of /30 or larger, e.g. 10.213.0.0/16"
 
     def __init__(self, cidr):
         import ipaddress
 
+        kind = ipaddress.IPv4Network if self.VERSION == 4 else ipaddress.IPv6Network
         try:
-            net = ipaddress.IPv4Network(cidr, strict=True)
+            net = kind(cidr, strict=True)
         except ValueError as e:
-            raise NetworkError(f"pool: {e}", "give an IPv4 network such as 10.213.0.0/16") from None
-        if net.prefixlen > SLOT_PREFIXLEN:
-            raise NetworkError(f"pool: {cidr} is smaller than one /{SLOT_PREFIXLEN}",
-                               "give a network of /30 or larger, e.g. 10.213.0.0/16")
+            raise NetworkError(f"{self.FIELD}: {e}", self.WANT) from None
+        self._check(net, cidr)
+        if net.prefixlen > self.SLOT:
+            raise NetworkError(f"{self.FIELD}: {cidr} is smaller than one /{self.SLOT}", self.LARGER)
         self.cidr = str(net)
         self.base = int(net.network_address)
         self.prefixlen = net.prefixlen
-        self.size = 1 << (SLOT_PREFIXLEN - net.prefixlen)
+        self.size = 1 << (self.SLOT - net.prefixlen)
+
+    def _check(self, net, cidr):
+        """Hook: refuse a network of the right family that is still wrong."""
 
     def slot(self, n):
-        """-> (gateway, address, network) of slot n, as dotted strings."""
-        if not 0 <= n < self.size:
-            raise ValueError(f"slot {n} outside pool {self.cidr}")
-        net = self.base + 4 * n
-        return _ntoa(net + 1), _ntoa(net + 2), f"{_ntoa(net)}/{SLOT_PREFIXLEN}"
-
-    def overlaps(self, cidr):
+        """-> (gateway, address, network) of slot n, as strings."""
         import ipaddress
 
-        return ipaddress.ip_network(self.cidr).overlaps(ipaddress.ip_network(cidr, strict=False))
+        if not 0 <= n < self.size:
+            raise ValueError(f"slot {n} outside {self.FIELD} {self.cidr}")
+        a = ipaddress.IPv4Address if self.VERSION == 4 else ipaddress.IPv6Address
+        net = self.base + 4 * n
+        return str(a(net + 1)), str(a(net + 2)), f"{a(net)}/{self.SLOT}"
+
+    def overlaps(self, cidr):
+        """Whether cidr (either family; host bits allowed) shares an address
+        with the pool.  A network of the other family never does."""
+        import ipaddress
+
+        other = ipaddress.ip_network(cidr, strict=False)
+        return other.version == self.VERSION and ipaddress.ip_network(self.cidr).overlaps(other)
 
 
 SLOT_PREFIXLEN6 = 126  # the same four addresses: ::0 unused, gateway ::1, job ::2, ::3 unused
@@ -109,52 +124,22 @@ JOB_LINK_LOCAL6 = "fe80::2"
 ULA = "fc00::/7"
 
 
-class Pool6:
+class Pool6(Pool):
     """An IPv6 unique local CIDR cut into /126 slots, slot n beside the IPv4
-    pool's slot n.  Pure arithmetic, no state."""
+    pool's slot n."""
 
-    __slots__ = ("cidr", "base", "prefixlen", "size")
+    __slots__ = ()
+    FIELD, VERSION, SLOT = "pool6", 6, SLOT_PREFIXLEN6
+    WANT = "give an IPv6 unique local network such as fd70:7639:1864::/64"
+    LARGER = "give a network of /126 or larger, e.g. a /64"
 
-    def __init__(self, cidr):
+    def _check(self, net, cidr):
         import ipaddress
 
-        try:
-            net = ipaddress.IPv6Network(cidr, strict=True)
-        except ValueError as e:
-            raise NetworkError(f"pool6: {e}", "give an IPv6 unique local network such as fd70:7639:1864::/64") from None
         if not net.subnet_of(ipaddress.IPv6Network(ULA)):
             raise NetworkError(f"pool6: {cidr} is not a unique local network (inside {ULA})",
                                "job addresses must not be routable from outside: give a ULA prefix "
                                "such as fd70:7639:1864::/64")
-        if net.prefixlen > SLOT_PREFIXLEN6:
-            raise NetworkError(f"pool6: {cidr} is smaller than one /{SLOT_PREFIXLEN6}",
-                               "give a network of /126 or larger, e.g. a /64")
-        self.cidr = str(net)
-        self.base = int(net.network_address)
-        self.prefixlen = net.prefixlen
-        self.size = 1 << (SLOT_PREFIXLEN6 - net.prefixlen)
-
-    def slot(self, n):
-        """-> (gateway, address, network) of slot n, as strings."""
-        import ipaddress
-
-        if not 0 <= n < self.size:
-            raise ValueError(f"slot {n} outside pool6 {self.cidr}")
-        net = self.base + 4 * n
-        a = ipaddress.IPv6Address
-        return str(a(net + 1)), str(a(net + 2)), f"{a(net)}/{SLOT_PREFIXLEN6}"
-
-    def overlaps(self, cidr):
-        import ipaddress
-
-        other = ipaddress.ip_network(cidr, strict=False)
-        return other.version == 6 and ipaddress.ip_network(self.cidr).overlaps(other)
-
-
-def _ntoa(n):
-    import ipaddress  # already loaded: Pool() needs it first
-
-    return str(ipaddress.IPv4Address(n))
 
 
 class PoolExhausted(NetworkError):
