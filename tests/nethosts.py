@@ -31,12 +31,15 @@ import sys
 
 PY = "/usr/bin/python3"
 
+# The TCP server and client the tests run in namespaces: IPv4 or IPv6 by
+# the address given (a ':' in it), link-local IPv6 as ADDR%IFNAME.
 SERVER = r"""
 import socket, sys
 mode, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+host = sys.argv[4] if len(sys.argv) > 4 else "0.0.0.0"
+s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
 s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind(("0.0.0.0", port)); s.listen(8)
+s.bind((host, port)); s.listen(512)
 print("ready", flush=True)
 c, peer = s.accept()
 print("peer", peer[0], flush=True)
@@ -63,14 +66,18 @@ import socket, sys
 mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 src = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] else None
 timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 10.0
-s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
 s.settimeout(timeout)
 if src:
     s.bind((src, 0))
+addr = (host, port)
+if "%" in host:                      # a link-local address with its interface
+    host, ifname = host.split("%")
+    addr = (host, port, 0, socket.if_nametoindex(ifname))
 try:
-    s.connect((host, port))
+    s.connect(addr)
 except OSError as e:
-    print("connect-failed", type(e).__name__, flush=True); sys.exit(3)
+    print("connect-failed", type(e).__name__, e.errno, flush=True); sys.exit(3)
 if mode == "connect":
     print("connected", flush=True)
 elif mode == "recv":
@@ -134,8 +141,8 @@ class Netns:
 
 
 class Server:
-    def __init__(self, ns, mode, port, n):
-        self.proc = ns.popen(PY, "-c", SERVER, mode, str(port), str(n))
+    def __init__(self, ns, mode, port, n, host="0.0.0.0"):
+        self.proc = ns.popen(PY, "-c", SERVER, mode, str(port), str(n), host)
         line = self.proc.stdout.readline()
         if line.strip() != "ready":
             self.close()

@@ -36,68 +36,6 @@ POOL = f"10.{216 + secrets.randbelow(32)}.{secrets.randbelow(256)}.0/24"
 POOL6 = f"fd70:7639:1864:{secrets.randbelow(0xffff):x}::/64"
 HDR4, HDR6 = 52, 72   # IP + TCP with timestamps, per packet
 
-SERVER = r"""
-import socket, sys
-mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
-s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-s.bind((host, port)); s.listen(512)
-print("ready", flush=True)
-c, peer = s.accept()
-print("peer", peer[0], flush=True)
-if mode == "send":
-    buf = b"x" * 65536
-    left = n
-    while left:
-        left -= c.send(buf[:min(left, len(buf))])
-    c.shutdown(socket.SHUT_WR)
-    c.recv(1)
-else:
-    got = 0
-    while True:
-        b = c.recv(1 << 16)
-        if not b:
-            break
-        got += len(b)
-    print("received", got, flush=True)
-"""
-
-CLIENT = r"""
-import socket, sys
-mode, host, port, n, timeout = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), float(sys.argv[5])
-src = sys.argv[6] if len(sys.argv) > 6 else None
-s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
-s.settimeout(timeout)
-if src:
-    s.bind((src, 0))
-addr = (host, port)
-if "%" in host:                      # a link-local address with its interface
-    host, ifname = host.split("%")
-    addr = (host, port, 0, socket.if_nametoindex(ifname))
-try:
-    s.connect(addr)
-except OSError as e:
-    print("connect-failed", type(e).__name__, e.errno, flush=True); sys.exit(3)
-if mode == "connect":
-    print("connected", flush=True)
-elif mode == "recv":
-    got = 0
-    while True:
-        b = s.recv(1 << 16)
-        if not b:
-            break
-        got += len(b)
-    print("received", got, flush=True)
-else:
-    buf = b"y" * 65536
-    left = n
-    while left:
-        left -= s.send(buf[:min(left, len(buf))])
-    s.shutdown(socket.SHUT_WR)
-    s.recv(1)
-    print("sent", n, flush=True)
-"""
-
 MANY_CLIENT = r"""
 import socket, sys
 host, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
@@ -288,7 +226,7 @@ class Site6:
 
     def serve(self, host, mode, n=0):
         port = self.port()
-        proc = self.ns.popen(nethosts.PY, "-c", SERVER, mode, host, str(port), str(n))
+        proc = self.ns.popen(nethosts.PY, "-c", nethosts.SERVER, mode, str(port), str(n), host)
         self._stack.callback(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
         line = proc.stdout.readline()
         assert line.strip() == "ready", (line, proc.stderr.read())
@@ -322,9 +260,7 @@ def _setup(job_ns, job_id, cfg):
 
 
 def client(ns, mode, host, port, n=0, timeout=10.0, src=None):
-    args = [mode, host, port, n, timeout] + ([src] if src else [])
-    r = ns.python(CLIENT, *args, timeout=timeout + 30)
-    return r.returncode, r.stdout.strip()
+    return nethosts.client(ns, mode, host, port, n, src=src, timeout=timeout)
 
 
 def _payload(c, hdr):
@@ -468,7 +404,7 @@ def test_isolation_ipv6(site6, tmp_path):
 
         # another job: B listens on its IPv6 address, A cannot connect
         srv = nethosts.Server.__new__(nethosts.Server)
-        srv.proc = b.popen(nethosts.PY, "-c", SERVER, "recv", "::", str(port + 2), "0")
+        srv.proc = b.popen(nethosts.PY, "-c", nethosts.SERVER, "recv", str(port + 2), "0", "::")
         try:
             assert srv.proc.stdout.readline().strip() == "ready"
             assert client(a, "connect", lb.address6, port + 2, timeout=1)[0] == 3
@@ -672,12 +608,12 @@ def test_dual_stack_through_the_cli(site6, tmp_path):
     """`starter run --net nat` with an IPv6 LAN and resolver: the report has
     both families; --ipv6 on with an uplink lacking IPv6 is exit 125, one line."""
     srv = site6.serve(site6.lan6, "send", 100_000)
-    (tmp_path / "client.py").write_text(CLIENT)
+    (tmp_path / "client.py").write_text(nethosts.CLIENT)
     tmp_path.chmod(0o755)
     report = tmp_path / "r.json"
     common = ["--user", "starter-job", "--net", "nat", "--pool", POOL, "--pool6", POOL6,
               "--lan", site6.lan_cidrs[0], "--lan", site6.lan_cidrs[1], "--uplink", site6.uplink]
-    script = f"cat /etc/resolv.conf; /usr/bin/python3 /srv/client.py recv {site6.lan6} {srv.port} 0 20"
+    script = f"cat /etc/resolv.conf; /usr/bin/python3 /srv/client.py recv {site6.lan6} {srv.port} 0 '' 20"
     p = subprocess.run([STARTER, "run", *common, "--resolver", "2001:db8::53", "--ipv6", "on",
                         "--report", str(report), "--ro-bind", f"{tmp_path}:/srv", "--", "sh", "-c", script],
                        capture_output=True, text=True, timeout=120)
