@@ -27,7 +27,7 @@ from . import files
 
 JOB_PREFIX = "job-"
 # --delegate: the leaf the job's processes start in, and `starter enter`'s
-# own leaves (enter-<pid>), in the job's cgroup.
+# own leaves (enter-<pid>-<random>), in the job's cgroup.
 DELEGATE_LEAF = "job"
 ENTER_PREFIX = "enter-"
 

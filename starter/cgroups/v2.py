@@ -275,7 +275,7 @@ class V2Delegation:
           cgroup.procs, cgroup.subtree_control, cgroup.threads, the dir: the user's
           job/                    the job's first process (no internal processes)
           <whatever the job makes: payload cgroups, its own limits in them>
-          enter-<pid>/            `starter enter` (root-owned, removed after)
+          enter-<pid>-<random>/   `starter enter` (root-owned, removed after)
 
     The job's cgroup namespace is rooted at job-<id> (shim: cgroupns_at_clone),
     so it sees that as /sys/fs/cgroup; nsdelegate on the host's cgroup2 mount
