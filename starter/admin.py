@@ -145,7 +145,9 @@ def _reclaim_locked(state_dir, job_id, st, quick=False):
             try:
                 if scratch.remove_recorded(st, job_id):
                     done.append(f"scratch {st['scratch']} removed")
-            except (StarterError, OSError) as e:
+            except StarterError as e:
+                held.append(str(e))         # scratch.py's errors name the scratch
+            except OSError as e:
                 held.append(f"scratch: {e}")
     if held:
         S.mark_reclaiming(state_dir, job_id, st, held)

@@ -153,6 +153,7 @@ def test_reclaiming_entry_is_shown_by_ps_and_refuses_its_id_until_gc(starter, st
         assert p.returncode == 125 and "earlier run" in p.stderr, p.stderr
         p = starter("gc")
         assert p.returncode == 1 and "job mnt1: still held: scratch" in p.stdout and str(m) in p.stdout, p.stdout
+        assert "scratch: scratch" not in p.stdout, p.stdout      # one prefix, not two
         assert (ex / "job-mnt1").is_dir()
     finally:
         subprocess.run(["umount", str(m)], check=True)
