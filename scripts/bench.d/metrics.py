@@ -103,6 +103,7 @@ def main():
     with contextlib.ExitStack() as stack:
         state = tempfile.mkdtemp(prefix="starter-bench-metrics-", dir="/run")
         stack.callback(shutil.rmtree, state, True)
+        stack.callback(shutil.rmtree, state + ".seccomp", True)   # the filter cache beside it
         stack.callback(subprocess.run, [STARTER, "gc", "--state-dir", state], capture_output=True)
 
         def stop_all():

@@ -79,6 +79,7 @@ class Bench:
         self.site, self.stack, self.args = site, stack, args
         self.state = tempfile.mkdtemp(prefix="starter-bench-net-", dir="/run")
         stack.callback(shutil.rmtree, self.state, True)
+        stack.callback(shutil.rmtree, self.state + ".seccomp", True)   # the filter cache beside it
         self.cfg = net.NetConfig(state_dir=self.state, pool=POOL, lan=(site.lan_cidr,),
                                  uplink=site.uplink, table=table)
         stack.callback(self.gc)
@@ -310,6 +311,7 @@ def bench_ipv6(args):
         site = Site6(stack)
         state = tempfile.mkdtemp(prefix="starter-bench-net6-", dir="/run")
         stack.callback(shutil.rmtree, state, True)
+        stack.callback(shutil.rmtree, state + ".seccomp", True)   # the filter cache beside it
         table = "starter_bench6"
         cfgs = {mode: net.NetConfig(state_dir=state, pool=POOL, lan=site.lan_cidrs, uplink=(site.uplink,),
                                     table=table, ipv6=mode) for mode in ("off", "auto")}
