@@ -353,7 +353,7 @@ def control(state_dir, job_id, action):
 def enter(state_dir, job_id, argv, user=None):
     """Join a running job's namespaces and cgroup and run argv there, as the
     job's user by default: what condor_ssh_to_job gives, for an admin."""
-    from starter import cgroups, ns
+    from starter import ns
     from starter.spec import DEFAULT_PATH, resolve_user, rlimit_table
 
     st = _entry(state_dir, job_id)

@@ -6,6 +6,7 @@ what the node holds (veths, network namespaces, nft tables, job cgroups,
 mounts, state entries, our own child processes) with what it held before.
 """
 
+import contextlib
 import os
 import subprocess
 import sys
@@ -54,6 +55,31 @@ def starter(state_root):
 # Under software emulation (scripts/vm-test runs qemu TCG, ~7x slower) time
 # bounds that state a promise ("dead within a second") stretch by this much.
 SLOWDOWN = 7.0 if os.environ.get("STARTER_VM") else 1.0
+
+
+@contextlib.contextmanager
+def running_netd(state_dir):
+    """`starter netd` for state_dir, serving until the block ends; then
+    SIGTERM, and its socket must be gone."""
+    import signal
+    import time
+
+    os.makedirs(state_dir, exist_ok=True)
+    proc = subprocess.Popen([STARTER, "netd", "--state-dir", state_dir], stderr=subprocess.PIPE, text=True)
+    sock = os.path.join(state_dir, "netd.sock")
+    try:
+        # netd announces nothing: poll for its socket, with a deadline.
+        deadline = time.monotonic() + 30 * SLOWDOWN
+        while not os.path.exists(sock):
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.monotonic() < deadline, "netd did not come up"
+            time.sleep(0.05)
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert not os.path.exists(sock)
 
 
 def process_alive(pid):

@@ -8,12 +8,10 @@ payload cgroups with their own limits, one payload OOMs, the other is frozen
 and killed; everything is synchronised on events (waitpid, cgroup.events,
 a fifo), never on sleeps."""
 
-import errno
 import json
 import os
 import stat
 import subprocess
-import sys
 
 import pytest
 

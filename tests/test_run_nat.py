@@ -16,7 +16,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
-from conftest import SLOWDOWN, STARTER, process_alive  # noqa: E402
+from conftest import SLOWDOWN, STARTER, process_alive, running_netd  # noqa: E402
 
 POOL = f"10.{216 + secrets.randbelow(32)}.0.0/16"
 
@@ -31,28 +31,14 @@ def netmode(request, state_dir):
     if request.param == "in-process":
         yield None
         return
-    yield from _netd(state_dir)
+    with running_netd(state_dir) as proc:
+        yield proc
 
 
 @pytest.fixture
 def netd(state_dir):
-    yield from _netd(state_dir)
-
-
-def _netd(state_dir):
-    os.makedirs(state_dir, exist_ok=True)
-    proc = subprocess.Popen([STARTER, "netd", "--state-dir", state_dir], stderr=subprocess.PIPE, text=True)
-    sock = os.path.join(state_dir, "netd.sock")
-    # netd announces nothing: poll for its socket, with a deadline.
-    deadline = time.monotonic() + 30 * SLOWDOWN
-    while not os.path.exists(sock):
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "netd did not come up"
-        time.sleep(0.05)
-    yield proc
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
-    assert not os.path.exists(sock)
+    with running_netd(state_dir) as proc:
+        yield proc
 
 
 def _nat_args(site):

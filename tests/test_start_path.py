@@ -10,7 +10,7 @@ import sysconfig
 
 import pytest
 
-from conftest import REPO
+from conftest import REPO, running_netd
 from starter import cgroups
 from starter.cgroups import files
 
@@ -80,15 +80,11 @@ def test_run_imports_exactly_the_lean_set(state_dir):
 
 
 def test_a_nat_run_through_netd_adds_only_the_client(state_dir):
-    from test_run_nat import _netd
-
-    netd = _netd(state_dir)
-    next(netd)
     try:
-        _imports_of_run(state_dir)
-        mods = _imports_of_run(state_dir, net="nat")
+        with running_netd(state_dir):
+            _imports_of_run(state_dir)
+            mods = _imports_of_run(state_dir, net="nat")
     finally:
-        next(netd, None)                # netd's teardown: SIGTERM, socket gone
         _remove_seccomp_cache(state_dir)
     kind = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
     want = RUN_IMPORTS | BACKEND_IMPORTS[kind] | NAT_IMPORTS

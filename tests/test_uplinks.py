@@ -24,7 +24,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
-from conftest import STARTER  # noqa: E402
+from conftest import STARTER, running_netd  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
 from starter.net import ipam, nft  # noqa: E402
@@ -243,21 +243,8 @@ def netmode(request, cfg):
     if request.param == "in-process":
         yield None
         return
-    import signal
-    import time
-
-    os.makedirs(cfg.state_dir, exist_ok=True)
-    proc = subprocess.Popen([STARTER, "netd", "--state-dir", cfg.state_dir], stderr=subprocess.PIPE, text=True)
-    sock = os.path.join(cfg.state_dir, "netd.sock")
-    # netd announces nothing: poll for its socket, with a deadline.
-    deadline = time.monotonic() + 30
-    while not os.path.exists(sock):
-        assert proc.poll() is None, proc.stderr.read()
-        assert time.monotonic() < deadline, "netd did not come up"
-        time.sleep(0.05)
-    yield proc
-    proc.send_signal(signal.SIGTERM)
-    proc.wait(30)
+    with running_netd(cfg.state_dir) as proc:
+        yield proc
 
 
 def _torn_down(job_id, cfg, live=()):
