@@ -222,20 +222,28 @@ def plain_routed_ns(site, stack):
         site.router.ip("route", "add", f"10.75.{t}.0/30", "via", site.uplink_addr)
         # per-interface forwarding on our two test interfaces only; restored below
         flags = [f"/proc/sys/net/ipv4/conf/{i}/forwarding" for i in (host_if, site.uplink)]
-        old = []
-        for f in flags:
-            with open(f) as fh:
-                old.append(fh.read().strip())
-            with open(f, "w") as fh:
-                fh.write("1")
-        try:
+        with _flags_on(flags):
             yield ns
-        finally:
-            for f, v in zip(flags, old):
-                with contextlib.suppress(FileNotFoundError), open(f, "w") as fh:
-                    fh.write(v)
     finally:
         nethosts.run("ip", "link", "del", host_if, check=False)
+
+
+@contextlib.contextmanager
+def _flags_on(paths):
+    """Write 1 to these sysctl files (the test interfaces' forwarding) for
+    the block; put back what they held after it."""
+    old = []
+    for f in paths:
+        with open(f) as fh:
+            old.append(fh.read().strip())
+        with open(f, "w") as fh:
+            fh.write("1")
+    try:
+        yield
+    finally:
+        for f, v in zip(paths, old):
+            with contextlib.suppress(FileNotFoundError), open(f, "w") as fh:
+                fh.write(v)
 
 
 # -- starter run -------------------------------------------------------------
@@ -288,18 +296,8 @@ def plain_routed_ns6(site, stack):
         ns.ip("-6", "route", "add", "default", "via", f"{prefix}::1")
         site.ns.ip("-6", "route", "add", f"{prefix}::/64", "via", site.addr6)
         flags = [f"/proc/sys/net/ipv6/conf/{i}/force_forwarding" for i in (host_if, site.uplink)]
-        old = []
-        for f in flags:
-            with open(f) as fh:
-                old.append(fh.read().strip())
-            with open(f, "w") as fh:
-                fh.write("1")
-        try:
+        with _flags_on(flags):
             yield ns
-        finally:
-            for f, v in zip(flags, old):
-                with contextlib.suppress(FileNotFoundError), open(f, "w") as fh:
-                    fh.write(v)
     finally:
         nethosts.run("ip", "link", "del", host_if, check=False)
 
