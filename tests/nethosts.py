@@ -99,6 +99,18 @@ else:
 """
 
 
+def net_setup(job_ns, job_id, cfg):
+    """The job network for the namespace job_ns holds, through the facade
+    (netd if it runs, else in-process), as a starter gets it."""
+    from starter import net
+
+    fd = job_ns.open_fd()
+    try:
+        return net.setup(job_id, fd, cfg)
+    finally:
+        os.close(fd)
+
+
 def run(*argv, check=True, **kw):
     return subprocess.run(list(argv), check=check, capture_output=True, text=True, **kw)
 

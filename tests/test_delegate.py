@@ -144,11 +144,11 @@ def test_classad_report_lists_payload_figures():
 
 # ---------------------------------------------------------------- pure v2 (VM)
 
-# The pilot: runs as the job's (unprivileged) user; prints one JSON line.
-PILOT = r'''
-import errno, json, os, select, sys
+# What every pilot script below starts with: its cgroup root (the job's
+# subtree, through its cgroup namespace) and a plain write, no buffering.
+PILOT_LIB = r'''
+import os
 CG = "/sys/fs/cgroup"
-out = {}
 
 def w(path, value):
     fd = os.open(path, os.O_WRONLY)
@@ -156,6 +156,12 @@ def w(path, value):
         os.write(fd, str(value).encode())
     finally:
         os.close(fd)
+'''
+
+# The pilot: runs as the job's (unprivileged) user; prints one JSON line.
+PILOT = PILOT_LIB + r'''
+import errno, json, select, sys
+out = {}
 
 def refused(path, value):
     try:
@@ -256,17 +262,9 @@ def test_pilot_payloads_limits_oom_and_report(starter, tmp_path):
     assert r["cpu_user_s"] + r["cpu_system_s"] >= pl["p256"]["cpu_s"] + pl["job"]["cpu_s"] - 0.01
 
 
-VACATE_PILOT = r'''
-import os, signal, sys
+VACATE_PILOT = PILOT_LIB + r'''
+import signal, sys
 signal.signal(signal.SIGTERM, signal.SIG_IGN)     # the kill after the grace must do it
-CG = "/sys/fs/cgroup"
-
-def w(path, value):
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, str(value).encode())
-    finally:
-        os.close(fd)
 
 def start(d):
     r, wr = os.pipe()
@@ -432,15 +430,8 @@ def test_reaching_the_jobs_own_limit_ends_the_job(starter, tmp_path):
     assert {x["name"]: x for x in r["payloads"]}["nolimit"]["oom_kill"] >= 1
 
 
-USERNS_PILOT = r'''
-import errno, os
-CG = "/sys/fs/cgroup"
-def w(path, value):
-    fd = os.open(path, os.O_WRONLY)
-    try:
-        os.write(fd, str(value).encode())
-    finally:
-        os.close(fd)
+USERNS_PILOT = PILOT_LIB + r'''
+import errno
 assert os.getuid() == 0
 os.mkdir(CG + "/p")
 w(CG + "/p/memory.max", 64 << 20)

@@ -251,12 +251,7 @@ def cfg(tmp_path, site6):
     net.gc(c, set())
 
 
-def _setup(job_ns, job_id, cfg):
-    fd = job_ns.open_fd()
-    try:
-        return net.setup(job_id, fd, cfg)
-    finally:
-        os.close(fd)
+_setup = nethosts.net_setup
 
 
 def client(ns, mode, host, port, n=0, timeout=10.0, src=None):

@@ -292,12 +292,7 @@ def _our_veths():
     return [l.split(": ")[1].split("@")[0] for l in out.splitlines() if ": stj" in l]
 
 
-def _setup(job_ns, job_id, cfg):
-    fd = job_ns.open_fd()
-    try:
-        return net.setup(job_id, fd, cfg)
-    finally:
-        os.close(fd)
+_setup = nethosts.net_setup
 
 
 def _payload(c):

@@ -122,12 +122,7 @@ def cfg(tmp_path, uplinks):
     net.gc(c, set())
 
 
-def _setup(job_ns, job_id, cfg):
-    fd = job_ns.open_fd()
-    try:
-        return net.setup(job_id, fd, cfg)
-    finally:
-        os.close(fd)
+_setup = nethosts.net_setup
 
 
 def _flows(address):
