@@ -232,7 +232,7 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     if spec.network.mode == "nat":
         from starter import net
 
-        netcfg = _net_config(spec)
+        netcfg = net.config_for(spec)
         resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
         write_atomic(resolv, net.resolv_conf_text(netcfg), 0o644)
         undo.push(unlink_quiet, resolv, label="resolv")
@@ -357,12 +357,6 @@ def _release_scratch(sc, report):
     removed = sc.release()
     if removed is not None:
         report["scratch_bytes"] = removed.bytes    # what the job left there (HTCondor's DiskUsage)
-
-
-def _net_config(spec):
-    from starter import net
-
-    return net.config_for(spec)
 
 
 def _net_teardown(job_id, cfg, report):

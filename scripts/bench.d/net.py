@@ -185,18 +185,22 @@ class Bench:
 
 # -- iperf3 ------------------------------------------------------------------
 def iperf(site, client_ns, seconds, runs=3):
+    return iperf_to(site.wan, site.wan_addr, client_ns, seconds, site.port, runs)
+
+
+def iperf_to(ns_server, host, client_ns, seconds, port_of, runs=3):
+    """iperf3 TCP from client_ns to a one-shot server in ns_server at host
+    (either family), `runs` times -> median Gbit/s."""
     out = []
     for _ in range(runs):
-        port = site.port()
-        srv = subprocess.Popen(site.wan.argv("iperf3", "-s", "-1", "-p", str(port)),
+        port = port_of()
+        srv = subprocess.Popen(ns_server.argv("iperf3", "-s", "-1", "-p", str(port)),
                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         try:
             time.sleep(0.3)
-            r = subprocess.run(client_ns.argv("iperf3", "-c", site.wan_addr, "-p", str(port),
-                                              "-t", str(seconds), "-J"),
+            r = subprocess.run(client_ns.argv("iperf3", "-c", host, "-p", str(port), "-t", str(seconds), "-J"),
                                capture_output=True, text=True, timeout=seconds + 30)
-            doc = json.loads(r.stdout)
-            out.append(doc["end"]["sum_received"]["bits_per_second"] / 1e9)
+            out.append(json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9)
         finally:
             if srv.poll() is None:
                 srv.kill()
@@ -260,24 +264,6 @@ def starter_runs(site, state, runs, extra):
 
 
 # -- IPv6 ---------------------------------------------------------------------
-def iperf6(ns_server, host, client_ns, seconds, port_of, runs=3):
-    out = []
-    for _ in range(runs):
-        port = port_of()
-        srv = subprocess.Popen(ns_server.argv("iperf3", "-s", "-1", "-p", str(port)),
-                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        try:
-            time.sleep(0.3)
-            r = subprocess.run(client_ns.argv("iperf3", "-c", host, "-p", str(port), "-t", str(seconds), "-J"),
-                               capture_output=True, text=True, timeout=seconds + 30)
-            out.append(json.loads(r.stdout)["end"]["sum_received"]["bits_per_second"] / 1e9)
-        finally:
-            if srv.poll() is None:
-                srv.kill()
-            srv.wait()
-    return statistics.median(out)
-
-
 @contextlib.contextmanager
 def plain_routed_ns6(site, stack):
     """IPv6 twin of plain_routed_ns: a plain veth routed (not NATed) to the
@@ -351,7 +337,7 @@ def bench_ipv6(args):
                                                       ("NAT66, 1 job", site, site.wan6, keep),
                                                       ("NAT44, 1 job", site, site.wan4, keep)):
                         tp.setdefault(label, []).append(
-                            iperf6(srv_site.ns, host, ns, args.iperf_seconds, srv_site.port, runs=1))
+                            iperf_to(srv_site.ns, host, ns, args.iperf_seconds, srv_site.port, runs=1))
             tp = {k: statistics.median(v) for k, v in tp.items()}
         w.teardown("keep", cfgs["auto"])
     print(f"\nnet/ipv6: per-job setup + teardown, in-process, median of {2 * args.rounds} (ms)")

@@ -35,8 +35,12 @@ def _uplink_fingerprint(uplinks):
 
 
 def validate(cfg):
-    """-> Pool.  Everything that reaches nft or /proc/sys is checked here
-    (pool6 too: ipam.Pool6(cfg.pool6) cannot fail after this)."""
+    """-> Pool.  Everything that reaches nft or /proc/sys is checked here."""
+    return checked_pools(cfg)[0]
+
+
+def checked_pools(cfg):
+    """validate(), and -> (Pool, Pool6): setup needs both, cut once."""
     import ipaddress
 
     pool = ipam.Pool(cfg.pool)
@@ -68,7 +72,7 @@ def validate(cfg):
             set(cfg.table) - set("abcdefghijklmnopqrstuvwxyz0123456789_"):
         raise NetworkError(f"table: {cfg.table!r} must be starter[a-z0-9_]*",
                            "the project only ever touches tables named starter*")
-    return pool
+    return pool, pool6
 
 
 def _if_exists(ifname):
@@ -285,8 +289,7 @@ class Wiring:
 
     # -- one job ---------------------------------------------------------
     def setup(self, job_id, netns_fd, cfg, owner_pid):
-        pool = validate(cfg)
-        pool6 = ipam.Pool6(cfg.pool6)
+        pool, pool6 = checked_pools(cfg)
         key = ipam.job_key(job_id, cfg.table)
         table = nft.Table(cfg.table)
         store = ipam.LeaseStore(cfg.state_dir)
