@@ -35,6 +35,12 @@ PY = "/usr/bin/python3"
 # the address given (a ':' in it), link-local IPv6 as ADDR%IFNAME.
 SERVER = r"""
 import socket, sys
+def retrans(sock):
+    # tcp_info's tcpi_bytes_retrans (offset 208, Linux 4.19+): what the
+    # sender put on the wire again, which the job's counters rightly count.
+    import struct
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return struct.unpack_from("=Q", info, 208)[0] if len(info) >= 216 else 0
 mode, port, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 host = sys.argv[4] if len(sys.argv) > 4 else "0.0.0.0"
 s = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET, socket.SOCK_STREAM)
@@ -51,6 +57,7 @@ if mode == "send":
     c.shutdown(socket.SHUT_WR)
     c.recv(1)
     print("sent", n, flush=True)
+    print("retrans", retrans(c), flush=True)
 else:
     got = 0
     while True:
@@ -63,6 +70,12 @@ else:
 
 CLIENT = r"""
 import socket, sys
+def retrans(sock):
+    # tcp_info's tcpi_bytes_retrans (offset 208, Linux 4.19+): what the
+    # sender put on the wire again, which the job's counters rightly count.
+    import struct
+    info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
+    return struct.unpack_from("=Q", info, 208)[0] if len(info) >= 216 else 0
 mode, host, port, n = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 src = sys.argv[5] if len(sys.argv) > 5 and sys.argv[5] else None
 timeout = float(sys.argv[6]) if len(sys.argv) > 6 else 10.0
@@ -96,7 +109,14 @@ else:
     s.shutdown(socket.SHUT_WR)
     s.recv(1)
     print("sent", n, flush=True)
+    sys.stderr.write(f"retrans {retrans(s)}\n")
 """
+
+
+def retransmitted(text):
+    """Bytes a SERVER (stdout) or CLIENT (stderr) in send mode sent twice:
+    the sum of its "retrans N" lines."""
+    return sum(int(l.split()[1]) for l in text.splitlines() if l.startswith("retrans "))
 
 
 def net_setup(job_ns, job_id, cfg):
