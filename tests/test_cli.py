@@ -33,6 +33,38 @@ def one_error_line(p):
 
 # ------------------------------------------------------------ value classes
 
+# Networks and addresses are parsed with inet_pton (not `ipaddress`, +4 ms per
+# NAT start); `ipaddress` stays the oracle for the forms both accept.
+@pytest.mark.parametrize("text", [
+    "10.0.0.0/8", "10.0.0.0/08", "10.0.0.0/255.0.0.0", "0.0.0.0/0", "1.2.3.4", "192.168.7.0/24",
+    "fd00::/64", "FD00:0:0::/64", "::/0", "::1", "2001:db8:0:0:1:0:0:1/128", "1:0:2:3:4:5:6:7/128",
+    "fd70:7639:1864::/64"])
+def test_cidr_matches_ipaddress(text):
+    import ipaddress
+
+    assert values.cidr("lan", text) == str(ipaddress.ip_network(text, strict=True))
+
+
+@pytest.mark.parametrize("text, why", [
+    ("10.0.0.1/8", "host bits set"), ("fd00::1/64", "host bits set"), ("10.0.0.0/33", "at most 32"),
+    ("fd00::/129", "at most 128"), ("10.0.0.0/255.0.255.0", "not a valid netmask"),
+    ("010.0.0.0/8", "does not appear"), ("10.0.0.0/", "prefix length"), ("/8", "does not appear"),
+    ("10.0.0.0/+8", "prefix length"), ("10.0.0.0 /8", "does not appear"), ("256.0.0.0/8", "does not appear"),
+    ("fe80::%eth0/64", "does not appear"), ("1.2.3", "does not appear"), ("10.0.0.0/1234", "prefix length"),
+    ("١.2.3.4/8", "ASCII"), ("10.0.0.0/" + "9" * 100, "ASCII")])
+def test_cidr_refused(text, why):
+    with pytest.raises(SpecError, match=why):
+        values.cidr("lan", text)
+
+
+@pytest.mark.parametrize("text, canon", [("1.2.3.4", "1.2.3.4"), ("FE80::1", "fe80::1"), ("::1", "::1")])
+def test_ip_address_canonical(text, canon):
+    assert values.ip_address("resolver", text) == canon
+    for bad in ("01.2.3.4", "1.2.3.4/32", " 1.2.3.4", "fe80::1%eth0", "x"):
+        with pytest.raises(SpecError):
+            values.ip_address("resolver", bad)
+
+
 @pytest.mark.parametrize("good", ["a", "job-1", "cluster42.proc7", "A_b.c-d", "x" * 64])
 def test_job_id_accepted(good):
     assert values.job_id("id", good) == good

@@ -52,13 +52,14 @@ import sys
 sys.path[:0] = [{repo!r}, {site!r}]
 before = set(sys.modules)
 from starter.cli import main
-code = main(["run", "--net", {net!r}, "--user", "nobody", "--state-dir", {state!r}, "--", "/bin/true"])
+code = main(["run", "--net", {net!r}, *{extra!r}, "--user", "nobody", "--state-dir", {state!r}, "--", "/bin/true"])
 sys.stdout.write(str(code) + " " + " ".join(sorted(set(sys.modules) - before)))
 """
 
 
-def _imports_of_run(state, net="none"):
-    code = PROBE.format(repo=REPO, site=sysconfig.get_paths()["purelib"], state=state, net=net)
+def _imports_of_run(state, net="none", extra=()):
+    code = PROBE.format(repo=REPO, site=sysconfig.get_paths()["purelib"], state=state, net=net,
+                        extra=list(extra))
     p = subprocess.run([PY, "-IS", "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     status, *mods = p.stdout.split()
@@ -83,7 +84,9 @@ def test_a_nat_run_through_netd_adds_only_the_client(state_dir):
     try:
         with running_netd(state_dir):
             _imports_of_run(state_dir)
-            mods = _imports_of_run(state_dir, net="nat")
+            # Networks and a resolver: their parsing must not import `ipaddress`.
+            mods = _imports_of_run(state_dir, net="nat", extra=["--lan", "192.0.2.0/24", "--lan", "2001:db8::/32",
+                                                                "--resolver", "192.0.2.53"])
     finally:
         _remove_seccomp_cache(state_dir)
     kind = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind

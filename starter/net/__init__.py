@@ -3,11 +3,12 @@
     setup(job_id, netns_fd, cfg)  -> NetLease     after clone, before release
     counters(job_id, cfg)         -> dict | None  live read (status)
     teardown(job_id, cfg)         -> dict | None  final counters; idempotent
+    teardown_begin(job_id, cfg)   -> callable     the same, answered later
     gc(cfg, live_job_ids)         -> [removed]    reclaim what crashes left
     resolv_conf_text(cfg)         -> str          the job's /etc/resolv.conf
     serve(cfg, socket_path)                       the netd main loop
 
-Each call goes to netd (the per-node helper holding pyroute2 and the
+Each call goes to netd (the per-node helper holding the rtnetlink and
 libnftables handle) when its socket answers, else runs in-process and pays
 for the imports there.  Importing this module imports neither.
 
@@ -152,6 +153,19 @@ def teardown(job_id, cfg):
     return _call("teardown", job_id, cfg)
 
 
+def teardown_begin(job_id, cfg):
+    """Start teardown() in netd and return at once -> a callable that waits
+    for it and returns what teardown() returns.  Without netd, the callable
+    does the teardown in-process."""
+    from starter.net import netd
+
+    try:
+        pending = netd.ask(socket_path(cfg), {"op": "teardown", "job_id": job_id, "cfg": cfg.as_dict()})
+    except netd.Unavailable:
+        return lambda: _local().teardown(job_id, cfg)
+    return lambda: netd.answer(pending)
+
+
 def counters(job_id, cfg):
     """The job's counters now, or None if it has no network."""
     return _call("counters", job_id, cfg)
@@ -203,13 +217,12 @@ def resolv_conf_text(cfg, lease=None):
         if lease is None:
             return "# starter: resolver is the job's gateway, address not yet known\n"
         r = lease.gateway
-    import ipaddress
+    from starter import values
+    from starter.errors import NetworkError, SpecError
 
     try:
-        addr = ipaddress.ip_address(r)
-    except ValueError:
-        from starter.errors import NetworkError
-
+        addr = values.ip_address("resolver", r)
+    except SpecError:
         raise NetworkError(f"resolver: {r!r} is not an IP address", "give the resolver's address") from None
     return f"# written by starter\nnameserver {addr}\noptions timeout:2 attempts:2\n"
 
