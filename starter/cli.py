@@ -356,8 +356,8 @@ def cmd_gc(argv):
 
 
 def cmd_netd(argv):
-    """The per-node network helper: holds pyroute2 and the nftables handle so
-    a NAT job does not pay their import (docs/design.md, "netd")."""
+    """The per-node network helper: holds the nftables handle and the table
+    between jobs, and tears down off the starter's path (docs/design.md, "netd")."""
     table = {"--state-dir": ("state-dir", "value", "DIR  state directory (socket: DIR/netd.sock)")}
     if argv[:1] in (["-h"], ["--help"]):
         sys.stdout.write(help_text("usage: starter netd [--state-dir DIR]", table))

@@ -220,6 +220,18 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     job_state.update(cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
                      cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent,
                      delegate=spec.delegate)   # before it exists
+    netcfg = net_end = None
+    if spec.network.mode == "nat":
+        from starter import net
+
+        netcfg = net.config_for(spec)
+        # Pushed before the cgroup's teardown, so it runs after it: the job
+        # has ended, netd works on the network's teardown (asked in the
+        # meantime, below) while we measure and remove the cgroup.  Also the
+        # end of a failed start: it reads the counters into the report, then
+        # removes the rules.
+        net_end = []
+        undo.push(_net_teardown, spec.id, netcfg, report, net_end, label="net")
     cg = backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
         memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
         cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
@@ -228,11 +240,7 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None
     trace.mark("cgroup")
 
-    netcfg = None
-    if spec.network.mode == "nat":
-        from starter import net
-
-        netcfg = net.config_for(spec)
+    if netcfg is not None:
         resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
         write_atomic(resolv, net.resolv_conf_text(netcfg), 0o644)
         undo.push(unlink_quiet, resolv, label="resolv")
@@ -270,9 +278,7 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
 
         fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            # Also the normal end: reads the counters into the report, then
-            # removes the rules (it runs first of all teardowns).
-            undo.push(_net_teardown, spec.id, netcfg, report, label="net")
+            net_end.append(None)        # from here on, a teardown has work to do
             lease = net.setup(spec.id, fd, netcfg)
         finally:
             os.close(fd)
@@ -299,6 +305,12 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
                      oom_watch=oom_watch, kill_timeout=spec.kill_timeout)
     out = sup.run()
     trace.mark("job")
+    if lease is not None and not out.unkillable:
+        # The job is gone: its counters are final.  netd tears down while we measure.
+        try:
+            net_end[0] = net.teardown_begin(spec.id, netcfg)
+        except Exception:   # noqa: BLE001 - the teardown step tries again, and reports
+            pass
 
     # Measure before anything is destroyed.
     stats = cg.stats()
@@ -359,10 +371,14 @@ def _release_scratch(sc, report):
         report["scratch_bytes"] = removed.bytes    # what the job left there (HTCondor's DiskUsage)
 
 
-def _net_teardown(job_id, cfg, report):
+def _net_teardown(job_id, cfg, report, net_end):
+    """net_end: [] (no setup was tried: nothing to do), [None] (tear down
+    now) or [a callable from net.teardown_begin]."""
+    if not net_end:
+        return
     from starter import net
 
-    counters = net.teardown(job_id, cfg)
+    counters = net_end[0]() if net_end[0] is not None else net.teardown(job_id, cfg)
     if counters:
         report["network"] = counters
 

@@ -558,6 +558,57 @@ def test_gc_reclaims_dead_jobs(site, cfg):
     assert net.gc(cfg, set()) == []
 
 
+def _table_handle(table):
+    out = subprocess.run(["nft", "-a", "list", "table", "inet", table], capture_output=True, text=True).stdout
+    return out.split("# handle ", 1)[1].split()[0] if "# handle " in out else None
+
+
+def _wired(w, job, job_id, cfg):
+    fd = job.open_fd()
+    try:
+        return w.setup(job_id, fd, cfg, os.getpid())
+    finally:
+        os.close(fd)
+
+
+@pytest.mark.net
+def test_a_lingering_table_serves_the_next_job_then_expires(site, cfg):
+    """netd's Wiring keeps the table after the last job (the next job does not
+    pay for building it), rebuilds it for other settings, and removes it, with
+    the uplink's forwarding flag, when it has been idle long enough."""
+    fwd = f"/proc/sys/net/ipv4/conf/{site.uplink}/forwarding"
+    before = open(fwd).read()
+    w = wiring.Wiring(linger=60)
+    try:
+        job = site.job()
+        _wired(w, job, "linger-0", cfg)
+        handle = _table_handle(cfg.table)
+        job.close()
+        assert w.teardown("linger-0", cfg) is not None
+        assert _table_handle(cfg.table) == handle and w.next_expiry() > 50     # kept, idle
+        job = site.job()
+        _wired(w, job, "linger-1", cfg)
+        assert _table_handle(cfg.table) == handle and w.next_expiry() is None  # the same table serves it
+        srv = site.serve("lan", "send", 10_000)
+        assert nethosts.client(job, "recv", site.lan_addr, srv.port) == (0, "received 10000")
+        job.close()
+        w.teardown("linger-1", cfg)
+        # Other settings while it idles: built anew, not refused.
+        other = net.NetConfig(**{**cfg.as_dict(), "lan": ("192.0.2.0/24",)})
+        job = site.job()
+        _wired(w, job, "linger-2", other)
+        assert _table_handle(cfg.table) not in (None, handle)
+        job.close()
+        w.teardown("linger-2", other)
+        w.expire_idle(time.monotonic() + 30)
+        assert cfg.table in _tables()                       # not yet
+        w.expire_idle(time.monotonic() + 61)
+        assert cfg.table not in _tables() and w.next_expiry() is None
+        assert open(fwd).read() == before                   # the guard went back with it
+    finally:
+        w.close()
+
+
 @pytest.mark.net
 def test_netd_roundtrip(site, cfg, monkeypatch):
     sock = net.socket_path(cfg)
@@ -585,6 +636,7 @@ def test_netd_roundtrip(site, cfg, monkeypatch):
         assert final["lan_in"]["bytes"] >= 100_000
         assert net.teardown("via-netd", cfg) is None
         assert net.gc(cfg, set()) == []
+        assert cfg.table in _tables()     # netd keeps it for the next job (not a leftover for gc)
     finally:
         netd.send_signal(signal.SIGTERM)
         netd.wait(timeout=10)

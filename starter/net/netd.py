@@ -1,8 +1,12 @@
 """netd: the per-node network helper, and the client the starters use.
 
-Why a daemon: pyroute2 costs ~140 ms and ~23 MB per importing process, and a
-fresh libnftables context re-reads the table on first use.  netd pays both
-once; a starter then needs only a unix socket round trip per operation.
+Why a daemon: a starter without it loads libnftables and builds its
+context (~20 ms and ~16 MB per NAT start here), makes the table when no
+other NAT job runs and removes it after its own job, and waits for its
+veth's deletion and conntrack cleanup at the end.  netd pays the handles
+once, keeps the table TABLE_LINGER_S after its last job, and finishes
+teardowns on a worker thread after answering; a starter then needs only a
+unix socket round trip per operation.
 
     starter (root)                          netd (root, one per node)
     --------------                          -------------------------
@@ -45,6 +49,9 @@ from starter.state import dumps, loads  # noqa: E402
 
 MAX_MSG = 1 << 20
 TIMEOUT = 60.0
+# The nft table stays this long after its last job ends (and until netd
+# stops), so a node that starts jobs one after another builds it once.
+TABLE_LINGER_S = 60.0
 
 
 class Unavailable(Exception):
@@ -53,6 +60,13 @@ class Unavailable(Exception):
 
 # -- client -----------------------------------------------------------------
 def call(path, request, fds=()):
+    """One request, one answer -> its result.  Unavailable: netd is not running."""
+    return answer(ask(path, request, fds))
+
+
+def ask(path, request, fds=()):
+    """Send the request -> (connection, path) to read its answer from
+    (answer()): the starter works on meanwhile, netd on the other CPU."""
     from starter.errors import NetworkError
 
     s = _socket.socket(_socket.AF_UNIX, _socket.SOCK_SEQPACKET | _socket.SOCK_CLOEXEC)
@@ -69,6 +83,22 @@ def call(path, request, fds=()):
                 s.sendmsg([data], [(_socket.SOL_SOCKET, _socket.SCM_RIGHTS, rights)])
             else:
                 s.send(data)
+        except (ConnectionResetError, BrokenPipeError):
+            raise NetworkError(f"netd at {path} closed the connection without an answer",
+                               "see netd's log; restart `starter netd`") from None
+    except BaseException:
+        s.close()
+        raise
+    return s, path
+
+
+def answer(pending):
+    """netd's answer on a connection from ask() -> its result (closes it)."""
+    from starter.errors import NetworkError
+
+    s, path = pending
+    try:
+        try:
             reply = s.recv(MAX_MSG)
         except TimeoutError:
             raise NetworkError(f"netd at {path} did not answer within {TIMEOUT:.0f} s",
@@ -163,8 +193,8 @@ class Server:
 
         self.cfg = cfg
         self.path = path
-        self.wiring = Wiring(defer=True)
-        # Pay for pyroute2 and the nft context now, not on the first job.
+        self.wiring = Wiring(defer=True, linger=TABLE_LINGER_S)
+        # Pay for the netlink socket and the nft context now, not on the first job.
         _ = self.wiring.links, self.wiring.nft
 
     def handle(self, conn):
@@ -224,9 +254,12 @@ class Server:
         import select
 
         while True:
-            ready, _, _ = select.select([listener, stop_fd], [], [])
+            ready, _, _ = select.select([listener, stop_fd], [], [], self.wiring.next_expiry())
             if stop_fd in ready:
                 return
+            if not ready:
+                self.wiring.expire_idle()
+                continue
             try:
                 conn, _ = listener.accept()
             except (BlockingIOError, InterruptedError):
@@ -237,6 +270,7 @@ class Server:
                     conn.send(json.dumps(reply).encode())
                 except OSError:
                     pass  # the starter went away; its lease is reclaimed by gc
+            self.wiring.start_deferred()
 
 
 def _bind(path):
@@ -274,7 +308,13 @@ def serve(cfg, path):
 
     from starter.fileio import unlink_quiet
 
+    import sys
+
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
+    # The teardown worker runs Python for tens of ms per job (the conntrack
+    # walk); a request arriving meanwhile must not wait out the default 5 ms
+    # GIL switch interval, maybe several times, on the starter's start path.
+    sys.setswitchinterval(0.0005)
     server = Server(cfg, path)
     listener = _bind(path)
     r, w = os.pipe2(os.O_CLOEXEC | os.O_NONBLOCK)

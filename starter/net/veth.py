@@ -1,4 +1,4 @@
-"""The job's veth pair over rtnetlink (pyroute2), and the per-interface sysctls.
+"""The job's veth pair over rtnetlink (rtnl.py), and the per-interface sysctls.
 
 The peer is created directly inside the job's network namespace
 (RTM_NEWLINK kind veth, the peer's IFLA_NET_NS_FD = the job's netns fd) and
@@ -8,24 +8,23 @@ The job-side address, link state and default route need a netlink socket
 INSIDE the job's namespace.  A socket stays in the namespace it was created
 in, so a short-lived thread setns()es into the job's netns, creates the
 socket, and setns()es back; setns(CLONE_NEWNET) changes only the calling
-thread.  (pyroute2's own netns support forks a child per socket.)  Because
-the peer is named eth0, exactly like the host's uplink, the socket's
-namespace is verified (SIOCGSKNS) before anything is sent through it.
+thread.  Because the peer is named eth0, exactly like the host's uplink, the
+socket's namespace is verified (SIOCGSKNS) before anything is sent through it.
 
-Importing this module imports pyroute2 (~140 ms, ~23 MB): only netd and the
-in-process fallback do.
+A job's network is three batches of requests (rtnl.Rtnl.run): make the pair
+and look it up; address the host end and bring it up; in the job's
+namespace, address the peer, bring it and lo up, add the default routes.
 """
 
+import _socket
 import errno
 import fcntl
 import os
-import socket
 import threading
 
-from pyroute2 import IPRoute
-from pyroute2.netlink.exceptions import NetlinkError
-
 from starter.errors import NetworkError
+from starter.net import rtnl
+from starter.net.rtnl import RtnlError
 from starter.net.ipam import JOB_LINK_LOCAL6
 from starter.net.sysctl import forwarding6_path, forwarding_path, ipv6_path, write_sysctl
 from starter.ns import setns
@@ -55,7 +54,8 @@ def netlink_socket_in(netns_fd, sysctls=()):
         try:
             setns(netns_fd, CLONE_NEWNET)
             try:
-                box["sock"] = socket.socket(socket.AF_NETLINK, socket.SOCK_DGRAM, 0)
+                box["sock"] = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC,
+                                             rtnl.NETLINK_ROUTE)
                 if sysctls:
                     if os.stat("/proc/thread-self/ns/net").st_ino != want:  # pragma: no cover
                         raise NetworkError("the sysctl writer is not in the job's network namespace")
@@ -97,13 +97,14 @@ def netlink_socket_in(netns_fd, sysctls=()):
 
 
 class Links:
-    """The host-side rtnetlink handle (one per process; netd keeps it)."""
+    """The host-side rtnetlink handle (one per thread: netd's main thread and
+    its teardown worker each have their own)."""
 
     def __init__(self):
-        self.ipr = IPRoute()
+        self.rt = rtnl.Rtnl()
 
     def close(self):
-        self.ipr.close()
+        self.rt.close()
 
     def create(self, host_ifname, netns_fd, gateway, address, prefixlen, forward, v6=None):
         """Make the pair, address both ends, route the job via the host end.
@@ -118,16 +119,17 @@ class Links:
 
         On error the pair is deleted again (deleting the host end deletes the
         peer) and NetworkError is raised."""
-        ipr = self.ipr
+        rt = self.rt
         try:
-            ipr.link("add", ifname=host_ifname, kind="veth",
-                     peer={"ifname": JOB_IFNAME, "net_ns_fd": netns_fd})
-        except NetlinkError as e:
+            # One get with the create: our index and, in IFLA_LINK, the
+            # peer's index in the job's namespace.
+            _, got = rt.run([rtnl.new_veth(host_ifname, JOB_IFNAME, netns_fd), rtnl.get_link(host_ifname)])
+        except RtnlError as e:
+            if e.index == 1:        # made, but not found again: gone already
+                self.delete(host_ifname)
             raise _error(f"create veth {host_ifname}", e) from None
         try:
-            # One get: our index and, in IFLA_LINK, the peer's index in the job's ns.
-            link = ipr.link("get", ifname=host_ifname)[0]
-            idx, peer_idx = link["index"], link.get_attr("IFLA_LINK")
+            idx, _name, peer_idx = rtnl.link_info(got[0][1])
             # Before it goes up: without IPv6, no IPv6 link-local for the
             # job to talk to; with it, no RA taken from the job, no DAD wait.
             if v6 is None:
@@ -139,12 +141,12 @@ class Links:
                     write_sysctl(forwarding6_path(host_ifname), "1")
             if forward:
                 write_sysctl(forwarding_path(host_ifname), "1")
-            ipr.addr("add", index=idx, address=gateway, prefixlen=prefixlen)
+            host = [rtnl.add_address(idx, gateway, prefixlen)]
             if v6 is not None:
-                ipr.addr("add", index=idx, address=v6[0], prefixlen=v6[2], flags=IFA_F_NODAD)
-            ipr.link("set", index=idx, state="up")
+                host.append(rtnl.add_address(idx, v6[0], v6[2], nodad=True))
+            rt.run(host + [rtnl.set_up(idx)])
             self._configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen, v6)
-        except NetlinkError as e:
+        except RtnlError as e:
             self.delete(host_ifname)
             raise _error(f"configure veth {host_ifname}", e) from None
         except BaseException:
@@ -162,37 +164,34 @@ class Links:
             # no link-local made from the MAC: the fixed one below
             sysctls = ((JOB_IFNAME, "addr_gen_mode", "1", True), (JOB_IFNAME, "accept_dad", "0", True),
                        (JOB_IFNAME, "accept_ra", "0", True))
-        sock = netlink_socket_in(netns_fd, sysctls)
-        job = IPRoute(fileno=sock.detach())
+        job = rtnl.Rtnl(netlink_socket_in(netns_fd, sysctls))
         try:
-            job.addr("add", index=peer_idx, address=address, prefixlen=prefixlen)
+            reqs = [rtnl.add_address(peer_idx, address, prefixlen)]
             if v6 is not None:
-                job.addr("add", index=peer_idx, address=JOB_LINK_LOCAL6, prefixlen=64, flags=IFA_F_NODAD)
-                job.addr("add", index=peer_idx, address=v6[1], prefixlen=v6[2], flags=IFA_F_NODAD)
-            job.link("set", index=peer_idx, state="up")
-            job.link("set", index=LOOPBACK_IFINDEX, state="up")
-            job.route("add", dst="0.0.0.0/0", gateway=gateway, oif=peer_idx)
+                reqs += [rtnl.add_address(peer_idx, JOB_LINK_LOCAL6, 64, nodad=True),
+                         rtnl.add_address(peer_idx, v6[1], v6[2], nodad=True)]
+            reqs += [rtnl.set_up(peer_idx), rtnl.set_up(LOOPBACK_IFINDEX), rtnl.add_default_route(gateway, peer_idx)]
             if v6 is not None:
-                job.route("add", dst="::/0", gateway=v6[0], oif=peer_idx, family=socket.AF_INET6)
+                reqs.append(rtnl.add_default_route(v6[0], peer_idx))
+            job.run(reqs)
         finally:
             job.close()
 
     def delete(self, host_ifname):
         """Delete the pair by its host end.  Idempotent (ENODEV ok)."""
         try:
-            self.ipr.link("del", ifname=host_ifname)
-        except NetlinkError as e:
+            self.rt.run([rtnl.del_link(host_ifname)])
+        except RtnlError as e:
             if e.code not in (errno.ENODEV, errno.ENOENT):
                 raise _error(f"delete veth {host_ifname}", e) from None
             return False
         return True
 
-    def host_addresses(self, family=socket.AF_INET):
+    def host_addresses(self, family=_socket.AF_INET):
         """[(cidr, ifname)] of the host's addresses of one family (pool
         overlap check; AF_INET6: also which uplinks have IPv6)."""
-        names = {l["index"]: l.get_attr("IFLA_IFNAME") for l in self.ipr.get_links()}
-        return [(f"{a.get_attr('IFA_ADDRESS')}/{a['prefixlen']}", names.get(a["index"], "?"))
-                for a in self.ipr.get_addr(family=family)]
+        names = self.rt.link_names()
+        return [(cidr, names.get(index, "?")) for cidr, index in self.rt.addresses(family)]
 
 
 def _error(what, e):

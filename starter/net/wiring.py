@@ -100,11 +100,18 @@ def _forget_flows(lease):
 
 
 class Wiring:
-    """Holds the expensive handles (pyroute2, libnftables) for its lifetime."""
+    """Holds the handles (rtnetlink, libnftables) for its lifetime."""
 
-    def __init__(self, defer=False):
+    def __init__(self, defer=False, linger=None):
         self._links = None
         self._nft = None
+        # netd sets linger (seconds): the table outlives its last job by that
+        # long (expire_idle), so the next job does not pay for making it
+        # (8-11 ms here: the ruleset, the uplink checks, the IPv6 probe).
+        # A table made by another process, or one whose settings differ from
+        # the next job's, is rebuilt as before.
+        self._linger = linger
+        self._idle = {}  # (state_dir, table) -> (cfg, monotonic time its last job left)
         # netd sets defer: teardown answers once the rules and counters are
         # gone; deleting the veth (15-30 ms here, nearly all of it waiting for
         # RCU in unregister_netdevice, outside the RTNL lock), releasing the
@@ -115,6 +122,7 @@ class Wiring:
         self._queue = None
         self._worker = None
         self._pending = set()  # keys whose teardown the worker has yet to finish
+        self._later = []       # deferred work of the request being answered
         if defer:
             import queue
             import threading
@@ -126,7 +134,7 @@ class Wiring:
     @property
     def links(self):
         if self._links is None:
-            from starter.net.veth import Links  # pyroute2: only when a veth is touched
+            from starter.net.veth import Links  # only when a veth is touched
 
             self._links = Links()
         return self._links
@@ -137,12 +145,21 @@ class Wiring:
             self._nft = nft.Nft()
         return self._nft
 
+    def start_deferred(self):
+        """Hand the current request's deferred work to the worker.  netd calls
+        this after it has sent the reply: the worker's Python (netlink, the
+        conntrack walk) would otherwise hold the GIL while the reply waits."""
+        while self._later:
+            self._queue.put(self._later.pop(0))
+
     def close(self):
-        """Finish queued teardowns, then drop the handles."""
+        """Finish queued teardowns, remove lingering tables, drop the handles."""
         if self._worker is not None:
+            self.start_deferred()
             self._queue.put(None)
             self._worker.join()
             self._worker = None
+        self.expire_idle(force=True)
         if self._links is not None:
             self._links.close()
             self._links = None
@@ -159,7 +176,7 @@ class Wiring:
                 break
             try:
                 if links is None:
-                    links = Links()  # pyroute2 sockets are not shared between threads
+                    links = Links()  # a netlink socket of its own: not shared between threads
                 self._finish(links, *item)
             except Exception as e:  # noqa: BLE001 - gc reclaims whatever is left
                 sys.stderr.write(f"netd: finishing the teardown of {item[1]} failed: {e}\n")
@@ -191,17 +208,19 @@ class Wiring:
 
     def _create_table(self, store, cfg, table):
         self._check_pool_is_free(cfg, own={lease.get("key") for lease in store.all()})
+        # A table rebuilt under running jobs keeps the record's IPv6 decision
+        # and the uplinks whose forwarding it turned on (now "1": ours to undo).
+        old = store.table_record() or {}
         guard = []
         for name in cfg.uplink:
             if not _if_exists(name):
                 raise NetworkError(f"uplink: interface {name!r} does not exist",
                                    "set the uplink to the interface that reaches the LAN/WAN "
                                    "(`ip route get <address>` names it)")
-            if read_sysctl(forwarding_path(name)) == "0":
+            if name in old.get("guard", ()) or read_sysctl(forwarding_path(name)) == "0":
                 guard.append(name)
         # Record first: a crash after the sysctl write must still restore it.
-        # (A table rebuilt under running jobs keeps the IPv6 decision.)
-        v6 = (store.table_record() or {}).get("v6")
+        v6 = old.get("v6")
         store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard, "v6": v6})
         try:
             self.nft.run(table.create(cfg.pool, cfg.lan, list(cfg.uplink), guard, cfg.allow_host_ports,
@@ -211,6 +230,47 @@ class Wiring:
         except BaseException:
             self._delete_table(store, table)
             raise
+
+    def _reuse_idle_table(self, store, cfg):
+        """No job runs: keep the table a lingering netd holds if it was built
+        for these settings (True); else remove whatever was recorded (the
+        uplink sysctls go back) so that it is built anew (False).  A table
+        removed under us (nft flush ruleset) is rebuilt by _add_job."""
+        idle = self._idle.pop((cfg.state_dir, cfg.table), None)
+        rec = store.table_record()
+        if rec is None:
+            return False
+        if idle is not None and rec.get("cfg") == cfg_fingerprint(cfg):
+            return True
+        self._delete_table(store, nft.Table(cfg.table))
+        return False
+
+    def expire_idle(self, now=None, force=False):
+        """Remove the tables whose last job left more than linger seconds ago
+        (force: all idle ones; netd calls this as it stops)."""
+        import time
+
+        now = time.monotonic() if now is None else now
+        for k, (cfg, since) in list(self._idle.items()):
+            if not force and now - since < self._linger:
+                continue
+            store = ipam.LeaseStore(cfg.state_dir)
+            with store:
+                # still idle? (a job may have taken it meanwhile: setup pops it)
+                if self._idle.get(k, (None, None))[1] != since:
+                    continue
+                del self._idle[k]
+                if store.count() == 0 and store.table_record() is not None:
+                    self._delete_table(store, nft.Table(cfg.table))
+
+    def next_expiry(self):
+        """Seconds until expire_idle() has work (None: no idle table)."""
+        import time
+
+        if not self._idle:
+            return None
+        oldest = min(since for _, since in self._idle.values())
+        return max(0.0, oldest + self._linger - time.monotonic())
 
     def _delete_table(self, store, table):
         """Remove the table and undo the uplink sysctls.  Idempotent."""
@@ -298,7 +358,8 @@ class Wiring:
                 # The table first: whether the job gets IPv6 is the node's
                 # answer, recorded with the table.
                 if store.count() == 0:
-                    self._create_table(store, cfg, table)
+                    if not self._reuse_idle_table(store, cfg):
+                        self._create_table(store, cfg, table)
                 else:
                     self._check_table_matches(store, cfg)
                 forward6 = self._ipv6_for_job(store, cfg, table)
@@ -419,7 +480,7 @@ class Wiring:
                         self.nft.run([cmd], "remove job rule")
         if defer and self._queue is not None:
             self._pending.add(key)
-            self._queue.put((cfg, key, lease))
+            self._later.append((cfg, key, lease))   # queued by start_deferred()
         else:
             self._delete_veth(self.links, key)
             _forget_flows(lease)
@@ -446,7 +507,14 @@ class Wiring:
         """The lease, and the table if no job is left.  Lock held."""
         table = nft.Table(cfg.table)
         store.release(key, lease.get("slot") if lease else None)
-        if not keep_table and store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
+        if keep_table or store.count() != 0:
+            return
+        if self._linger is not None and store.table_record() is not None:
+            import time
+
+            self._idle[(cfg.state_dir, cfg.table)] = (cfg, time.monotonic())
+            return
+        if store.table_record() is not None or self.nft.table_exists(table):
             self._delete_table(store, table)
             if removed is not None:
                 removed.append(f"table {nft.FAMILY} {cfg.table}")
@@ -475,7 +543,9 @@ class Wiring:
             for key in sorted(stray - live_keys):
                 removed.append(f"counters and veth of {key}")
                 self._teardown_key(store, cfg, key, None, removed)
-            if store.count() == 0 and (store.table_record() is not None or self.nft.table_exists(table)):
+            # (A table netd keeps for the next job is not a leftover.)
+            if store.count() == 0 and (cfg.state_dir, cfg.table) not in self._idle and \
+                    (store.table_record() is not None or self.nft.table_exists(table)):
                 self._delete_table(store, table)
                 removed.append(f"table {nft.FAMILY} {cfg.table}")
         return removed
