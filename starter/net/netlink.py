@@ -1,8 +1,9 @@
 """The netlink wire format the starter speaks itself (pure, a leaf).
 
-Two readers talk netfilter netlink without a library: nft.read_counters
-(one named counter, straight from the kernel) and conntrack.forget (dump and
-delete a job's flows).  Both build and walk the same two structures:
+Three users speak netlink without a library: rtnl (a job's veth, addresses
+and routes), nft.read_counters (one named counter, straight from the kernel)
+and conntrack.forget (dump and delete a job's flows).  All build and walk
+the same two structures:
 
     message    nlmsghdr: u32 length, u16 type, u16 flags, u32 seq, u32 pid,
                then the body; messages are padded to 4 bytes
