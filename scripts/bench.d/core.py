@@ -180,12 +180,14 @@ def _comm(pid):
 
 
 def starter_argv():
-    """The `starter` command as installed by scripts/setup (python -IS and a
-    launcher); where only pip's console script exists (the VM), the same
-    launcher code run with -IS, so both measure the same thing."""
+    """The `starter` command as installed by scripts/setup (native/launcher.c,
+    which runs python -IS); where only pip's console script exists (the VM),
+    the same code run with -IS: both measure the interpreter the same way
+    (the VM's has no early warm-up, which only v1 hierarchies need)."""
     try:
-        with open(STARTER) as f:
-            if "-IS" in f.readline():
+        with open(STARTER, "rb") as f:
+            head = f.read(4)
+            if head == b"\x7fELF" or b"-IS" in head + f.readline():
                 return [STARTER]
     except OSError:
         return None

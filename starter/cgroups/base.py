@@ -172,6 +172,17 @@ def subdirs_bottom_up(top):
 def rmdir_tree(top, attempts=50):
     """rmdir every cgroup under `top` depth-first, then `top`.  ENOENT is
     fine; EBUSY (a task still leaving) is retried briefly, then raised."""
+    # A job's cgroup usually has no sub-cgroups (only a delegated job can
+    # make them): one rmdir, no walk.  EBUSY: children, or a task leaving.
+    try:
+        os.rmdir(top)
+        return
+    except FileNotFoundError:
+        return
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            raise CgroupError(f"cannot remove cgroup {top}: {errno.errorcode.get(e.errno, e.errno)}",
+                              files.hint_for(e.errno)) from None
     delay = 0.001
     for i in range(attempts):
         busy = None
@@ -372,7 +383,11 @@ class JobCgroup:
             if self._kill_tree() and watch is not None:
                 watch.wait(min(gap, deadline - time.monotonic()))
             while True:
-                left = self.pids()
+                # is_empty(): one cgroup.events read where the tree says so
+                # (every process of a job is in its cgroup2 cgroup, and leaves
+                # its v1 ones in the same exit); a listing of every hierarchy
+                # only while something is left.
+                left = [] if self.is_empty() else self.pids()
                 if not left:
                     return []
                 if time.monotonic() >= next_round:
@@ -411,7 +426,7 @@ class JobCgroup:
 
         Idempotent; a cgroup that is already gone is fine.  Raises
         CgroupError naming the survivors when processes outlive `timeout`."""
-        if not self.is_empty() or self.pids():
+        if not self.is_empty():
             survivors = self.kill(timeout)
             if survivors:
                 raise CgroupError(
