@@ -15,6 +15,16 @@ import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTER = os.path.join(REPO, ".venv", "bin", "starter")
+
+
+def starter_in_python(*python_flags):
+    """argv running what the `starter` launcher (native/launcher.c) runs,
+    with extra interpreter flags (e.g. -X importtime); arguments follow."""
+    import sysconfig
+
+    code = (f"import sys; sys.path[:0] = [{REPO!r}, {sysconfig.get_paths()['purelib']!r}]; "
+            "from starter.cli import entry; entry()")
+    return [sys.executable, *python_flags, "-IS", "-c", code]
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 
 

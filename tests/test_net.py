@@ -143,6 +143,36 @@ def test_rule_rendering_job_adds_no_rules():
     assert len(dele) == len(add)
 
 
+def test_job_changes_as_netlink():
+    """The per-job transaction over netlink: the keys as nf_tables stores them
+    (`nft --debug=netlink add element ... { "stjabc" . 10.1.2.3 }` shows
+    ifname NUL-padded to 16 bytes, then the address packed), the counter
+    maps' elements naming their counter, flags, order and numbering."""
+    import struct
+
+    t = nft.Table("starter")
+    changes = t.job_changes("add", "stjabc", "stjabc", "10.1.2.3", "fd70:7639:1864::2")
+    msgs = t.to_netlink("add", changes, 5)
+    assert len(msgs) == len(changes) == len(t.add_job("stjabc", "stjabc", "10.1.2.3", "fd70:7639:1864::2"))
+    for i, (m, c) in enumerate(zip(msgs, changes)):
+        length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", m)
+        assert (length, seq, flags) == (len(m), 5 + i, 1 | 4 | 0x400)       # request, ack, create
+        assert mtype == (10 << 8) | (18 if c[0] == "counter" else 12)          # NEWOBJ, NEWSETELEM
+    src = msgs[[c[1] for c in changes].index("job_src")]
+    assert b"stjabc" + b"\0" * 10 + bytes([10, 1, 2, 3]) in src
+    src6 = msgs[[c[1] for c in changes].index("job_src6")]
+    assert b"stjabc" + b"\0" * 10 + bytes.fromhex("fd707639186400000000000000000002") in src6
+    assert b"stjabc" + b"\0" * 10 + bytes.fromhex("fe800000000000000000000000000002") in src6
+    lan_in = msgs[[c[1] for c in changes].index("ctr_lan_in")]
+    assert b"stjabc_lan_in\0" in lan_in                                       # the objref
+    gone = t.to_netlink("delete", t.job_changes("delete", "stjabc", "stjabc", "10.1.2.3"), 1)
+    types = [struct.unpack_from("=H", m, 4)[0] & 0xFF for m in gone]
+    assert types == [14] * 7 + [20] * 5                                          # DELSETELEM, then DELOBJ
+    assert all(b"stjabc_lan_in\0" not in m for m in gone[:7])                   # no objref on delete
+    with pytest.raises(NetworkError, match="longer than 15"):
+        t.to_netlink("add", t.job_changes("add", "k", "x" * 16, "10.1.2.3"), 1)
+
+
 def test_counter_read_messages():
     import struct
 

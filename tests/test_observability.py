@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
-from conftest import SLOWDOWN, STARTER, process_alive  # noqa: E402
+from conftest import SLOWDOWN, STARTER, process_alive, starter_in_python  # noqa: E402
 
 from starter import classad as CA  # noqa: E402
 from starter import metrics as M  # noqa: E402
@@ -460,7 +460,7 @@ def test_the_run_path_loads_none_of_this(state_dir, tmp_path):
     """metrics, top (psutil) and the ClassAd writer stay off `starter run`;
     the ClassAd writer is loaded only when asked for."""
     def modules(*args):
-        p = subprocess.run([sys.executable, "-X", "importtime", STARTER, "run", "--user", "nobody", *args,
+        p = subprocess.run([*starter_in_python("-X", "importtime"), "run", "--user", "nobody", *args,
                             "--", "true"], capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr
         return {l.split("|")[2].strip() for l in p.stderr.splitlines() if l.startswith("import time:")}

@@ -174,3 +174,53 @@ def _own_cgroups():
 def test_entry_exits_with_mains_code_and_flushes(cmd):
     p = subprocess.run([sys.executable, "-m", "starter", *cmd], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0 and p.stdout.strip(), p
+
+
+# -- the `starter` launcher (native/launcher.c) --------------------------------
+
+def test_launcher_passes_arguments_and_exit_code_through(state_dir):
+    p = subprocess.run([os.path.join(REPO, ".venv", "bin", "starter"), "run", "--user", "root", "--",
+                        "/bin/sh", "-c", 'printf "%s|" "$@"; exit 7', "sh", "a b", "", "é", "--x"],
+                       capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (7, "a b||é|--x|"), p
+
+
+def test_launcher_ignores_the_callers_python_environment(tmp_path):
+    """-I: a PYTHONPATH (or PYTHONSTARTUP, PYTHONHOME...) of the caller's
+    cannot put its own `starter` package in front of ours."""
+    evil = tmp_path / "starter"
+    evil.mkdir()
+    (evil / "__init__.py").write_text("raise SystemExit('the caller chose the code')\n")
+    env = dict(os.environ, PYTHONPATH=str(tmp_path), PYTHONSTARTUP=str(evil / "__init__.py"))
+    p = subprocess.run([os.path.join(REPO, ".venv", "bin", "starter"), "--version"], capture_output=True,
+                       text=True, timeout=60, env=env, cwd=tmp_path)
+    assert p.returncode == 0 and p.stdout.startswith("starter "), p
+
+
+def test_launcher_starts_the_warm_up_before_the_interpreter(state_dir, tmp_path):
+    """On a host with v1 hierarchies, a process of the launcher's (not the
+    interpreter) moves itself into the v1 cgroup it is in, before Python runs;
+    on pure v2, nothing is written."""
+    import shutil
+
+    if not shutil.which("strace"):
+        pytest.skip("strace is not installed (scripts/setup --test installs it)")
+    log = tmp_path / "trace"
+    p = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve,openat,write", "-o", str(log),
+                        os.path.join(REPO, ".venv", "bin", "starter"), "run", "--", "/bin/true"],
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    lines = log.read_text().splitlines()
+    python_at = next(i for i, l in enumerate(lines) if "execve(" in l and "/python" in l)
+    tasks = [l.split()[0] for l in lines[:python_at + 40] if "/sys/fs/cgroup/" in l and "/tasks\"" in l
+             and "openat(" in l and "= -1" not in l]
+    kind = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
+    if kind == "v2":
+        assert tasks == [], tasks
+        return
+    launcher = lines[0].split()[0]
+    assert tasks and tasks[0] == launcher, "the launcher opened no v1 tasks file before Python ran"
+    movers = [l.split()[0] for l in lines
+              if " write(" in l and l.split()[0] != launcher and f'"{l.split()[0]}"' in l]
+    assert movers, "no process of the launcher's wrote its own pid"
+    assert not any(l.startswith(f"{movers[0]} execve(") for l in lines)     # not the interpreter

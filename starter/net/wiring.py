@@ -431,7 +431,7 @@ class Wiring:
 
     def _add_job(self, store, cfg, table, key, address, address6=None):
         try:
-            self.nft.run(table.add_job(key, key, address, address6), "add job rules")
+            self.nft.apply(table, "add", table.job_changes("add", key, key, address, address6), "add job rules")
         except nft.NftError as e:
             if not e.enoent or self.nft.table_exists(table):
                 raise
@@ -440,9 +440,9 @@ class Wiring:
             self._create_table(store, cfg, table)
             for other in store.all():
                 if other.get("key") != key and other.get("address") and _if_exists(other["key"]):
-                    self.nft.run(table.add_job(other["key"], other["key"], other["address"],
-                                               other.get("address6")), "re-add job")
-            self.nft.run(table.add_job(key, key, address, address6), "add job rules")
+                    self.nft.apply(table, "add", table.job_changes("add", other["key"], other["key"], other["address"],
+                                                                   other.get("address6")), "re-add job")
+            self.nft.apply(table, "add", table.job_changes("add", key, key, address, address6), "add job rules")
 
     def counters(self, job_id, cfg):
         return nft.read_counters(cfg.table, ipam.job_key(job_id, cfg.table))
@@ -471,13 +471,14 @@ class Wiring:
         address6 = lease.get("address6") if lease else None
         has6 = bool(address6) or bool(counters and "ipv6" in counters)
         if counters is not None or address:
+            changes = table.job_changes("delete", key, key, address, address6, has6)
             try:
-                self.nft.run(table.del_job(key, key, address, address6, has6), "remove job rules")
+                self.nft.apply(table, "delete", changes, "remove job rules")
             except nft.NftError:
                 # Half-built job: remove what exists, one object at a time.
-                for cmd in table.del_job(key, key, address, address6, has6):
+                for change in changes:
                     with contextlib.suppress(nft.NftError):
-                        self.nft.run([cmd], "remove job rule")
+                        self.nft.apply(table, "delete", [change], "remove job rule")
         if defer and self._queue is not None:
             self._pending.add(key)
             self._later.append((cfg, key, lease))   # queued by start_deferred()
