@@ -527,6 +527,12 @@ def _getobjs(table_name, names):
     return out
 
 
+def _counter_error(name, err):
+    import os
+
+    return NetworkError(f"nftables: reading counter {name} failed: {os.strerror(-err)}")
+
+
 def read_counters(table_name, key):
     """The job's counters straight from the kernel, or None if it has none.
     -> combine() of what was read."""
