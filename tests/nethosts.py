@@ -254,12 +254,15 @@ class Site:
         return ns
 
 
-def client(ns, mode, host, port, n=0, src=None, timeout=10.0):
-    """Run the TCP client inside ns -> (returncode, stdout)."""
+def client(ns, mode, host, port, n=0, src=None, timeout=10.0, retrans=False):
+    """Run the TCP client inside ns -> (returncode, stdout); with retrans,
+    (returncode, stdout, bytes it retransmitted: send mode)."""
     args = [mode, host, port, n]
     if src or timeout != 10.0:
         args += [src or "", timeout]
     r = ns.python(CLIENT, *args, timeout=timeout + 30)
+    if retrans:
+        return r.returncode, r.stdout.strip(), retransmitted(r.stderr)
     return r.returncode, r.stdout.strip()
 
 
