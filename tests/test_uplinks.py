@@ -27,7 +27,7 @@ import nethosts  # noqa: E402
 from conftest import STARTER, running_netd  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import ipam, nft  # noqa: E402
+from starter.net import conntrack, ipam, nft  # noqa: E402
 
 POOL = f"10.{216 + secrets.randbelow(32)}.{secrets.randbelow(256)}.0/24"
 
@@ -289,6 +289,33 @@ def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg,
     finally:
         subprocess.run(["conntrack", "-D", "-s", other, "-d", uplinks.servers[0], "-p", "udp"],
                        capture_output=True)
+
+
+@pytest.mark.net
+@pytest.mark.parametrize("walk", ["one walk", "filtered per address"])
+def test_conntrack_forget_takes_exactly_the_addresses_given(monkeypatch, walk):
+    """Both ways of finding a job's entries (conntrack.py: one unfiltered
+    walk while the table is small, kernel-filtered dumps per address and
+    direction above SMALL_TABLE), on entries made with the conntrack tool
+    (no traffic): the given addresses' entries go, as source or as
+    destination, in both families; another address's stay."""
+    t = secrets.randbelow(200) + 20
+    job4, job6, other = f"10.251.{t}.2", f"fd70:7639:1864::{t:x}:2", f"10.251.{t}.3"
+    made = [("-s", job4, "-d", "192.0.2.1", "-p", "udp", "--sport", "9", "--dport", "9"),
+            ("-s", "192.0.2.1", "-d", job4, "-p", "udp", "--sport", "10", "--dport", "11"),
+            ("-s", job6, "-d", "2001:db8::1", "-p", "udp", "--sport", "9", "--dport", "9"),
+            ("-s", other, "-d", "192.0.2.1", "-p", "udp", "--sport", "9", "--dport", "9")]
+    monkeypatch.setattr(conntrack, "SMALL_TABLE", 1 << 30 if walk == "one walk" else -1)
+    try:
+        for m in made:
+            subprocess.run(["conntrack", "-I", *m, "-t", "120"], check=True, capture_output=True)
+        assert len(_flows(job4)) == 2 and len(_flows(job6)) == 1
+        assert conntrack.forget([job4, job6]) == 3
+        assert _flows(job4) == [] and _flows(job6) == []
+        assert len(_flows(other)) == 1
+    finally:
+        for m in made:
+            subprocess.run(["conntrack", "-D", *m], capture_output=True)
 
 
 def _dead_pid():

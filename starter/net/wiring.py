@@ -84,11 +84,12 @@ def _if_exists(ifname):
 JOB_ADDRESS_KEYS = ("address", "address6")
 
 
-def _forget_flows(lease):
-    """Delete the dead job's conntrack entries (both families) before its
-    lease goes, so its addresses can be leased again at once.  A failure
-    keeps the lease (raised): `starter gc` retries."""
-    addrs = [lease[k] for k in JOB_ADDRESS_KEYS if lease and lease.get(k)]
+def _forget_flows(*leases):
+    """Delete the dead jobs' conntrack entries (both families) before their
+    leases go, so their addresses can be leased again at once (one table
+    walk for them all where the table is small).  A failure keeps the
+    leases (raised): `starter gc` retries."""
+    addrs = [lease[k] for lease in leases for k in JOB_ADDRESS_KEYS if lease and lease.get(k)]
     if addrs:
         from starter.net import conntrack
 
@@ -165,24 +166,34 @@ class Wiring:
             self._links = None
 
     def _work(self):
+        import queue
         import sys
 
         from starter.net.veth import Links
 
         links = None
-        while True:
-            item = self._queue.get()
-            if item is None:
-                break
+        stop = False
+        while not stop:
+            items = [self._queue.get()]
+            while items[-1] is not None:      # and whatever else is queued: one conntrack walk
+                try:
+                    items.append(self._queue.get_nowait())
+                except queue.Empty:
+                    break
+            if items[-1] is None:
+                stop = True
+                items.pop()
             try:
-                if links is None:
-                    links = Links()  # a netlink socket of its own: not shared between threads
-                self._finish(links, *item)
+                if items:
+                    if links is None:
+                        links = Links()  # a netlink socket of its own: not shared between threads
+                    self._finish(links, items)
             except Exception as e:  # noqa: BLE001 - gc reclaims whatever is left
-                sys.stderr.write(f"netd: finishing the teardown of {item[1]} failed: {e}\n")
+                sys.stderr.write(f"netd: finishing the teardown of {', '.join(i[1] for i in items)} failed: {e}\n")
             finally:
-                self._pending.discard(item[1])
-                self._queue.task_done()
+                for item in items:
+                    self._pending.discard(item[1])
+                    self._queue.task_done()
         if links is not None:
             links.close()
 
@@ -496,13 +507,16 @@ class Wiring:
         if _if_exists(key):
             links.delete(key)
 
-    def _finish(self, links, cfg, key, lease):
-        """Worker thread: the veth without the lock, then the bookkeeping with it."""
-        self._delete_veth(links, key)
-        _forget_flows(lease)
-        store = ipam.LeaseStore(cfg.state_dir)
-        with store:
-            self._release(store, cfg, key, lease, None)
+    def _finish(self, links, items):
+        """Worker thread, for [(cfg, key, lease)]: the veths without the lock,
+        the conntrack entries of them all, then the bookkeeping with it."""
+        for _cfg, key, _lease in items:
+            self._delete_veth(links, key)
+        _forget_flows(*(lease for _cfg, _key, lease in items))
+        for cfg, key, lease in items:
+            store = ipam.LeaseStore(cfg.state_dir)
+            with store:
+                self._release(store, cfg, key, lease, None)
 
     def _release(self, store, cfg, key, lease, removed, keep_table=False):
         """The lease, and the table if no job is left.  Lock held."""
