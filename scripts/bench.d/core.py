@@ -180,10 +180,11 @@ def _comm(pid):
 
 
 def starter_argv():
-    """The `starter` command as installed by scripts/setup (native/launcher.c,
-    which runs python -IS); where only pip's console script exists (the VM),
-    the same code run with -IS: both measure the interpreter the same way
-    (the VM's has no early warm-up, which only v1 hierarchies need)."""
+    """The `starter` command as installed by scripts/setup and in the test VMs
+    (scripts/build-launcher: native/launcher.c, which runs python -IS);
+    where only pip's console script exists, the same code run with -IS, so
+    the interpreter is measured the same way (without the launcher's early
+    warm-up, which only v1 hierarchies need)."""
     try:
         with open(STARTER, "rb") as f:
             head = f.read(4)
