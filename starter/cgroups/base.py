@@ -362,10 +362,12 @@ class JobCgroup:
         nothing is delegated."""
         return [], 0
 
-    def kill(self, timeout=5.0):
+    def kill(self, timeout=5.0, then=None):
         """SIGKILL every process of the job, in every hierarchy and every
         sub-cgroup, until none is left.  -> the pids still there after
         `timeout` ([] = empty).  With timeout 0: one round, no waiting.
+        then(): called once the first kill is out, before any waiting (what
+        the caller records about the kill must not delay it).
 
         One loop for every backend; each says how to kill (_kill_round) and
         whether it can be told when the job is empty (_exit_watch).  Rounds
@@ -380,8 +382,12 @@ class JobCgroup:
             # the pids of every hierarchy before it (each directory walked,
             # each cgroup.procs read) only delays the kill.  Then the first
             # look is after the tree says it is empty.
-            if self._kill_tree() and watch is not None:
-                watch.wait(min(gap, deadline - time.monotonic()))
+            if self._kill_tree():
+                if then is not None:
+                    then()
+                    then = None
+                if watch is not None:
+                    watch.wait(min(gap, deadline - time.monotonic()))
             while True:
                 # is_empty(): one cgroup.events read where the tree says so
                 # (every process of a job is in its cgroup2 cgroup, and leaves
@@ -392,6 +398,9 @@ class JobCgroup:
                     return []
                 if time.monotonic() >= next_round:
                     self._kill_round(left, deadline)
+                    if then is not None:
+                        then()
+                        then = None
                     next_round = time.monotonic() + gap
                     gap = min(gap * 2, 1.0)
                 now = time.monotonic()
