@@ -93,18 +93,25 @@ def run(spec):
             events = Events(spec.events, spec.id)
         except OSError as e:
             raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
-        from starter import admin
+        from starter import admin, cgroups
 
         admin.gc_quick(spec.state_dir)
+        # The job's cgroup paths go into the entry's first write, before the
+        # cgroup exists, so a crash at any point leaves gc a record of them.
+        backend = cgroups.open_backend(spec.cgroup_parent)
+        if spec.delegate:   # refused before anything of the job exists
+            backend.check_delegation()
         job_state = JobState(spec.state_dir, spec.id).create(
             reclaim=admin.reclaim_for_start,
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
             userns_root=spec.userns_root, seccomp=spec.seccomp, allow_userns=spec.allow_userns,
-            argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6))
+            argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
+            cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
+            cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent, delegate=spec.delegate)
         fault("state-entry")
         events.emit("starting", argv=spec.argv, user=spec.uid)
         trace.mark("state")
-        code = _run(spec, job_state, signals, events, undo, report, sc_filter)
+        code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter)
     except StarterError as e:
         sys.stderr.write(f"starter: {one_line(e)}\n")
         report.update(error=str(e), exit_code=e.exit_code)
@@ -157,7 +164,7 @@ def run(spec):
     return code
 
 
-def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
+def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None):
     from starter import cgroups, ns
     from starter.mounts import Mount
     from starter.spec import rlimit_table
@@ -202,9 +209,6 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
                            "add --scratch DIR or --execute-dir DIR")
 
     # The cgroup, with its limits, before anything runs in it.
-    backend = cgroups.open_backend(spec.cgroup_parent)
-    if spec.delegate:   # refused before anything of the job's cgroup exists
-        backend.check_delegation()
     # The job's own cgroup tree, /dev/shm and temp dirs first (the spec's
     # mounts may stack on them); the state directory and /proc/keys hidden
     # last.  Planned before the cgroup is made: on layouts with v1
@@ -217,9 +221,6 @@ def _run(spec, job_state, signals, events, undo, report, sc_filter=None):
     last_mounts = M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
     rlimits = rlimit_table(spec.rlimits)
     cwd_fallbacks = () if cwd else default_cwds(spec)
-    job_state.update(cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
-                     cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent,
-                     delegate=spec.delegate)   # before it exists
     netcfg = net_end = None
     if spec.network.mode == "nat":
         from starter import net
