@@ -90,16 +90,18 @@ static void warm_up(void)
 
 int main(int argc, char **argv)
 {
-	char *args[argc + 4];
+	char *args[argc + 5];
+	int n = 0;
 
 	if (argc > 1 && !strcmp(argv[1], "run") && geteuid() == 0)
 		warm_up();
-	args[0] = STARTER_PYTHON;
-	args[1] = "-IS";
-	args[2] = "-c";
-	args[3] = STARTER_CODE;
-	for (int i = 1; i <= argc; i++)     /* argv[argc] is the NULL */
-		args[i + 3] = argv[i];
+	args[n++] = STARTER_PYTHON;
+	args[n++] = "-IS";
+	args[n++] = "-c";
+	args[n++] = STARTER_CODE;
+	for (int i = 1; i < argc; i++)      /* argc may be 0 (an execve with no argv) */
+		args[n++] = argv[i];
+	args[n] = NULL;
 	execv(STARTER_PYTHON, args);
 	fprintf(stderr, "starter: cannot run %s: %s (run scripts/setup again)\n", STARTER_PYTHON, strerror(errno));
 	return 125;
