@@ -669,8 +669,8 @@ class Nft:
 
         try:
             answers = _NETFILTER.exchange(build, len(changes))
-        except OSError as e:
-            raise NftError(what, os.strerror(e.errno)) from None
+        except OSError as e:   # the batch refused as a whole, or no answer (TimeoutError)
+            raise NftError(what, os.strerror(e.errno) if e.errno else str(e) or type(e).__name__) from None
         for i, (mtype, body) in enumerate(answers):
             err = netlink.error_code(body) if mtype == _NLMSG_ERROR else 0
             if err:
