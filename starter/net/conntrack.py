@@ -38,9 +38,6 @@ from starter.net import netlink
 _NETLINK_NETFILTER = 12
 _NFNL_SUBSYS_CTNETLINK = 1
 _IPCTNL_MSG_CT_NEW, _IPCTNL_MSG_CT_GET, _IPCTNL_MSG_CT_DELETE = 0, 1, 2
-_NLM_F_REQUEST, _NLM_F_ACK, _NLM_F_DUMP = 0x1, 0x4, 0x300
-_NLMSG_ERROR, _NLMSG_DONE = 2, 3
-_NLA_F_NESTED = 0x8000
 _CTA_TUPLE_ORIG, _CTA_ZONE, _CTA_FILTER = 1, 18, 25
 _CTA_TUPLE_IP = 1
 _CTA_IP_V4_SRC, _CTA_IP_V4_DST, _CTA_IP_V6_SRC, _CTA_IP_V6_DST = 1, 2, 3, 4
@@ -59,10 +56,10 @@ def dump_request(family, packed_addr, direction, seq):
     """A dump of the entries whose original source (direction 0) or
     destination (1) is packed_addr, filtered by the kernel (pure)."""
     attr = _ATTRS[family][direction]
-    tup = netlink.attr(_CTA_TUPLE_IP | _NLA_F_NESTED, netlink.attr(attr, packed_addr))
+    tup = netlink.attr(_CTA_TUPLE_IP | netlink.NLA_F_NESTED, netlink.attr(attr, packed_addr))
     flt = netlink.attr(_CTA_FILTER_ORIG_FLAGS, struct.pack("=I", _FILTER_IP_SRC if direction == 0 else _FILTER_IP_DST))
-    attrs = netlink.attr(_CTA_TUPLE_ORIG | _NLA_F_NESTED, tup) + netlink.attr(_CTA_FILTER | _NLA_F_NESTED, flt)
-    return _msg(_IPCTNL_MSG_CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, seq, family, attrs)
+    attrs = netlink.attr(_CTA_TUPLE_ORIG | netlink.NLA_F_NESTED, tup) + netlink.attr(_CTA_FILTER | netlink.NLA_F_NESTED, flt)
+    return _msg(_IPCTNL_MSG_CT_GET, netlink.NLM_F_REQUEST | netlink.NLM_F_DUMP, seq, family, attrs)
 
 
 def parse_entries(data, family, packed_addrs):
@@ -72,9 +69,9 @@ def parse_entries(data, family, packed_addrs):
     src_attr, dst_attr = _ATTRS[family]
     out, done, err = [], False, 0
     for mtype, _seq, msg in netlink.messages(data):
-        if mtype == _NLMSG_DONE:
+        if mtype == netlink.NLMSG_DONE:
             done = True
-        elif mtype == _NLMSG_ERROR:
+        elif mtype == netlink.NLMSG_ERROR:
             err = netlink.error_code(msg)
             done = True
         elif mtype == (_NFNL_SUBSYS_CTNETLINK << 8) | _IPCTNL_MSG_CT_NEW and len(msg) >= 4:
@@ -102,7 +99,7 @@ SMALL_TABLE = 2048      # entries: below this, one unfiltered walk (see above)
 
 def dump_all_request(seq):
     """A dump of every entry of every family (pure)."""
-    return _msg(_IPCTNL_MSG_CT_GET, _NLM_F_REQUEST | _NLM_F_DUMP, seq, socket.AF_UNSPEC, b"")
+    return _msg(_IPCTNL_MSG_CT_GET, netlink.NLM_F_REQUEST | netlink.NLM_F_DUMP, seq, socket.AF_UNSPEC, b"")
 
 
 def _table_size():
@@ -136,72 +133,57 @@ def forget(addresses):
         s.bind((0, 0))
         size = _table_size()
         if size is not None and size <= SMALL_TABLE:
-            return _forget_in_one_walk(s, by_family)
-        seq = 0
-        for fam, packed in sorted(by_family.items()):
-            for addr in sorted(packed):
-                for direction in (0, 1):
-                    seq += 1
-                    matches = _dump(s, dump_request(fam, addr, direction, seq), fam, packed)
-                    deleted += _delete(s, fam, matches, seq)
-                    seq += len(matches)
+            found = _dump_all(s, dump_all_request(1), by_family)
+        else:
+            found, seq = {fam: [] for fam in by_family}, 0
+            for fam, packed in sorted(by_family.items()):
+                for addr in sorted(packed):
+                    for direction in (0, 1):
+                        seq += 1
+                        found[fam] += _dump(s, dump_request(fam, addr, direction, seq), fam, packed)
+        deleted, seq = 0, 1 << 16       # (above the dumps' numbers)
+        for fam, matches in sorted(found.items()):
+            matches = list(dict.fromkeys(matches))      # a flow of two job addresses is dumped twice
+            deleted += _delete(s, fam, matches, seq)
+            seq += len(matches)
     return deleted
 
 
-def _forget_in_one_walk(s, by_family):
-    s.send(dump_all_request(1))
+def _dump_all(s, request, by_family):
+    """Send a dump request -> {family: [entries matching by_family[family]]}.
+    A namespace without conntrack has nothing to forget."""
+    s.send(request)
     found = {fam: [] for fam in by_family}
-    err, done = 0, False
+    done = False
     while not done:
         data = s.recv(1 << 17)
         for fam, packed in by_family.items():
             got, done, err = parse_entries(data, fam, packed)
             found[fam] += got
     if err in (-errno.ENOENT, -errno.EOPNOTSUPP, -errno.EPROTONOSUPPORT):
-        return 0
+        return {fam: [] for fam in by_family}
     if err:
         raise OSError(-err, f"conntrack dump: {errno.errorcode.get(-err, -err)}")
-    deleted, seq = 0, 1
-    for fam, matches in sorted(found.items()):
-        deleted += _delete(s, fam, matches, seq)
-        seq += len(matches)
-    return deleted
+    return found
 
 
 def _dump(s, request, family, packed):
-    s.send(request)
-    out = []
-    while True:
-        got, done, err = parse_entries(s.recv(1 << 17), family, packed)
-        out += got
-        if done:
-            break
-    if err in (-errno.ENOENT, -errno.EOPNOTSUPP, -errno.EPROTONOSUPPORT):
-        return []   # no conntrack module / table in this namespace: nothing to forget
-    if err:
-        raise OSError(-err, f"conntrack dump: {errno.errorcode.get(-err, -err)}")
-    return out
+    return _dump_all(s, request, {family: packed})[family]
 
 
 def _delete(s, family, matches, seq):
     """One acked DELETE per entry; ENOENT (it timed out meanwhile) is fine."""
     if not matches:
         return 0
-    msgs = [_msg(_IPCTNL_MSG_CT_DELETE, _NLM_F_REQUEST | _NLM_F_ACK, seq + 1 + i, family, attrs)
+    msgs = [_msg(_IPCTNL_MSG_CT_DELETE, netlink.NLM_F_REQUEST | netlink.NLM_F_ACK, seq + 1 + i, family, attrs)
             for i, attrs in enumerate(matches)]
     # Batches small enough for the socket buffer; every request gets an ack.
     deleted = 0
     for start in range(0, len(msgs), 256):
-        batch = msgs[start:start + 256]
-        s.send(b"".join(batch))
-        acks = 0
-        while acks < len(batch):
-            for mtype, _seq, msg in netlink.messages(s.recv(1 << 17)):
-                if mtype == _NLMSG_ERROR:
-                    acks += 1
-                    err = netlink.error_code(msg)
-                    if err == 0:
-                        deleted += 1
-                    elif err != -errno.ENOENT:
-                        raise OSError(-err, f"conntrack delete: {errno.errorcode.get(-err, -err)}")
+        s.send(b"".join(msgs[start:start + 256]))
+        for _replies, err in netlink.collect(s, seq + 1 + start, len(msgs[start:start + 256])):
+            if err == 0:
+                deleted += 1
+            elif err != -errno.ENOENT:
+                raise OSError(-err, f"conntrack delete: {errno.errorcode.get(-err, -err)}")
     return deleted

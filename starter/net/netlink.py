@@ -14,6 +14,10 @@ the same two structures:
 import struct
 
 HEADER = 16  # sizeof(struct nlmsghdr)
+NLMSG_ERROR, NLMSG_DONE = 2, 3
+NLM_F_REQUEST, NLM_F_MULTI, NLM_F_ACK = 0x1, 0x2, 0x4
+NLM_F_DUMP, NLM_F_EXCL, NLM_F_CREATE = 0x300, 0x200, 0x400
+NLA_F_NESTED = 0x8000
 
 
 def message(mtype, flags, seq, body):
@@ -54,3 +58,35 @@ def attrs(buf):
 def error_code(body):
     """The (negative) errno of an NLMSG_ERROR message's body; 0 is an ack."""
     return struct.unpack_from("=i", body)[0]
+
+
+def collect(sock, first, count, ack=True):
+    """Read the kernel's answers to `count` requests numbered first.. on
+    sock -> [(replies, error)] per request: the messages (type, body)
+    answering it and the errno of its NLMSG_ERROR (negative; 0: acked).
+
+    ack: each request asked for an ack (NLM_F_ACK), which ends its answer;
+    else its first message does (a get's reply, or an error).  An error
+    about a message outside the range (a batch's begin or end: the batch as
+    a whole) raises OSError; other stray messages are skipped."""
+    import errno
+
+    replies = [[] for _ in range(count)]
+    errors = [0] * count
+    done = 0
+    while done < count:
+        for mtype, seq, body in messages(sock.recv(1 << 16)):
+            i = seq - first
+            if not 0 <= i < count:
+                if mtype == NLMSG_ERROR and error_code(body):
+                    err = -error_code(body)
+                    raise OSError(err, f"netlink: {errno.errorcode.get(err, err)}")
+                continue
+            if mtype == NLMSG_ERROR:
+                errors[i] = error_code(body)
+                done += 1
+            else:
+                replies[i].append((mtype, body))
+                if not ack and len(replies[i]) == 1:
+                    done += 1
+    return list(zip(replies, errors))

@@ -90,6 +90,7 @@ import json
 import threading
 
 from starter.errors import NetworkError
+from starter.net import netlink
 from starter.net.ipam import JOB_LINK_LOCAL6
 
 FAMILY = "inet"
@@ -349,8 +350,6 @@ class Table:
         DELSETELEM/DELOBJ), numbered from seq, each acked (pure)."""
         import struct
 
-        from starter.net import netlink
-
         table = netlink.attr(1, self.name.encode() + b"\0")     # NFTA_{OBJ,SET_ELEM_LIST}_TABLE
         head = struct.pack("=BBH", _NFPROTO_INET, 0, 0)
         add = verb == "add"
@@ -360,22 +359,22 @@ class Table:
                 body = (head + table + netlink.attr(_NFTA_OBJ_NAME, change[1].encode() + b"\0")
                         + netlink.attr(_NFTA_OBJ_TYPE, struct.pack(">I", _NFT_OBJECT_COUNTER)))
                 if add:
-                    body += netlink.attr(_NFTA_OBJ_DATA | _NLA_F_NESTED,
+                    body += netlink.attr(_NFTA_OBJ_DATA | netlink.NLA_F_NESTED,
                                          netlink.attr(_NFTA_COUNTER_BYTES, struct.pack(">Q", 0))
                                          + netlink.attr(_NFTA_COUNTER_PACKETS, struct.pack(">Q", 0)))
                 mtype = _NFT_MSG_NEWOBJ if add else _NFT_MSG_DELOBJ
             else:
                 elems = b""
                 for parts, ref in change[2]:
-                    e = netlink.attr(_NFTA_SET_ELEM_KEY | _NLA_F_NESTED,
+                    e = netlink.attr(_NFTA_SET_ELEM_KEY | netlink.NLA_F_NESTED,
                                      netlink.attr(_NFTA_DATA_VALUE, b"".join(_key_part(p) for p in parts)))
                     if ref is not None and add:
                         e += netlink.attr(_NFTA_SET_ELEM_OBJREF, ref.encode() + b"\0")
-                    elems += netlink.attr(_NFTA_LIST_ELEM | _NLA_F_NESTED, e)
+                    elems += netlink.attr(_NFTA_LIST_ELEM | netlink.NLA_F_NESTED, e)
                 body = (head + table + netlink.attr(_NFTA_SET_ELEM_LIST_SET, change[1].encode() + b"\0")
-                        + netlink.attr(_NFTA_SET_ELEM_LIST_ELEMENTS | _NLA_F_NESTED, elems))
+                        + netlink.attr(_NFTA_SET_ELEM_LIST_ELEMENTS | netlink.NLA_F_NESTED, elems))
                 mtype = _NFT_MSG_NEWSETELEM if add else _NFT_MSG_DELSETELEM
-            flags = _NLM_F_REQUEST | _NLM_F_ACK | (_NLM_F_CREATE if add else 0)
+            flags = netlink.NLM_F_REQUEST | netlink.NLM_F_ACK | (netlink.NLM_F_CREATE if add else 0)
             out.append(netlink.message((_NFNL_SUBSYS_NFTABLES << 8) | mtype, flags, seq + i, body))
         return out
 
@@ -408,52 +407,49 @@ _NFTA_OBJ_TABLE, _NFTA_OBJ_NAME, _NFTA_OBJ_TYPE, _NFTA_OBJ_DATA = 1, 2, 3, 4
 _NFTA_COUNTER_BYTES, _NFTA_COUNTER_PACKETS = 1, 2
 _NFT_OBJECT_COUNTER = 1
 _NFPROTO_INET = 1
-_NLMSG_ERROR = 2
-_NLM_F_REQUEST = 1
 _NETLINK_NETFILTER = 12
 # the per-job changes (Table.to_netlink, Nft.apply)
 _NFT_MSG_NEWSETELEM, _NFT_MSG_DELSETELEM, _NFT_MSG_DELOBJ = 12, 14, 20
 _NFTA_SET_ELEM_LIST_SET, _NFTA_SET_ELEM_LIST_ELEMENTS = 2, 3
 _NFTA_LIST_ELEM, _NFTA_SET_ELEM_KEY, _NFTA_SET_ELEM_OBJREF, _NFTA_DATA_VALUE = 1, 1, 9, 1
 _NFNL_MSG_BATCH_BEGIN, _NFNL_MSG_BATCH_END = 16, 17
-_NLM_F_ACK, _NLM_F_CREATE = 0x4, 0x400
-_NLA_F_NESTED = 0x8000
 
 
 def getobj_request(table, name, seq):
     """The netlink message asking for one named counter (pure)."""
     import struct
 
-    from starter.net import netlink
-
     body = struct.pack("=BBH", _NFPROTO_INET, 0, 0)
     body += netlink.attr(_NFTA_OBJ_TABLE, table.encode() + b"\0")
     body += netlink.attr(_NFTA_OBJ_NAME, name.encode() + b"\0")
     body += netlink.attr(_NFTA_OBJ_TYPE, struct.pack(">I", _NFT_OBJECT_COUNTER))
-    return netlink.message((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETOBJ, _NLM_F_REQUEST, seq, body)
+    return netlink.message((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETOBJ, netlink.NLM_F_REQUEST, seq, body)
 
 
 def parse_getobj_replies(data):
     """-> {seq: {"bytes", "packets"} | -errno} from the kernel's answers (pure)."""
-    import struct
-
-    from starter.net import netlink
-
     out = {}
     for mtype, seq, msg in netlink.messages(data):
-        if mtype == _NLMSG_ERROR:
+        if mtype == netlink.NLMSG_ERROR:
             out[seq] = netlink.error_code(msg)
         elif mtype == (_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_NEWOBJ:
-            c = {}
-            for kind, val, _raw in netlink.attrs(msg[4:]):
-                if kind == _NFTA_OBJ_DATA:
-                    for k2, v2, _raw2 in netlink.attrs(val):
-                        if k2 == _NFTA_COUNTER_BYTES:
-                            c["bytes"] = struct.unpack(">Q", v2)[0]
-                        elif k2 == _NFTA_COUNTER_PACKETS:
-                            c["packets"] = struct.unpack(">Q", v2)[0]
-            out[seq] = c
+            out[seq] = _counter_of(msg)
     return out
+
+
+def _counter_of(body):
+    """A NEWOBJ message's body -> {"bytes", "packets"} of the counter (pure)."""
+    import struct
+
+    c = {}
+    for kind, val, _raw in netlink.attrs(body[4:]):
+        if kind == _NFTA_OBJ_DATA:
+            for k2, v2, _raw2 in netlink.attrs(val):
+                if k2 == _NFTA_COUNTER_BYTES:
+                    c["bytes"] = struct.unpack(">Q", v2)[0]
+                elif k2 == _NFTA_COUNTER_PACKETS:
+                    c["packets"] = struct.unpack(">Q", v2)[0]
+    return c
 
 
 class _Netfilter:
@@ -470,16 +466,12 @@ class _Netfilter:
         self._seq = 0
         self._lock = threading.Lock()
 
-    def exchange(self, build, count):
+    def exchange(self, build, count, ack=True):
         """build(first_seq) -> the bytes of `count` requests numbered from
         first_seq (a batch's begin and end may use first_seq - 1 and
-        first_seq + count).  -> [(type, body)]: the first answer to each
-        request (its reply, or NLMSG_ERROR: an ack or an error).  An error
-        about the batch as a whole raises OSError."""
-        import errno
+        first_seq + count).  -> netlink.collect()'s [(replies, error)].  An
+        error about the batch as a whole raises OSError."""
         import socket
-
-        from starter.net import netlink
 
         with self._lock:
             if self._sock is None:
@@ -496,16 +488,7 @@ class _Netfilter:
                 pass
             s.settimeout(5.0)
             s.send(build(first))
-            got = {}
-            while len(got) < count:
-                for mtype, seq, body in netlink.messages(s.recv(65536)):
-                    i = seq - first
-                    if 0 <= i < count:
-                        got.setdefault(i, (mtype, body))
-                    elif mtype == _NLMSG_ERROR and netlink.error_code(body):
-                        err = -netlink.error_code(body)
-                        raise OSError(err, f"nf_tables: {errno.errorcode.get(err, err)}")
-            return [got[i] for i in range(count)]
+            return netlink.collect(s, first, count, ack)
 
 
 _NETFILTER = _Netfilter()
@@ -515,16 +498,9 @@ def _getobjs(table_name, names):
     """Ask the kernel for these named counters in one round trip -> the
     answer for each name, in order: {"bytes", "packets"} or -errno."""
     answers = _NETFILTER.exchange(
-        lambda first: b"".join(getobj_request(table_name, n, first + i) for i, n in enumerate(names)), len(names))
-    out = []
-    for mtype, body in answers:
-        from starter.net import netlink
-
-        if mtype == _NLMSG_ERROR:
-            out.append(netlink.error_code(body))
-        else:
-            out.append(parse_getobj_replies(netlink.message(mtype, 0, 0, body)).get(0))
-    return out
+        lambda first: b"".join(getobj_request(table_name, n, first + i) for i, n in enumerate(names)),
+        len(names), ack=False)
+    return [err or _counter_of(replies[0][1]) for replies, err in answers]
 
 
 def _counter_error(name, err):
@@ -658,21 +634,18 @@ class Nft:
         import socket
         import struct
 
-        from starter.net import netlink
-
         batch = struct.pack("=BBH", socket.AF_UNSPEC, 0, socket.htons(_NFNL_SUBSYS_NFTABLES))
 
         def build(first):   # one ack or error per change, sent once the whole batch ran
-            return (netlink.message(_NFNL_MSG_BATCH_BEGIN, _NLM_F_REQUEST, first - 1, batch)
+            return (netlink.message(_NFNL_MSG_BATCH_BEGIN, netlink.NLM_F_REQUEST, first - 1, batch)
                     + b"".join(table.to_netlink(verb, changes, first))
-                    + netlink.message(_NFNL_MSG_BATCH_END, _NLM_F_REQUEST, first + len(changes), batch))
+                    + netlink.message(_NFNL_MSG_BATCH_END, netlink.NLM_F_REQUEST, first + len(changes), batch))
 
         try:
             answers = _NETFILTER.exchange(build, len(changes))
         except OSError as e:   # the batch refused as a whole, or no answer (TimeoutError)
             raise NftError(what, os.strerror(e.errno) if e.errno else str(e) or type(e).__name__) from None
-        for i, (mtype, body) in enumerate(answers):
-            err = netlink.error_code(body) if mtype == _NLMSG_ERROR else 0
+        for i, (_replies, err) in enumerate(answers):
             if err:
                 c = changes[i]
                 raise NftError(what, f"{os.strerror(-err)} ({verb} {c[0]} {c[1]})")

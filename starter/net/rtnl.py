@@ -22,15 +22,13 @@ import os
 import struct
 
 from starter.net import netlink
+from starter.net.netlink import NLA_F_NESTED, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, \
+    NLMSG_DONE, NLMSG_ERROR
 
 NETLINK_ROUTE = 0
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
 RTM_NEWADDR, RTM_GETADDR = 20, 22
 RTM_NEWROUTE = 24
-NLMSG_ERROR, NLMSG_DONE = 2, 3
-NLM_F_REQUEST, NLM_F_MULTI, NLM_F_ACK = 0x1, 0x2, 0x4
-NLM_F_DUMP, NLM_F_EXCL, NLM_F_CREATE = 0x300, 0x200, 0x400
-NLA_F_NESTED = 0x8000
 
 IFLA_IFNAME, IFLA_LINK, IFLA_LINKINFO, IFLA_NET_NS_FD = 3, 5, 18, 28
 IFLA_INFO_KIND, IFLA_INFO_DATA = 1, 2
@@ -159,7 +157,11 @@ class Rtnl:
             self.seq += 1
             data += netlink.message(mtype, NLM_F_REQUEST | NLM_F_ACK | flags, self.seq, body)
         self.sock.send(data)
-        return self._collect(first, len(requests))
+        answers = netlink.collect(self.sock, first, len(requests))
+        for i, (_replies, err) in enumerate(answers):
+            if err:
+                raise RtnlError(-err, i)
+        return [replies for replies, _err in answers]
 
     def dump(self, mtype, body):
         """A dump request -> [(type, body)] until NLMSG_DONE."""
@@ -196,25 +198,6 @@ class Rtnl:
             if fam == family and cidr is not None:
                 out.append((cidr, index))
         return out
-
-    def _collect(self, first, n):
-        replies = [[] for _ in range(n)]
-        acked, error = 0, None
-        while acked < n:
-            for t, s, msg in netlink.messages(self.sock.recv(1 << 16)):
-                i = s - first
-                if not 0 <= i < n:
-                    continue        # a late answer to an earlier batch
-                if t == NLMSG_ERROR:
-                    acked += 1
-                    code = -netlink.error_code(msg)
-                    if code and error is None:
-                        error = RtnlError(code, i)
-                else:
-                    replies[i].append((t, msg))
-        if error is not None:
-            raise error
-        return replies
 
 
 __all__ = ["Rtnl", "RtnlError", "new_veth", "get_link", "del_link", "set_up", "add_address",
