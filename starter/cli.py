@@ -522,6 +522,14 @@ COMMANDS = {
 }
 
 
+def launcher_code(repo, site):
+    """What the `starter` command runs with `python -IS -c` (native/launcher.c,
+    built by scripts/build-launcher; the bench and the tests run it too): the
+    checkout and the venv's site-packages put back on sys.path (-S leaves
+    them out), then entry()."""
+    return f"import sys; sys.path[:0] = [{repo!r}, {site!r}]; from starter.cli import entry; entry()"
+
+
 def entry():
     """The `starter` command (launcher, console script, python -m starter):
     main(), then leave without the interpreter's finalization (tearing down

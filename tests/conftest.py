@@ -22,9 +22,9 @@ def starter_in_python(*python_flags):
     with extra interpreter flags (e.g. -X importtime); arguments follow."""
     import sysconfig
 
-    code = (f"import sys; sys.path[:0] = [{REPO!r}, {sysconfig.get_paths()['purelib']!r}]; "
-            "from starter.cli import entry; entry()")
-    return [sys.executable, *python_flags, "-IS", "-c", code]
+    from starter.cli import launcher_code
+
+    return [sys.executable, *python_flags, "-IS", "-c", launcher_code(REPO, sysconfig.get_paths()["purelib"])]
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 
 

@@ -194,8 +194,9 @@ def starter_argv():
         return None
     import sysconfig
 
-    code = (f"import sys; sys.path[:0] = [{ROOT!r}, {sysconfig.get_paths()['purelib']!r}]; "
-            "from starter.cli import entry; entry()")
+    from starter.cli import launcher_code
+
+    code = launcher_code(ROOT, sysconfig.get_paths()["purelib"])
     return [os.path.join(ROOT, ".venv", "bin", "python"), "-IS", "-c", code]
 
 

@@ -169,42 +169,37 @@ def subdirs_bottom_up(top):
     return out
 
 
+def _busy_after_rmdir(d):
+    """rmdir one cgroup -> True if it is busy (EBUSY: children, or a task
+    still leaving); gone already is fine; anything else raises."""
+    try:
+        os.rmdir(d)
+    except FileNotFoundError:
+        pass
+    except OSError as e:
+        if e.errno != errno.EBUSY:
+            raise CgroupError(f"cannot remove cgroup {d}: {errno.errorcode.get(e.errno, e.errno)}",
+                              files.hint_for(e.errno)) from None
+        return True
+    return False
+
+
 def rmdir_tree(top, attempts=50):
     """rmdir every cgroup under `top` depth-first, then `top`.  ENOENT is
     fine; EBUSY (a task still leaving) is retried briefly, then raised."""
     # A job's cgroup usually has no sub-cgroups (only a delegated job can
-    # make them): one rmdir, no walk.  EBUSY: children, or a task leaving.
-    try:
-        os.rmdir(top)
+    # make them): one rmdir, no walk.
+    if not _busy_after_rmdir(top):
         return
-    except FileNotFoundError:
-        return
-    except OSError as e:
-        if e.errno != errno.EBUSY:
-            raise CgroupError(f"cannot remove cgroup {top}: {errno.errorcode.get(e.errno, e.errno)}",
-                              files.hint_for(e.errno)) from None
     delay = 0.001
     for i in range(attempts):
-        busy = None
-        for d in subdirs_bottom_up(top):
-            try:
-                os.rmdir(d)
-            except FileNotFoundError:
-                pass
-            except OSError as e:
-                if e.errno == errno.EBUSY:
-                    busy = d
-                else:
-                    raise CgroupError(
-                        f"cannot remove cgroup {d}: {errno.errorcode.get(e.errno, e.errno)}",
-                        files.hint_for(e.errno),
-                    ) from None
-        if busy is None:
+        busy = [d for d in subdirs_bottom_up(top) if _busy_after_rmdir(d)]
+        if not busy:
             return
         time.sleep(delay)
         delay = min(delay * 2, 0.05)
     raise CgroupError(
-        f"cannot remove cgroup {busy}: EBUSY (it still has processes or children)",
+        f"cannot remove cgroup {busy[-1]}: EBUSY (it still has processes or children)",
         "kill the processes listed in its cgroup.procs (starter gc does this)",
     )
 

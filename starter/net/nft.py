@@ -650,6 +650,11 @@ class Nft:
                 c = changes[i]
                 raise NftError(what, f"{os.strerror(-err)} ({verb} {c[0]} {c[1]})")
 
+    def add_job(self, table, key, address, address6=None, what="add job rules"):
+        """apply() of Table.job_changes("add", ...): the job's counters and
+        elements, its host veth named by its key."""
+        self.apply(table, "add", table.job_changes("add", key, key, address, address6), what)
+
     def table_exists(self, table):
         try:
             self.run([{"list": {"table": table.table_obj()}}], "list table")

@@ -442,7 +442,7 @@ class Wiring:
 
     def _add_job(self, store, cfg, table, key, address, address6=None):
         try:
-            self.nft.apply(table, "add", table.job_changes("add", key, key, address, address6), "add job rules")
+            self.nft.add_job(table, key, address, address6)
         except nft.NftError as e:
             if not e.enoent or self.nft.table_exists(table):
                 raise
@@ -451,9 +451,8 @@ class Wiring:
             self._create_table(store, cfg, table)
             for other in store.all():
                 if other.get("key") != key and other.get("address") and _if_exists(other["key"]):
-                    self.nft.apply(table, "add", table.job_changes("add", other["key"], other["key"], other["address"],
-                                                                   other.get("address6")), "re-add job")
-            self.nft.apply(table, "add", table.job_changes("add", key, key, address, address6), "add job rules")
+                    self.nft.add_job(table, other["key"], other["address"], other.get("address6"), "re-add job")
+            self.nft.add_job(table, key, address, address6)
 
     def counters(self, job_id, cfg):
         return nft.read_counters(cfg.table, ipam.job_key(job_id, cfg.table))
