@@ -157,13 +157,7 @@ def teardown_begin(job_id, cfg):
     """Start teardown() in netd and return at once -> a callable that waits
     for it and returns what teardown() returns.  Without netd, the callable
     does the teardown in-process."""
-    from starter.net import netd
-
-    try:
-        pending = netd.ask(socket_path(cfg), {"op": "teardown", "job_id": job_id, "cfg": cfg.as_dict()})
-    except netd.Unavailable:
-        return lambda: _local().teardown(job_id, cfg)
-    return lambda: netd.answer(pending)
+    return _ask("teardown", job_id, cfg)
 
 
 def counters(job_id, cfg):
@@ -184,12 +178,19 @@ def gc(cfg, live_job_ids):
 
 
 def _call(op, job_id, cfg):
+    return _ask(op, job_id, cfg)()
+
+
+def _ask(op, job_id, cfg):
+    """Send op to netd -> a callable returning its answer; without netd, one
+    that does op in-process."""
     from starter.net import netd
 
     try:
-        return netd.call(socket_path(cfg), {"op": op, "job_id": job_id, "cfg": cfg.as_dict()})
+        pending = netd.ask(socket_path(cfg), {"op": op, "job_id": job_id, "cfg": cfg.as_dict()})
     except netd.Unavailable:
-        return getattr(_local(), op)(job_id, cfg)
+        return lambda: getattr(_local(), op)(job_id, cfg)
+    return lambda: netd.answer(pending)
 
 
 _wiring = None

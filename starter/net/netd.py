@@ -305,10 +305,9 @@ def _bind(path):
 
 def serve(cfg, path):
     import signal
+    import sys
 
     from starter.fileio import unlink_quiet
-
-    import sys
 
     os.makedirs(cfg.state_dir, mode=0o700, exist_ok=True)
     # The teardown worker runs Python for tens of ms per job (the conntrack

@@ -150,8 +150,9 @@ class Wiring:
         """Hand the current request's deferred work to the worker.  netd calls
         this after it has sent the reply: the worker's Python (netlink, the
         conntrack walk) would otherwise hold the GIL while the reply waits."""
-        while self._later:
-            self._queue.put(self._later.pop(0))
+        for item in self._later:
+            self._queue.put(item)
+        self._later.clear()
 
     def close(self):
         """Finish queued teardowns, remove lingering tables, drop the handles."""
