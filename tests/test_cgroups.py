@@ -10,6 +10,7 @@ with add_pid() while they wait, then released: nothing runs before it is in
 its cgroup, and the pytest process itself is never attached to a job.
 """
 
+import errno
 import itertools
 import os
 import select
@@ -446,6 +447,52 @@ def test_kill_without_time_still_kills(backend, jobs):
     cg.kill(timeout=0)
     assert p.wait(timeout=10) == -9      # SIGKILLed by that one round
     assert cg.kill(timeout=10) == []
+
+
+def _open_fds():
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_kept_files_serve_the_end_of_a_job(backend, jobs):
+    """keep_open(): what the end of a job reads and writes (usage, "empty?",
+    the kill) through descriptors opened while it ran; destroy() closes them,
+    and a removed cgroup reads as absent, as before."""
+    cg = jobs.create()
+    p = jobs.spawn(cg, ["sleep", "1000"])
+    before = _open_fds()
+    cg.keep_open()
+    assert _open_fds() > before
+    running = cg.stats()
+    if running["pids_current"] is not None:
+        assert running["pids_current"] >= 1
+    assert cg.kill(timeout=10 * SLOWDOWN) == []
+    assert p.wait(timeout=10) == -signal.SIGKILL
+    assert cg.is_empty()
+    ended = cg.stats()
+    assert set(ended) == set(running)
+    if ended["pids_current"] is not None:
+        assert ended["pids_current"] == 0      # read again, not the first read kept
+    cg.destroy(prune=False)
+    assert _open_fds() == before
+    assert cg.is_empty() and cg.stats()["cpu_user_s"] is None
+
+
+def test_kept_reads_again_and_says_absent(tmp_path):
+    f = tmp_path / "value"
+    f.write_text("1\n")
+    kept = files.Kept()
+    assert kept.text(str(f)) == "1\n" and kept.fds == {}   # not kept until told
+    kept.keep = True
+    assert kept.text(str(f)) == "1\n"
+    with open(f, "r+") as w:                     # the same file, new content
+        w.write("22\n")
+    assert kept.text(str(f)) == "22\n"
+    assert kept.text(str(tmp_path / "missing")) is None
+    with pytest.raises(CgroupError) as e:
+        kept.write(str(tmp_path / "missing"), 1)
+    assert e.value.errno == errno.ENOENT
+    kept.close()
+    assert kept.fds == {} and not kept.keep
 
 
 def _is_zombie(pid):

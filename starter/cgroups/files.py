@@ -26,20 +26,31 @@ V1_RESOURCE_CONTROLLERS = frozenset("memory pids cpu cpuacct blkio freezer".spli
 # reading and writing
 
 
+# What a read of a cgroup file that is not there (or not readable on this
+# kernel) fails with: ENOENT, ENODEV (a removed cgroup's open file, or PSI
+# files with psi=0), EOPNOTSUPP, EINVAL.
+_ABSENT = frozenset((errno.ENOENT, errno.ENODEV, errno.EOPNOTSUPP, errno.EINVAL))
+
+
 def read_text(path):
     # os.open/os.read, not open(): a third cheaper per file, which counts
     # when `starter metrics` reads ~11 files for each of hundreds of jobs.
     # A short read of a seq_file (every cgroup file) means end of file.
     fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        data = os.read(fd, 65536)
-        if len(data) == 65536:
-            chunks = [data]
-            while chunks[-1]:
-                chunks.append(os.read(fd, 1 << 20))
-            data = b"".join(chunks)
+        return _read_whole(fd)
     finally:
         os.close(fd)
+
+
+def _read_whole(fd):
+    data = os.pread(fd, 65536, 0)
+    if len(data) == 65536:
+        chunks, off = [data], len(data)
+        while chunks[-1]:
+            chunks.append(os.pread(fd, 1 << 20, off))
+            off += len(chunks[-1])
+        data = b"".join(chunks)
     return data.decode()
 
 
@@ -51,20 +62,93 @@ def read_text_or_none(path):
         return None
     except OSError as e:
         # ENODEV/EOPNOTSUPP: PSI files exist but psi=0 on the kernel command line.
-        if e.errno in (errno.ENODEV, errno.EOPNOTSUPP, errno.EINVAL):
+        if e.errno in _ABSENT:
             return None
         raise
 
 
 def read_int_or_none(path):
     """An integer file ("max" reads as None); None when the file is missing."""
-    text = read_text_or_none(path)
+    return int_or_none(read_text_or_none(path))
+
+
+def int_or_none(text):
+    """An integer file's text ("max" and None read as None)."""
     if text is None:
         return None
     text = text.strip()
     if text == "max" or text == "":
         return None
     return int(text)
+
+
+class Kept:
+    """Descriptors of one cgroup's own files, kept open once keep is set:
+    a read is then one pread, a write one write.
+
+    A job's last reads (its usage, "is it empty?") and its kill come after
+    it ended or was told to end, where every microsecond is teardown time;
+    the first open of a kernfs file makes its inode (~40 us here).  So the
+    starter sets keep and reads everything once while the job runs
+    (JobCgroup.keep_open), and closes them with the job's cgroup.  Until
+    keep is set (a reader such as `starter metrics`, which must not hold
+    descriptors of many jobs) every call is a plain read or write.  Only
+    for the job's own directories, never a sub-cgroup a job could remove
+    and make again under the same name."""
+
+    def __init__(self):
+        self.keep = False
+        self.fds = {}
+
+    def open(self, path, flags=os.O_RDONLY):
+        """The kept descriptor of `path` (opened now if need be), or None
+        if there is no such file."""
+        key = (path, flags)
+        fd = self.fds.get(key, -1)
+        if fd == -1:
+            try:
+                fd = os.open(path, flags | os.O_CLOEXEC)
+            except OSError as e:
+                if e.errno not in _ABSENT:
+                    raise
+                fd = None
+            self.fds[key] = fd
+        return fd
+
+    def text(self, path):
+        """As read_text_or_none(path)."""
+        if not self.keep:
+            return read_text_or_none(path)
+        fd = self.open(path)
+        if fd is None:
+            return None
+        try:
+            return _read_whole(fd)
+        except OSError as e:
+            if e.errno in _ABSENT:
+                return None
+            raise
+
+    def write(self, path, value):
+        """As write(path, value); a file that is gone (or whose cgroup was
+        removed since it was opened) fails with errno ENOENT."""
+        if not self.keep:
+            return write(path, value)
+        fd = self.open(path, os.O_WRONLY)
+        try:
+            if fd is None:
+                raise FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
+            os.write(fd, str(value).encode())
+        except OSError as e:
+            if e.errno == errno.ENODEV:
+                e = FileNotFoundError(errno.ENOENT, os.strerror(errno.ENOENT))
+            raise _write_error(path, value, e, None) from None
+
+    def close(self):
+        fds, self.fds, self.keep = self.fds, {}, False
+        for fd in fds.values():
+            if fd is not None:
+                os.close(fd)
 
 
 _HINTS = {

@@ -87,16 +87,16 @@ class V1Resources:
             files.write(mem, limit)
 
     def _resource_stats(self):
-        rd = files.read_int_or_none
+        rd = self._int
         out = {}
         mem = self.paths.get("memory")
         if mem:
             out["memory_current_bytes"] = rd(os.path.join(mem, "memory.usage_in_bytes"))
             out["memory_peak_bytes"] = rd(os.path.join(mem, "memory.max_usage_in_bytes"))
-            mstat = files.parse_flat_keyed(files.read_text_or_none(os.path.join(mem, "memory.stat")))
+            mstat = files.parse_flat_keyed(self._text(os.path.join(mem, "memory.stat")))
             # total_shmem covers the job's sub-cgroups; shmem alone does not
             out["memory_shmem_bytes"] = mstat.get("total_shmem", mstat.get("shmem"))
-            out["oom_kills"] = _oom_kills_v1(mem)
+            out["oom_kills"] = _oom_kills_v1(mem, self._text)
         pids = self.paths.get("pids")
         if pids:
             out["pids_current"] = rd(os.path.join(pids, "pids.current"))
@@ -104,7 +104,7 @@ class V1Resources:
         blk = self.paths.get("blkio")
         if blk:
             for name in ("blkio.throttle.io_service_bytes_recursive", "blkio.throttle.io_service_bytes"):
-                text = files.read_text_or_none(os.path.join(blk, name))
+                text = self._text(os.path.join(blk, name))
                 if text is not None:
                     out["io_read_bytes"], out["io_write_bytes"] = files.blkio_totals(text)
                     break
@@ -113,7 +113,7 @@ class V1Resources:
 
     def oom_kills(self):
         mem = self.paths.get("memory")
-        return _oom_kills_v1(mem) if mem else None
+        return _oom_kills_v1(mem, self._text) if mem else None
 
     def end_on_oom(self):
         """v1 has no memory.oom.group: register an eventfd for
@@ -165,7 +165,7 @@ class OomEventfd:
             self.fd = None
 
 
-def _oom_kills_v1(mem):
+def _oom_kills_v1(mem, read_top):
     """Sum of memory.oom_control "oom_kill" over the job's memory subtree.
 
     On v1 the counter is local to the cgroup whose task was killed, so a job
@@ -174,7 +174,8 @@ def _oom_kills_v1(mem):
     cache reclaim also causes, so it is not reported as OOM kills)."""
     total = None
     for d in subdirs_bottom_up(mem):
-        n = files.parse_flat_keyed(files.read_text_or_none(os.path.join(d, "memory.oom_control"))).get("oom_kill")
+        read = read_top if d == mem else files.read_text_or_none
+        n = files.parse_flat_keyed(read(os.path.join(d, "memory.oom_control"))).get("oom_kill")
         if n is not None:
             total = (total or 0) + n
     return total
@@ -188,7 +189,7 @@ class V1Tracking:
 
     def _freezer_state(self):
         p = _file(self, "freezer", "freezer.state")
-        text = files.read_text_or_none(p) if p else None
+        text = self._text(p) if p else None
         return text.strip() if text else None
 
     def freeze(self, timeout=5.0):
@@ -265,11 +266,11 @@ class V1Tracking:
             # ticks are late (seen: 1.49 s and 2.4 s for 2 s of CPU in a VM).
             # Like the kernel's cputime_adjust(): the exact total, split in
             # the sampled ratio.
-            total = files.read_int_or_none(os.path.join(acct, "cpuacct.usage"))
-            u = files.read_int_or_none(os.path.join(acct, "cpuacct.usage_user"))
-            s = files.read_int_or_none(os.path.join(acct, "cpuacct.usage_sys"))
+            total = self._int(os.path.join(acct, "cpuacct.usage"))
+            u = self._int(os.path.join(acct, "cpuacct.usage_user"))
+            s = self._int(os.path.join(acct, "cpuacct.usage_sys"))
             if u is None or s is None:
-                st = files.parse_flat_keyed(files.read_text_or_none(os.path.join(acct, "cpuacct.stat")))
+                st = files.parse_flat_keyed(self._text(os.path.join(acct, "cpuacct.stat")))
                 if "user" in st:
                     hz = os.sysconf("SC_CLK_TCK")
                     u, s = st["user"] * 1e9 / hz, st.get("system", 0) * 1e9 / hz

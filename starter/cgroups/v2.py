@@ -79,7 +79,7 @@ class UnifiedTracking:
             self._events.drain()
 
     def _read_events(self):
-        return files.parse_flat_keyed(files.read_text_or_none(self._ufile("cgroup.events")))
+        return files.parse_flat_keyed(self._text(self._ufile("cgroup.events")))
 
     def is_empty(self):
         """No process left in the job or any cgroup below it."""
@@ -129,21 +129,26 @@ class UnifiedTracking:
     # -- kill -----------------------------------------------------------------
     def _exit_watch(self):
         # populated in cgroup.events drops when the last task has exited.
-        return EventsWatch(self._ufile("cgroup.events")) if os.path.isdir(self.upath) else None
+        if not os.path.isdir(self.upath):
+            return None
+        return EventsWatch(self._ufile("cgroup.events"), self.kept if self.kept.keep else None)
 
     def _kill_tree(self):
         # Atomic against concurrent forks: one write kills the tree, frozen,
         # chmod'ed and nested sub-cgroups included.  Kernels before 5.14
         # have no cgroup.kill.
-        if not os.path.exists(self._ufile("cgroup.kill")):
-            return False
         try:
-            files.write(self._ufile("cgroup.kill"), 1)
+            self.kept.write(self._ufile("cgroup.kill"), 1)
         except CgroupError as e:
             if getattr(e, "errno", None) != errno.ENOENT:
                 raise
-            return False   # the cgroup is gone: nothing left to kill there
+            return False   # no cgroup.kill, or the cgroup is gone: nothing left to kill there
         return True
+
+    def keep_open(self):
+        super().keep_open()
+        self.kept.open(self._ufile("cgroup.events"))
+        self.kept.open(self._ufile("cgroup.kill"), os.O_WRONLY)
 
     def _kill_round(self, left, deadline):
         """SIGKILL the cgroup2 tree, including sub-cgroups the job made,
@@ -178,13 +183,13 @@ class UnifiedTracking:
     # -- accounting on the cgroup2 side -----------------------------------------
     def _tracking_stats(self):
         out = {}
-        cpu = files.parse_flat_keyed(files.read_text_or_none(self._ufile("cpu.stat")))
+        cpu = files.parse_flat_keyed(self._text(self._ufile("cpu.stat")))
         if "user_usec" in cpu:
             out["cpu_user_s"] = cpu["user_usec"] / 1e6
             out["cpu_system_s"] = cpu.get("system_usec", 0) / 1e6
         psi = {}
         for res in ("cpu", "memory", "io"):
-            t = files.pressure_totals(files.read_text_or_none(self._ufile(f"{res}.pressure")))
+            t = files.pressure_totals(self._text(self._ufile(f"{res}.pressure")))
             if t is not None:
                 psi[res] = t
         out["psi"] = psi or None
@@ -230,18 +235,18 @@ class V2Resources:
     def _resource_stats(self):
         d = self.upath
         out = {}
-        rd = files.read_int_or_none
+        rd = self._int
         out["memory_current_bytes"] = rd(os.path.join(d, "memory.current"))
         out["memory_peak_bytes"] = rd(os.path.join(d, "memory.peak"))
-        mstat = files.read_text_or_none(os.path.join(d, "memory.stat"))
+        mstat = self._text(os.path.join(d, "memory.stat"))
         if mstat is not None:
             out["memory_shmem_bytes"] = files.parse_flat_keyed(mstat).get("shmem")
         out["pids_current"] = rd(os.path.join(d, "pids.current"))
         out["pids_peak"] = rd(os.path.join(d, "pids.peak"))
-        io = files.read_text_or_none(os.path.join(d, "io.stat"))
+        io = self._text(os.path.join(d, "io.stat"))
         if io is not None:
             out["io_read_bytes"], out["io_write_bytes"] = files.io_stat_totals(io)
-        ev = files.read_text_or_none(os.path.join(d, "memory.events"))
+        ev = self._text(os.path.join(d, "memory.events"))
         if ev is not None:
             # memory.events is hierarchical (memory.events.local is not):
             # it counts OOM kills in sub-cgroups the job made too.
@@ -250,7 +255,7 @@ class V2Resources:
 
 
     def oom_kills(self):
-        ev = files.read_text_or_none(os.path.join(self.upath, "memory.events"))
+        ev = self._text(os.path.join(self.upath, "memory.events"))
         return None if ev is None else files.parse_flat_keyed(ev).get("oom_kill", 0)
 
     def end_on_oom(self):
