@@ -220,8 +220,8 @@ class Supervisor:
         self.killed = True
         # Blocks until the cgroup is empty or the kill timeout has passed,
         # waiting on cgroup.events (or a back-off timer on v1), not spinning.
-        # The entry says "killing" once the kill is out (a write before it
-        # delayed the kill itself, ~0.5 ms where /run is a disk).
+        # The entry says "killing" only once the kill is found to take a
+        # while (see kill()): a write before or during it delayed it.
         self.out.unkillable = self.cg.kill(timeout=self.kill_timeout,
                                            then=lambda: self.state.update(state="killing"))
 
