@@ -47,6 +47,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.join(REPO, "tests"))
 
+import _state  # noqa: E402
 import nethosts  # noqa: E402
 from starter import net  # noqa: E402
 
@@ -80,16 +81,7 @@ def ms(x):
 class Bench:
     def __init__(self, site, stack, args, table):
         self.site, self.stack, self.args = site, stack, args
-        self.state = tempfile.mkdtemp(prefix="starter-bench-net-", dir="/run")
-        stack.callback(shutil.rmtree, self.state, True)
-        stack.callback(shutil.rmtree, self.state + ".seccomp", True)   # the filter cache beside it
-        if args.tmpfs_state:
-            # /run is a tmpfs on a node; where it is not (this development
-            # host: one ext4 volume), a tmpfs of the bench's own shows the
-            # difference.  Unmounted again at the end.
-            subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=64m", "starter-bench", self.state],
-                           check=True)
-            stack.callback(subprocess.run, ["umount", "-l", self.state], check=False)
+        self.state = _state.state_dir(stack, "starter-bench-net-", args.tmpfs_state)
         self.cfg = net.NetConfig(state_dir=self.state, pool=POOL, lan=(site.lan_cidr,),
                                  uplink=site.uplink, table=table)
         stack.callback(self.gc)
