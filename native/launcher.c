@@ -4,17 +4,22 @@
  *
  * On layouts with v1 hierarchies, the job's first migration waits for an RCU
  * grace period (rcu_sync_enter on cgroup_threadgroup_rwsem: 10-16 ms on the
- * 2-CPU test host), unless another migration ran in the last ~20 ms.  The
- * Python side starts a warm-up thread for this (starter/cgroups/__init__.py),
- * but only once the interpreter is up, ~8 ms in.  Here a grandchild makes the
- * same no-op move (itself into the v1 cgroup it is already in) at the first
- * instant, so the wait overlaps the interpreter's own start.  Measured with
- * starts 60 ms apart (a node's normal case): median 35.9 -> 30.6 ms per
- * `starter run --net none -- /bin/true`, its cgroup phase 10.1 -> 3.1 ms.
+ * 2-CPU test host), unless another migration ran in the last ~20 ms.  Here a
+ * grandchild makes a no-op move (itself into the v1 cgroup it is already in)
+ * at the first instant, so the wait overlaps the interpreter's own start, and
+ * repeats it every 4 ms until the starter has made the job's migrations: the
+ * starter closes the write end of a pipe (its fd in $STARTER_WARM_FD), the
+ * grandchild sees EOF and exits; it exits after 1 s in any case.  Measured
+ * with starts 60 ms apart (a node's normal case): one move here took the
+ * median `starter run --net none -- /bin/true` from 35.9 to 30.6 ms, its
+ * cgroup phase from 10.1 to 3.1 ms; the moves repeated here rather than by a
+ * Python thread (which the starter still starts where this launcher did not
+ * run) saved another 0.4-0.6 ms: that thread took the GIL from the main
+ * thread every few milliseconds.
  *
  * Only for `starter run` as root; anything failing here is silently skipped
- * (the Python warm-up still runs).  The grandchild is reparented and reaped
- * by the batch system's reaper; the starter never sees it.
+ * (the starter then warms up itself).  The grandchild is reparented and
+ * reaped by the batch system's reaper; the starter never sees it.
  *
  * Built by scripts/setup with launcher-paths.h, which defines STARTER_PYTHON
  * (the venv's interpreter) and STARTER_CODE (what runs: sys.path, then
@@ -24,9 +29,16 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
+#include <poll.h>
+#include <stdlib.h>
 #include <string.h>
+#include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+#ifndef SYS_close_range
+#define SYS_close_range 436
+#endif
 
 #include "launcher-paths.h"
 
@@ -62,30 +74,78 @@ static int v1_tasks(void)
 	return -1;
 }
 
+#define WARM_EVERY_MS 4
+#define WARM_MAX_MS 1000
+
+static void close_fds(unsigned int lo, unsigned int hi)
+{
+	if (lo > hi || syscall(SYS_close_range, lo, hi, 0) == 0)
+		return;
+	for (unsigned int fd = lo; fd <= hi && fd < 1024; fd++)     /* before Linux 5.9 */
+		close((int)fd);
+}
+
+/* In the grandchild: close every fd but a and b (a < b), so that it holds
+ * none of the batch system's (its stdout, say) while it lives. */
+static void close_all_but(int a, int b)
+{
+	if (a > 0)
+		close_fds(0, (unsigned int)a - 1);
+	close_fds((unsigned int)a + 1, (unsigned int)b - 1);
+	close_fds((unsigned int)b + 1, ~0U);
+}
+
+/* The grandchild: no-op moves of itself until EOF on done (or the limit). */
+static void keep_warm(int tasks, int done)
+{
+	char pid[24];
+	int len = snprintf(pid, sizeof pid, "%d", (int)getpid());
+	struct pollfd pfd = { .fd = done, .events = POLLIN };
+
+	close_all_but(tasks < done ? tasks : done, tasks < done ? done : tasks);
+	for (int waited = 0; waited < WARM_MAX_MS; waited += WARM_EVERY_MS) {
+		/* the first one waits for the grace period */
+		if (write(tasks, pid, len) < 0)
+			break;
+		if (poll(&pfd, 1, WARM_EVERY_MS) != 0)
+			break;          /* EOF: the starter is done (or gone) */
+	}
+	_exit(0);
+}
+
 static void warm_up(void)
 {
-	int fd = v1_tasks();
+	int fd, pipefd[2], status = -1;
 	pid_t p;
+	char num[16];
 
+	unsetenv("STARTER_WARM_FD");    /* only ever ours */
+	fd = v1_tasks();
 	if (fd < 0)
 		return;
+	if (pipe2(pipefd, O_CLOEXEC) < 0) {
+		close(fd);
+		return;
+	}
 	p = fork();
 	if (p == 0) {
-		if (fork() == 0) {
-			char pid[24];
-			int len = snprintf(pid, sizeof pid, "%d", (int)getpid());
+		pid_t g = fork();
 
-			/* a no-op move of this process: waits for the grace period */
-			if (write(fd, pid, len) < 0) {
-				/* nothing to do: the Python warm-up still runs */
-			}
+		if (g == 0) {
+			close(pipefd[1]);
+			keep_warm(fd, pipefd[0]);
 		}
-		_exit(0);
+		_exit(g > 0 ? 0 : 1);
 	}
 	close(fd);
-	if (p > 0)
-		while (waitpid(p, NULL, 0) < 0 && errno == EINTR)
-			;
+	close(pipefd[0]);
+	while (p > 0 && waitpid(p, &status, 0) < 0 && errno == EINTR)
+		;
+	/* The write end goes through the exec into the starter, which closes it
+	 * once the job's migrations are done. */
+	if (p < 0 || !WIFEXITED(status) || WEXITSTATUS(status) != 0 || fcntl(pipefd[1], F_SETFD, 0) < 0 ||
+	    snprintf(num, sizeof num, "%d", pipefd[1]) < 0 || setenv("STARTER_WARM_FD", num, 1) < 0)
+		close(pipefd[1]);
 }
 
 int main(int argc, char **argv)

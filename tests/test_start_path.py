@@ -165,6 +165,33 @@ def test_warm_up_starts_no_thread_without_v1(monkeypatch):
     assert not cgroups._warm_exited.locked()
 
 
+def test_warm_up_takes_the_launchers_pipe_and_closes_it_when_done(monkeypatch):
+    """Where the launcher warms up (native/launcher.c), warm_up() starts no
+    thread: it takes the launcher's pipe out of the environment, keeps it
+    from anything it starts, and warm_up_done() closes it (the launcher's
+    process sees EOF and stops).  A value that is no pipe of ours is ignored."""
+    r, w = os.pipe()
+    try:
+        monkeypatch.setenv("STARTER_WARM_FD", str(w))
+        os.set_inheritable(w, True)
+        cgroups.warm_up()
+        assert "STARTER_WARM_FD" not in os.environ
+        assert not cgroups._warm_exited.locked(), "a thread started besides the launcher's warm-up"
+        assert not os.get_inheritable(w)
+        cgroups.warm_up_done()
+        assert os.read(r, 1) == b""          # EOF: the write end was closed
+        w = None
+    finally:
+        os.close(r)
+        if w is not None:
+            os.close(w)
+    with open("/dev/null") as f:
+        for bad in ("x", "-1", "99999", str(f.fileno())):
+            monkeypatch.setenv("STARTER_WARM_FD", bad)
+            assert not cgroups._take_launcher_fd()
+    assert cgroups._launcher_fd[0] is None
+
+
 def _own_cgroups():
     with open(f"/proc/{os.getpid()}/cgroup") as f:
         return f.read()
@@ -206,7 +233,7 @@ def test_launcher_starts_the_warm_up_before_the_interpreter(state_dir, tmp_path)
     if not shutil.which("strace"):
         pytest.skip("strace is not installed (scripts/setup --test installs it)")
     log = tmp_path / "trace"
-    p = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve,openat,write", "-o", str(log),
+    p = subprocess.run(["strace", "-f", "-qq", "-e", "trace=execve,openat,write,poll", "-o", str(log),
                         os.path.join(REPO, ".venv", "bin", "starter"), "run", "--", "/bin/true"],
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
@@ -224,3 +251,10 @@ def test_launcher_starts_the_warm_up_before_the_interpreter(state_dir, tmp_path)
               if " write(" in l and l.split()[0] != launcher and f'"{l.split()[0]}"' in l]
     assert movers, "no process of the launcher's wrote its own pid"
     assert not any(l.startswith(f"{movers[0]} execve(") for l in lines)     # not the interpreter
+    # It repeats the move until the starter, its job's migrations done,
+    # closes the pipe: its last poll saw the hang-up (unless this run was so
+    # slow that its 1 s limit, 250 rounds, came first).
+    polls = [l for l in lines if l.startswith(f"{movers[0]} ") and "poll(" in l or
+             l.startswith(f"{movers[0]} <... poll resumed>")]
+    assert polls, "the launcher's process did not wait for the starter"
+    assert "POLLHUP" in polls[-1] or len(polls) >= 250, polls[-3:]

@@ -10,6 +10,7 @@ See base.py for the interface, v2.py / v1.py / hybrid.py for the backends.
 """
 
 import os
+import stat
 import time
 from _thread import allocate_lock as _allocate_lock
 
@@ -94,7 +95,11 @@ def open_backend(parent=None, mountinfo=None, proc_cgroup=None):
 # parses the spec and builds the job; warm_up_done() (after the job's
 # migrations) ends it.  Layouts without a v1 hierarchy the job joins start no
 # thread.  Costs: ~50 us of the node-wide migration lock per round; the
-# thread ends by itself after WARM_MAX_S.
+# thread ends by itself after WARM_MAX_S.  Where the `starter` command (the C
+# launcher, native/launcher.c) ran, a process of its own already does this,
+# from before the interpreter started, until warm_up_done() closes the pipe
+# it handed over in $STARTER_WARM_FD: then no thread is started (its turns at
+# the GIL cost the main thread 0.4-0.6 ms per start).
 #
 # A migration holds cgroup_mutex while it waits for the grace period, so
 # making the job's cgroup (mkdir) waits for whatever is left of it: job.py
@@ -107,6 +112,7 @@ WARM_MAX_S = 1.0
 _early_layout = None
 _warm_stop = [True]
 _warm_exited = _allocate_lock()     # held while the thread runs (tests wait on it)
+_launcher_fd = [None]               # the launcher's pipe: closing it ends its warm-up
 
 
 def warm_up():
@@ -114,12 +120,15 @@ def warm_up():
     migrated into a v1 hierarchy, start the warm-up thread.  Never raises:
     open_backend() reports a broken layout properly later."""
     global _early_layout, _warm_stop
+    by_launcher = _take_launcher_fd()
     try:
         layout = files.detect_layout(files.read_text("/proc/self/mountinfo"),
                                      files.read_text("/proc/self/cgroup"))
     except Exception:
         return
     _early_layout = (layout, time.monotonic() + WARM_MAX_S)
+    if by_launcher:
+        return
     target = _warm_target(layout)
     if target is None or _warm_exited.locked():     # nothing to warm, or already warming
         return
@@ -139,8 +148,30 @@ def warm_up():
 
 
 def warm_up_done():
-    """The job's migrations are done: let the warm-up thread end."""
+    """The job's migrations are done: let the warm-up (thread or the
+    launcher's process) end."""
     _warm_stop[0] = True
+    fd, _launcher_fd[0] = _launcher_fd[0], None
+    if fd is not None:
+        os.close(fd)
+
+
+def _take_launcher_fd():
+    """Is the launcher's process warming up for us?  Then keep the write end
+    of its pipe ($STARTER_WARM_FD, removed from the environment), not
+    inherited by anything we start."""
+    value = os.environ.pop("STARTER_WARM_FD", "")
+    if not value.isdigit() or _launcher_fd[0] is not None:
+        return False
+    fd = int(value)
+    try:
+        if not stat.S_ISFIFO(os.fstat(fd).st_mode):
+            return False
+        os.set_inheritable(fd, False)
+    except OSError:
+        return False
+    _launcher_fd[0] = fd
+    return True
 
 
 def _warm_target(layout):
