@@ -151,6 +151,12 @@ class Kept:
                 os.close(fd)
 
 
+def swap_active():
+    """Is any swap device or file on (/proc/swaps lists more than its header)?"""
+    text = read_text_or_none("/proc/swaps") or ""
+    return len(text.strip().splitlines()) > 1
+
+
 _HINTS = {
     errno.EINVAL: "the kernel rejected the value: check its range and format",
     errno.EBUSY: "the cgroup is busy: it has processes or children "

@@ -14,7 +14,7 @@ has no controllers to enable.
 
 from .base import Backend, JobCgroup
 from .v1 import HYBRID_V1_ROLES, V1Resources, V1ResourcesBackend
-from .v2 import UnifiedTracking
+from .unified import UnifiedTracking
 
 
 class HybridJob(UnifiedTracking, V1Resources, JobCgroup):

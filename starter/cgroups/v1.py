@@ -28,7 +28,6 @@ from .base import (
     subdirs_bottom_up,
     weight_to_shares,
 )
-from .v2 import _swap_active
 
 V1_ROLES = ("freezer", "memory", "pids", "cpu", "cpuacct", "blkio")
 # The hybrid backend freezes and kills through cgroup2; it needs no v1 freezer.
@@ -69,7 +68,7 @@ class V1Resources:
         mem = _need(self, "memory", "memory.limit_in_bytes", "memory")
         memsw = _file(self, "memory", "memory.memsw.limit_in_bytes")
         if not os.path.exists(memsw):
-            if _swap_active():
+            if files.swap_active():
                 raise CgroupError(
                     f"cannot keep job {self.id} from swapping: {memsw} does not exist but swap is on",
                     "boot with swapaccount=1 (or turn swap off); starter refuses a memory limit that swap can bypass",
