@@ -347,9 +347,9 @@ def cmd_gc(argv):
     table = {"--state-dir": ("state-dir", "value", "DIR  state directory")}
     values, _, _ = parse(argv, table, command_after=False, usage="starter gc [--state-dir DIR]")
     need_root("starter gc")
-    from starter import admin
+    from starter import reclaim
 
-    lines, ok = admin.gc(_state_dir(values))
+    lines, ok = reclaim.gc(_state_dir(values))
     for line in lines:
         print(line)
     return 0 if ok else 1     # 1: something is still held (each line says what and why)

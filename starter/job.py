@@ -97,16 +97,16 @@ def run(spec):
             events = Events(spec.events, spec.id)
         except OSError as e:
             raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
-        from starter import admin, cgroups
+        from starter import cgroups, reclaim
 
-        admin.gc_quick(spec.state_dir)
+        reclaim.gc_quick(spec.state_dir)
         # The job's cgroup paths go into the entry's first write, before the
         # cgroup exists, so a crash at any point leaves gc a record of them.
         backend = cgroups.open_backend(spec.cgroup_parent)
         if spec.delegate:   # refused before anything of the job exists
             backend.check_delegation()
         job_state = JobState(spec.state_dir, spec.id).create(
-            reclaim=admin.reclaim_for_start,
+            reclaim=reclaim.reclaim_for_start,
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
             userns_root=spec.userns_root, seccomp=spec.seccomp, allow_userns=spec.allow_userns,
             argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),

@@ -146,7 +146,7 @@ def job_samples(entry, live, usage, network):
 
 def collect(state_dir):
     """Read every job once -> {family: [(label text, value)]}."""
-    from starter.admin import job_cgroup
+    from starter.reclaim import job_cgroup
 
     samples, counts, errors = {}, dict.fromkeys(STATES, 0), 0
     backends = {}

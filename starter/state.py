@@ -62,7 +62,7 @@ Interleavings this survives (S = starter, G = gc or another starter's quick gc):
   * The scratch and cgroup are recorded before they are made, so S killed
     between recording and making leaves G a record of something that may not
     exist: every reclaim step tolerates that.  G acts on a record only where
-    it names what the starter would have made (admin.job_cgroup,
+    it names what the starter would have made (reclaim.job_cgroup,
     scratch.recorded_path): a planted entry makes G delete nothing.
 
 JSON is encoded and decoded here with the C helpers in `_json` rather than
@@ -87,7 +87,7 @@ except ImportError:  # pragma: no cover - CPython always has it
     from json.encoder import py_encode_basestring_ascii as _enc_str
     from json.scanner import py_make_scanner as _make_scanner
 
-# The bounded reclaims at the start of a job (admin.gc_quick, and the NAT
+# The bounded reclaims at the start of a job (reclaim.gc_quick, and the NAT
 # pool's self-healing in net/wiring.py) scan for at most this long (wall
 # clock) and reclaim at most one dead entry or lease.
 QUICK_BUDGET_S = 0.003

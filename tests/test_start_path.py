@@ -26,7 +26,7 @@ RUN_IMPORTS = {
     "_cffi_backend", "_collections_abc", "_json", "_sha256", "_stat", "_struct", "errno", "fcntl",
     "genericpath", "grp", "math", "os", "os.path", "posixpath", "pwd", "select", "stat", "struct",
     # the starter's own run path
-    "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.admin",
+    "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
     "starter.cgroups", "starter.cgroups.base", "starter.cgroups.files",
     "starter.cli", "starter.errors", "starter.fileio", "starter.job",
     "starter.mounts", "starter.ns", "starter.paths", "starter.report", "starter.seccomp",

@@ -1,0 +1,208 @@
+"""What a dead starter left behind, reclaimed: gc.
+
+All of it starts from the state directory (starter/state.py): a job whose
+lock is held has a live starter; a job whose lock can be taken has none, and
+gc reclaims what it left (cgroups, network lease/rules/veth, scratch, entry).
+An entry is removed only once everything it records is gone; until then it
+stays "reclaiming" with what is still held and why.  gc acts only on what
+the starter recorded and would have made (job_cgroup, scratch.recorded_path).
+
+Every `starter run` loads this module (gc_quick, reclaim_for_start); the
+admin commands (ps, status, kill, enter) are in admin.py, off that path.
+"""
+
+import os
+import time
+
+from starter import state as S
+from starter.errors import StarterError
+
+
+# gc at the start of every run is bounded by S.QUICK_BUDGET_S and reclaims
+# at most one dead entry, and only what is cheap: slow reclaims (a cgroup
+# still emptying, a scratch tree, the network) are left to `starter gc`.
+
+
+def gc_quick(state_dir):
+    """At the start of every run: reclaim one dead starter's entry, if the
+    scan finds one within a small time budget.  Cheap when there is nothing
+    to do (a listdir, one flock per entry).  Starts at a different entry each
+    time, so one entry cannot starve the rest.  What it costs at most: the
+    scan plus one empty cgroup's rmdir (about 1 ms on an idle node)."""
+    try:
+        names = os.listdir(state_dir)
+    except OSError:
+        return
+    ids = [n[:-5] for n in names if n.endswith(".lock")]
+    if not ids:
+        return
+    deadline = time.monotonic() + S.QUICK_BUDGET_S
+    k = os.getpid() % len(ids)
+    for job_id in ids[k:] + ids[:k]:
+        if time.monotonic() >= deadline:
+            break
+        fd = S.lock_dead(state_dir, job_id)
+        if fd is None:
+            continue
+        try:
+            st = S.load(state_dir, job_id, fd)
+            if st.get("state") == "reclaiming":    # it waits for `starter gc`
+                continue
+            _reclaim_locked(state_dir, job_id, st, quick=True)
+        finally:
+            os.close(fd)
+        return
+
+
+def gc(state_dir, cgroup_parent=None):
+    """`starter gc`: dead starters' entries, network leftovers, the empty
+    cgroup parents.  Safe while other jobs run.  -> (lines, ok): ok is False
+    while anything is still held or was left alone."""
+    lines, ok = [], True
+    for job_id in S.list_ids(state_dir):
+        fd = S.lock_dead(state_dir, job_id)
+        if fd is None:
+            continue
+        try:
+            st = S.load(state_dir, job_id, fd)
+            done, held = _reclaim_locked(state_dir, job_id, st)
+        finally:
+            os.close(fd)
+        lines += [f"job {job_id}: {d}" for d in done]
+        if held:
+            ok = False
+            lines += [f"job {job_id}: still held: {h}" for h in held]
+    for name in S.stray_names(state_dir):
+        ok = False
+        lines.append(f"{os.path.join(state_dir, name)}: not an entry of this state directory; left alone")
+    # A job's cgroup exists only while its state entry does (recorded before
+    # it is made, removed after), so reclaiming dead entries reclaims every
+    # cgroup a crashed starter left.  A job cgroup with no entry here belongs
+    # to another state directory (or to something else): not ours to touch.
+    if _net_state_exists(state_dir):
+        from starter import net
+
+        try:
+            cfg = net.NetConfig(state_dir=state_dir)
+            live_now = {j for j in S.list_ids(state_dir) if S.is_live(state_dir, j)}
+            lines += [f"network: {x}" for x in net.gc(cfg, live_now)]
+        except StarterError as e:
+            ok = False
+            lines.append(f"network: still held: {e}")
+    try:
+        from starter import cgroups
+
+        if not any(S.is_live(state_dir, j) for j in S.list_ids(state_dir)):
+            cgroups.open_backend(cgroup_parent).prune()
+    except StarterError as e:
+        lines.append(f"cgroups: parents not pruned ({e})")
+    return lines, ok
+
+
+def reclaim_for_start(state_dir, job_id, st):
+    """JobState.create found a dead entry with its own id: reclaim it fully."""
+    return _reclaim_locked(state_dir, job_id, st)[1]
+
+
+def _reclaim_locked(state_dir, job_id, st, quick=False):
+    """Reclaim what a dead job's entry records, holding its lock.  Removes the
+    entry when nothing is left; else keeps it as "reclaiming" with what is
+    still held and why.  -> (done, held)."""
+    done, held = [], []
+    if not st or st.get("id") != job_id:
+        held.append("its entry cannot be read (or names another job): left alone")
+        S.mark_reclaiming(state_dir, job_id, st or {"id": job_id}, held)
+        return done, held
+    # cgroup: only where the starter recorded it, and only under its parent.
+    if st.get("cgroup"):
+        try:
+            cg = job_cgroup(st, job_id)
+            if quick and cg.exists() and not cg.is_empty():
+                cg.kill(timeout=0)     # never wait here
+                held.append("cgroup: processes still exiting (`starter gc` finishes it)")
+            elif cg.exists():
+                cg.destroy()
+                done.append("cgroup removed")
+        except (StarterError, OSError) as e:
+            held.append(f"cgroup: {e}")
+    if st.get("net") == "nat":
+        if quick:
+            held.append("network: left for `starter gc`")
+        else:
+            from starter import net
+
+            try:
+                net.teardown(job_id, net.NetConfig(state_dir=state_dir))
+                done.append("network removed")
+            except (StarterError, OSError) as e:
+                held.append(f"network: {e}")
+    if st.get("scratch") and not st.get("keep_scratch"):
+        if quick:
+            held.append(f"scratch {st['scratch']}: left for `starter gc`")
+        else:
+            from starter import scratch
+
+            try:
+                if scratch.remove_recorded(st, job_id):
+                    done.append(f"scratch {st['scratch']} removed")
+            except StarterError as e:
+                held.append(str(e))         # scratch.py's errors name the scratch
+            except OSError as e:
+                held.append(f"scratch: {e}")
+    if held:
+        S.mark_reclaiming(state_dir, job_id, st, held)
+    else:
+        S.remove_entry(state_dir, job_id)
+        done.append("state entry removed")
+    return done, held
+
+
+def job_cgroup(st, job_id, backends=None):
+    """The job's cgroup where its starter recorded it: each path must be
+    <parent>/job-<id>, the parent where the starter puts jobs (the recorded
+    --cgroup-parent, inside the hierarchy this host mounts for that role).
+    Anything else is not ours: StarterError, and nothing is touched.
+    backends: a dict to reuse probed backends in (metrics reads many jobs)."""
+    from starter import cgroups
+    from starter.cgroups.base import JOB_PREFIX, check_parent
+
+    paths, parents, setting = st.get("cgroup"), st.get("cgroup_parents"), st.get("cgroup_parent")
+
+    def refuse(why):
+        return StarterError(f"state entry of job {job_id!r}: {why}: not a cgroup this starter made; left alone")
+
+    if not isinstance(paths, dict) or not isinstance(parents, dict) or set(paths) != set(parents):
+        raise refuse("no cgroup parents recorded")
+    try:
+        check_parent("starter" if setting is None else setting)
+        backend = backends.get(setting) if backends is not None else None
+        if backend is None:
+            backend = cgroups.open_backend(setting)
+            if backends is not None:
+                backends[setting] = backend
+        import copy
+
+        backend = copy.copy(backend)       # its parents become this job's below
+    except StarterError as e:
+        raise refuse(str(e)) from None
+    if set(paths) != set(backend.roles()):
+        raise refuse(f"roles {sorted(paths)} are not this host's {sorted(backend.roles())}")
+    for role, p in paths.items():
+        parent = parents[role]
+        mount = backend.mount_for(role).mount_point
+        if not (isinstance(p, str) and isinstance(parent, str)) or p != parent + "/" + JOB_PREFIX + job_id \
+                or os.path.normpath(parent) != parent or not parent.startswith(mount.rstrip("/") + "/"):
+            raise refuse(f"{role} cgroup {p!r} is not <parent>/job-{job_id} under {mount}")
+        want = (setting or "starter").strip("/")
+        rel = parent[len(mount.rstrip("/")) + 1:]
+        absolute = (setting or "").startswith("/")
+        if not (rel == want or (not absolute and rel.endswith("/" + want))):
+            raise refuse(f"{role} parent {parent!r} is not where --cgroup-parent {setting or 'starter'} puts jobs")
+        if os.path.islink(parent) or os.path.islink(p):
+            raise refuse(f"{p!r} is a symlink")
+    backend.parents = dict(parents)        # prune what the job's starter used
+    return backend.job_class(backend, job_id, dict(paths))
+
+
+def _net_state_exists(state_dir):
+    return os.path.isdir(os.path.join(state_dir, "net"))
