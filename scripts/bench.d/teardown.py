@@ -23,7 +23,7 @@ a share of it.  Survivors: every pid of the tree is checked after each round
 (its /proc entry gone, or a different process); any survivor fails the
 bench.  Needs cgroup.kill (a cgroup2 hierarchy, kernel >= 5.14).
 
-Usage: .venv/bin/python scripts/bench.d/teardown.py [--runs 15] [--procs 200,1000] [--tmpfs-state]
+Usage: .venv/bin/python scripts/bench.d/teardown.py [--runs 31] [--procs 200,1000] [--tmpfs-state]
 """
 
 import argparse
@@ -45,6 +45,14 @@ from starter import cgroups, state  # noqa: E402
 
 STARTER = os.path.join(ROOT, ".venv", "bin", "starter")
 STATE_DIR = None    # the starters' state directory (main)
+# Before either round's kill, the bench idles: whoever writes cgroup.kill
+# must come from sleep, as the starter does when its kill signal wakes it.
+# A writer that has just been busy (reading 1000 /proc entries) is preempted
+# by its victims at every wakeup, which spreads their deaths over the write;
+# a rested one signals them all within a few ms, they then contend in exit,
+# and the tree empties 4-5 ms later at 1000 processes (measured: the same
+# write, hot 44.4 ms to the main process' exit, rested 49.1 ms).
+SETTLE_S = 0.05
 
 
 def tree_script(n):
@@ -101,7 +109,9 @@ def _start_job(n, job_id, report=None):
     os.close(w)
     try:
         _read_ready(r)
-        return p, r, _procs_of(cgroups.open_backend().job_paths(job_id)["unified"])
+        procs = _procs_of(cgroups.open_backend().job_paths(job_id)["unified"])
+        time.sleep(SETTLE_S)
+        return p, r, procs
     except BaseException:
         os.close(r)
         _end(p)
@@ -185,7 +195,7 @@ def starter_round(n, k, reports):
 def main():
     global STATE_DIR
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--runs", type=int, default=15)
+    ap.add_argument("--runs", type=int, default=31)
     ap.add_argument("--procs", default="200,1000")
     ap.add_argument("--tmpfs-state", action="store_true",
                     help="put the state directory on a tmpfs of its own (as /run is on a node)")
@@ -197,8 +207,8 @@ def main():
           f"state directory on {'a tmpfs' if args.tmpfs_state else '/run'}, "
           f"median of {args.runs} rounds, alternately; load {' '.join(open('/proc/loadavg').read().split()[:3])}")
     print(f"{'processes':>10} {'kernel: empty':>14} {'+ exited':>9} {'starter':>9} "
-          f"{'overhead':>9} {'overhead':>9} {'survivors':>10}")
-    print(f"{'':>10} {'ms':>14} {'ms':>9} {'ms':>9} {'ms':>9} {'':>9}")
+          f"{'overhead':>9} {'overhead':>9} {'survivors':>10} {'overhead IQR':>14}")
+    print(f"{'':>10} {'ms':>14} {'ms':>9} {'ms':>9} {'ms':>9} {'':>9} {'':>10} {'ms':>14}")
     with contextlib.ExitStack() as stack:
         STATE_DIR = _state.state_dir(stack, "starter-bench-teardown-", args.tmpfs_state)
         reports = tempfile.mkdtemp(prefix="starter-bench-teardown-reports-")
@@ -221,8 +231,11 @@ def main():
                 st.append(res["s"][0])
                 diffs.append(res["s"][0] - res["k"][1])
             k, r, s, d = (statistics.median(x) for x in (kt, kr, st, diffs))
+            # The spread of the per-round differences: at 1000 processes the
+            # kernel's own time moves by several ms from round to round.
+            q1, _, q3 = statistics.quantiles(diffs, n=4)
             print(f"{n:>10} {k * 1000:14.2f} {r * 1000:9.2f} {s * 1000:9.2f} {d * 1000:9.2f} "
-                  f"{d / r * 100:8.1f}% {survivors:>10}")
+                  f"{d / r * 100:8.1f}% {survivors:>10} {q1 * 1000:6.2f}..{q3 * 1000:.2f}")
             if survivors:
                 raise SystemExit(f"teardown: {survivors} processes survived the kill")
     print("target: overhead at most 5% of the kernel's time (to the main process exited), zero survivors")
