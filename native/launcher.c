@@ -127,6 +127,12 @@ static void warm_up(void)
 		close(fd);
 		return;
 	}
+	if (pipefd[0] < 3 || pipefd[1] < 3) {   /* the caller closed stdio: stay out of its way */
+		close(pipefd[0]);
+		close(pipefd[1]);
+		close(fd);
+		return;
+	}
 	p = fork();
 	if (p == 0) {
 		pid_t g = fork();

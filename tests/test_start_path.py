@@ -186,7 +186,7 @@ def test_warm_up_takes_the_launchers_pipe_and_closes_it_when_done(monkeypatch):
         if w is not None:
             os.close(w)
     with open("/dev/null") as f:
-        for bad in ("x", "-1", "99999", str(f.fileno())):
+        for bad in ("x", "-1", "2", "99999", str(f.fileno())):
             monkeypatch.setenv("STARTER_WARM_FD", bad)
             assert not cgroups._take_launcher_fd()
     assert cgroups._launcher_fd[0] is None

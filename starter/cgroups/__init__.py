@@ -164,6 +164,8 @@ def _take_launcher_fd():
     if not value.isdigit() or _launcher_fd[0] is not None:
         return False
     fd = int(value)
+    if fd < 3:          # the launcher never hands over stdio
+        return False
     try:
         if not stat.S_ISFIFO(os.fstat(fd).st_mode):
             return False
