@@ -201,3 +201,18 @@ def test_every_test_file_is_in_testing_md():
     files = [n for n in os.listdir(os.path.join(REPO, "tests")) if n.endswith(".py")]
     missing = sorted(n for n in files if not mentions(testing, n))
     assert not missing, f"test files not described in docs/testing.md: {missing}"
+
+
+def test_the_readmes_table_is_the_newest_benchmark_runs():
+    """The README quotes one table: every row of it is a row of the newest
+    dated section of docs/benchmarks.md (one run, not numbers of its own)."""
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    with open(os.path.join(DOCS, "benchmarks.md")) as f:
+        bench = f.read()
+    newest = bench.split("\n## ")[1].split("\n## ")[0]
+    speed = readme.split("\n## Speed\n")[1].split("\n## ")[0]
+    rows = [line for line in speed.splitlines() if line.startswith("| ") and "---" not in line]
+    assert len(rows) >= 3, speed
+    missing = [row for row in rows if row not in newest.splitlines()]
+    assert not missing, f"README rows not in the newest run of docs/benchmarks.md: {missing}"
