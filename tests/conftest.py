@@ -25,6 +25,8 @@ def starter_in_python(*python_flags):
     from starter.cli import launcher_code
 
     return [sys.executable, *python_flags, "-IS", "-c", launcher_code(REPO, sysconfig.get_paths()["purelib"])]
+
+
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 
 

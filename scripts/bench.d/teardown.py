@@ -99,7 +99,8 @@ def _survivors(procs):
 
 def _start_job(n, job_id, report=None):
     """-> (the starter's Popen, the ready pipe's read end, the tree's (pid,
-    start time)s): the job is running its N sleeps."""
+    start time)s, the job's cgroup2 directory): the job is running its N
+    sleeps."""
     r, w = os.pipe2(os.O_CLOEXEC)
     argv = [STARTER, "run", "--net", "none", "--user", "nobody", "--id", job_id]
     if report:
@@ -109,9 +110,10 @@ def _start_job(n, job_id, report=None):
     os.close(w)
     try:
         _read_ready(r)
-        procs = _procs_of(cgroups.open_backend().job_paths(job_id)["unified"])
+        cgdir = cgroups.open_backend().job_paths(job_id)["unified"]
+        procs = _procs_of(cgdir)
         time.sleep(SETTLE_S)
-        return p, r, procs
+        return p, r, procs, cgdir
     except BaseException:
         os.close(r)
         _end(p)
@@ -131,10 +133,9 @@ def kernel_round(n, k):
     """-> (seconds from the cgroup.kill write to populated 0, to the main
     process exited, survivors)."""
     job_id = f"benchtk{os.getpid()}-{k}"
-    p, r, procs = _start_job(n, job_id)
+    p, r, procs, cgdir = _start_job(n, job_id)
     fds = []
     try:
-        cgdir = cgroups.open_backend().job_paths(job_id)["unified"]
         pidfd = os.pidfd_open(state.load(STATE_DIR, job_id)["pid"])
         fds.append(pidfd)
         efd = os.open(os.path.join(cgdir, "cgroup.events"), os.O_RDONLY | os.O_CLOEXEC)
@@ -177,7 +178,7 @@ def starter_round(n, k, reports):
     """-> (seconds from SIGQUIT to the starter's exit, survivors)."""
     job_id = f"benchtd{os.getpid()}-{k}"
     report = os.path.join(reports, f"{job_id}.report.json")
-    p, r, procs = _start_job(n, job_id, report)
+    p, r, procs, _ = _start_job(n, job_id, report)
     try:
         t0 = time.perf_counter()
         os.kill(p.pid, 3)  # SIGQUIT: the kill action

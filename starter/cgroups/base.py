@@ -225,11 +225,12 @@ class EventsWatch:
     mask = 0x2 | 0x8  # POLLPRI | POLLERR; `import select` only where we wait
 
     def __init__(self, path, kept=None):
-        """kept: a files.Kept that owns the descriptor (it stays open after
-        close()); without it, this watch opens and owns one."""
-        self.kept = kept
+        """kept: a files.Kept that keeps its files (keep_open()) owns the
+        descriptor, which stays open after close(); else this watch opens
+        and owns one."""
+        self.kept = kept if kept is not None and kept.keep else None
         try:
-            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if kept is None else kept.open(path)
+            self.fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC) if self.kept is None else self.kept.open(path)
         except OSError as e:
             raise CgroupError(f"cannot open {path}: {os.strerror(e.errno)}", files.hint_for(e.errno)) from None
         if self.fd is None:
@@ -304,10 +305,13 @@ class JobCgroup:
     def keep_open(self):
         """Open, while the job runs, the files its end reads and writes: a
         finished job's usage and removal are then preads and rmdirs, the
-        kill one write.  Here: one stats(), which opens what it reads.
-        close() (destroy()) closes them."""
-        self.kept.keep = True
-        self.stats()
+        kill one write.  Here: one stats() that opens what it would read
+        and reads nothing.  close() (destroy()) closes them."""
+        self.kept.keep = self.kept.priming = True
+        try:
+            self.stats()
+        finally:
+            self.kept.priming = False
 
     # -- to be provided by tracking/resource mixins ---------------------
     def clone_fd(self):

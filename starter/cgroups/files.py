@@ -56,12 +56,14 @@ def _read_whole(fd):
 
 def read_text_or_none(path):
     """The file's text, or None when the file (or its cgroup) does not exist."""
+    return _or_none(read_text, path)
+
+
+def _or_none(read, what):
+    """read(what), or None where the file is absent (_ABSENT)."""
     try:
-        return read_text(path)
-    except FileNotFoundError:
-        return None
+        return read(what)
     except OSError as e:
-        # ENODEV/EOPNOTSUPP: PSI files exist but psi=0 on the kernel command line.
         if e.errno in _ABSENT:
             return None
         raise
@@ -98,6 +100,7 @@ class Kept:
 
     def __init__(self):
         self.keep = False
+        self.priming = False    # keep_open(): open what is read, read nothing
         self.fds = {}
 
     def open(self, path, flags=os.O_RDONLY):
@@ -120,14 +123,9 @@ class Kept:
         if not self.keep:
             return read_text_or_none(path)
         fd = self.open(path)
-        if fd is None:
+        if fd is None or self.priming:
             return None
-        try:
-            return _read_whole(fd)
-        except OSError as e:
-            if e.errno in _ABSENT:
-                return None
-            raise
+        return _or_none(_read_whole, fd)
 
     def write(self, path, value):
         """As write(path, value); a file that is gone (or whose cgroup was
@@ -145,7 +143,7 @@ class Kept:
             raise _write_error(path, value, e, None) from None
 
     def close(self):
-        fds, self.fds, self.keep = self.fds, {}, False
+        fds, self.fds, self.keep, self.priming = self.fds, {}, False, False
         for fd in fds.values():
             if fd is not None:
                 os.close(fd)

@@ -101,7 +101,7 @@ class UnifiedTracking:
         # populated in cgroup.events drops when the last task has exited.
         if not os.path.isdir(self.upath):
             return None
-        return EventsWatch(self._ufile("cgroup.events"), self.kept if self.kept.keep else None)
+        return EventsWatch(self._ufile("cgroup.events"), self.kept)
 
     def _kill_tree(self):
         # Atomic against concurrent forks: one write kills the tree, frozen,
