@@ -65,13 +65,15 @@ Interleavings this survives (S = starter, G = gc or another starter's quick gc):
     it names what the starter would have made (reclaim.job_cgroup,
     scratch.recorded_path): a planted entry makes G delete nothing.
 
-JSON is encoded and decoded here with the C helpers in `_json` rather than
-`import json`: measured with python -IS on the 2-CPU test host (2026-11-22,
-40 interleaved starts each), `import json` adds 9.0 ms to an interpreter's
-start (it pulls in re, enum, functools, collections) and `import _json`
-0.55 ms; a `starter run` is ~20 ms of its own, so the stdlib module would
-cost it almost half again.  tests/test_start_path.py keeps json off the run
-path.  Admin commands that already import json may use it.
+JSON is encoded here by dumps() and decoded with the C scanner of `_json`
+rather than `import json`: measured with python -IS on the 2-CPU test host
+(2026-11-22, 40 interleaved starts each), `import json` adds 9.0 ms to an
+interpreter's start (it pulls in re, enum, functools, collections) and
+`import _json` 0.55 ms (a shared object to load: 5 ms in the emulated test
+VM); a `starter run` is ~20 ms of its own.  A job's own start only writes
+entries, so `_json` is loaded by the first loads(), not by dumps().
+tests/test_start_path.py keeps both off the run path.  Admin commands that
+already import json may use it.
 """
 
 import errno
@@ -81,11 +83,6 @@ import os
 from starter.errors import StarterError
 from starter.fileio import unlink_quiet
 
-try:
-    from _json import encode_basestring_ascii as _enc_str, make_scanner as _make_scanner
-except ImportError:  # pragma: no cover - CPython always has it
-    from json.encoder import py_encode_basestring_ascii as _enc_str
-    from json.scanner import py_make_scanner as _make_scanner
 
 # The bounded reclaims at the start of a job (reclaim.gc_quick, and the NAT
 # pool's self-healing in net/wiring.py) scan for at most this long (wall
@@ -110,6 +107,27 @@ def fault(step):
         if _FAULT.endswith(":fail"):
             raise OSError(errno.EIO, f"planted fault at {step} (STARTER_FAULT)")
         os.kill(os.getpid(), 9)
+
+
+def _esc(c):
+    if c == '"' or c == "\\":
+        return "\\" + c
+    n = ord(c)
+    if 0x20 <= n < 0x7f:
+        return c
+    if n < 0x10000:
+        return "\\u%04x" % n
+    n -= 0x10000
+    return "\\u%04x\\u%04x" % (0xd800 | n >> 10, 0xdc00 | n & 0x3ff)
+
+
+def _enc_str(s):
+    """`s` as a JSON string of ASCII only: what json.loads reads back as `s`
+    (non-ASCII and control characters as \\u escapes; a lone surrogate, as
+    surrogateescape makes of a non-UTF-8 argv byte, too)."""
+    if s.isascii() and s.isprintable() and '"' not in s and "\\" not in s:
+        return '"' + s + '"'
+    return '"' + "".join(map(_esc, s)) + '"'
 
 
 def dumps(obj):
@@ -148,11 +166,18 @@ class _Ctx:
         raise ValueError(f"{s} is not allowed")
 
 
-_scan = _make_scanner(_Ctx())
+_scan = None
 
 
 def loads(text):
     """JSON text -> object (ValueError if it is not exactly one JSON value)."""
+    global _scan
+    if _scan is None:
+        try:
+            from _json import make_scanner
+        except ImportError:  # pragma: no cover - CPython always has it
+            from json.scanner import py_make_scanner as make_scanner
+        _scan = make_scanner(_Ctx())
     s = text.strip()
     try:
         obj, end = _scan(s, 0)

@@ -23,7 +23,7 @@ PY = os.path.join(REPO, ".venv", "bin", "python")
 # costs per start (python -X importtime).
 RUN_IMPORTS = {
     # C modules and the few pure-Python ones -S does not load by itself
-    "_cffi_backend", "_collections_abc", "_json", "_sha256", "_stat", "_struct", "errno", "fcntl",
+    "_cffi_backend", "_collections_abc", "_sha256", "_stat", "_struct", "errno", "fcntl",
     "genericpath", "grp", "math", "os", "os.path", "posixpath", "pwd", "select", "stat", "struct",
     # the starter's own run path
     "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
@@ -45,7 +45,8 @@ NEVER_ON_RUN_PATH = {"pyroute2", "psutil", "json", "re", "argparse", "dataclasse
 
 # What a NAT job adds when netd serves it: the facade, the client and the C
 # socket module (+1.3 ms; `socket` and `json` would add 9.5 ms).
-NAT_IMPORTS = {"_socket", "starter.net", "starter.net.netd"}
+NAT_IMPORTS = {"_socket", "starter.net", "starter.net.netd",
+               "_json"}  # netd's answer is read with state.loads
 
 PROBE = """
 import sys
