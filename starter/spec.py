@@ -188,8 +188,11 @@ def parse_on_signal(field, items):
         name = name.upper()
         if not name.startswith("SIG"):
             name = "SIG" + name
-        num = getattr(_signal, name, None)
-        if not isinstance(num, int) or name in ("SIGKILL", "SIGSTOP", "SIGCHLD"):
+        # Only signal names: _signal also holds SIG_DFL, SIG_IGN and the
+        # sigprocmask constants (SIG_BLOCK ...), which are not signals.
+        num = getattr(_signal, name, None) if name[3:].isalnum() and name.isascii() else None
+        if (not isinstance(num, int) or not 0 < num < _signal.NSIG
+                or num in (_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD)):
             raise SpecError(field, f"{V.show(item)}: {V.show(name)} cannot be used")
         out.append((num, action))
     return tuple(out)

@@ -138,6 +138,9 @@ def test_hostile_job_file_refused(starter, tmp_path, state_dir, raw, field):
     (["--user", "../root"], "user"), (["--memory", "-1"], "memory"), (["--pids", "0"], "pids"),
     (["--cpus", "abc"], "cpus"), (["--env", "1A=b"], "env"), (["--net", "bridge"], "net"),
     (["--on-signal", "KILL=vacate"], "on-signal"), (["--bind", "relative:/x"], "bind"),
+    # _signal's handler and sigprocmask constants are not signals; SIGCLD is SIGCHLD
+    (["--on-signal", "SIG_DFL=kill"], "on-signal"), (["--on-signal", "_BLOCK=vacate"], "on-signal"),
+    (["--on-signal", "SIG_SETMASK=suspend"], "on-signal"), (["--on-signal", "CLD=kill"], "on-signal"),
 ])
 def test_hostile_cli_refused(starter, args, field):
     p = starter("run", *args, "--", "true")
