@@ -76,8 +76,9 @@ def run(spec):
 
     t0 = time.time()
     undo = Undo()
+    # Closed at the very end, after the report: a SIGTERM during teardown
+    # must not kill the starter before it reports (Signals.close).
     signals = Signals(spec.on_signal)
-    undo.push(signals.close, label="signals")
     events = Events(None, spec.id)
     report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
               "signal": None, "started_at": round(t0, 6)}
@@ -163,6 +164,7 @@ def run(spec):
             report_dest.close()
         events.emit("exited", report=report)
         events.close()
+        signals.close()
         trace.mark("report")
         trace.report()
     return code
@@ -344,7 +346,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         # Nothing the job holds may be reused while its processes live: the
         # cgroup, address, scratch and entry stay for `starter gc`.
         report.update(unkillable=out.unkillable, kill_reason=out.reason)
-        undo.keep_only(signals.close, child.close)
+        undo.keep_only(child.close)
         stuck = ", ".join(f"{u['pid']} ({u['state']}, wchan {u['wchan']})" for u in out.unkillable)
         # run() keeps the entry "reclaiming" with this as what is still held.
         undo.failed.append(f"cgroup: {len(out.unkillable)} unkillable processes: {stuck}")

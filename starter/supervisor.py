@@ -71,9 +71,8 @@ class Signals:
         self.actions.update(COMMAND_SIGNALS)
         self.r, self.w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         _signal.set_wakeup_fd(self.w, warn_on_full_buffer=False)
-        self.old = {}
         for sig in self.actions:
-            self.old[sig] = _signal.signal(sig, _ignore)
+            _signal.signal(sig, _ignore)
         # A job that fills a pipe we hold must not kill us.
         _signal.signal(_signal.SIGPIPE, _signal.SIG_IGN)
 
@@ -85,9 +84,10 @@ class Signals:
         return [self.actions[s] for s in data if s in self.actions]
 
     def close(self):
+        """Stop routing.  The handlers stay, ignoring: the starter exits
+        right after its report, and a signal (the batch system repeating
+        its SIGTERM) must not kill it unreported nor change its exit code."""
         _signal.set_wakeup_fd(-1)
-        for sig, old in self.old.items():
-            _signal.signal(sig, old if old is not None else _signal.SIG_DFL)
         os.close(self.r)
         os.close(self.w)
 

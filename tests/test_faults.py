@@ -18,7 +18,7 @@ from starter import state as S  # noqa: E402
 from starter.net import ipam  # noqa: E402
 from test_run_nat import POOL  # noqa: E402
 
-TEARDOWN_STEPS = ("net", "child", "cgroup", "scratch", "resolv", "entry", "signals")
+TEARDOWN_STEPS = ("net", "child", "cgroup", "scratch", "resolv", "entry")
 
 
 @pytest.fixture(scope="module")

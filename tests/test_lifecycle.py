@@ -172,6 +172,25 @@ def test_vacate_of_job_ignoring_sigterm(tmp_path, state_dir):
     assert names == ["starting", "running", "vacating", "exited"]
 
 
+def test_signals_during_teardown_do_not_kill_the_starter_before_its_report(tmp_path, state_dir):
+    # The batch system may repeat its SIGTERM while the starter tears down:
+    # the handlers stay until the report is out (they were restored as a
+    # teardown step, and a SIGTERM after it killed the starter unreported).
+    for i in range(3):
+        job_id = f"vacflood{i}"
+        proc, report, events = _start(tmp_path, "--grace", "0.05", job_id=job_id, cmd=["sleep", "300"])
+        _wait_for(lambda: (_state(state_dir, job_id) or {}).get("state") == "running")
+        while proc.poll() is None:
+            try:
+                proc.send_signal(signal.SIGTERM)
+            except ProcessLookupError:
+                break
+            time.sleep(0.0002)
+        assert proc.wait(30) == 137, proc.stderr.read()
+        assert json.loads(report.read_text())["reason"] == "vacated"
+        assert json.loads(events.read_text().splitlines()[-1])["event"] == "exited"
+
+
 def test_vacate_command(tmp_path, state_dir, starter):
     proc, report, _ = _start(tmp_path, "--grace", "0.5", job_id="vac2", cmd=["sleep", "300"])
     _wait_for(lambda: (_state(state_dir, "vac2") or {}).get("state") == "running")
