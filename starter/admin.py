@@ -135,16 +135,21 @@ def control(state_dir, job_id, action):
     pid = st["starter_pid"]
     if S.process_start_time(pid) != st.get("starter_start"):
         raise StarterError(f"the starter of job {job_id!r} (pid {pid}) is gone")
+    failed = st.get("control_failed")      # an earlier one
     os.kill(pid, ACTION_SIGNALS[action])
     want = {"suspend": "suspended", "resume": "running"}.get(action)
     deadline = time.monotonic() + 10
     while want and time.monotonic() < deadline:
         try:
-            if S.load(state_dir, job_id).get("state") == want:
-                print(f"{job_id}: {want}")
-                return 0
+            now = S.load(state_dir, job_id)
         except (OSError, ValueError):
-            pass
+            now = {}
+        if now.get("control_failed") not in (None, failed):
+            f = now["control_failed"]
+            raise StarterError(f"{f.get('action')} of job {job_id!r} failed: {f.get('error')}")
+        if now.get("state") == want:
+            print(f"{job_id}: {want}")
+            return 0
         time.sleep(0.02)
     if want:
         raise StarterError(f"job {job_id!r} did not report {want} within 10 s")

@@ -35,12 +35,14 @@ enums and costs ~5 ms per start.
 
 import os
 import select
+import sys
 import time
 
 import _signal
 
-from starter.errors import EXIT_STARTER_FAILED
+from starter.errors import EXIT_STARTER_FAILED, StarterError, one_line
 from starter.ns import decode_status
+from starter.state import fault
 
 SIGRTMIN = _signal.SIGRTMIN
 # Internal signals of the `starter vacate|suspend|resume|kill JOB` commands:
@@ -195,26 +197,57 @@ class Supervisor:
         if action == "vacate" and self.out.reason is None:
             self.out.reason = "vacated"
         if action == "suspend":
-            self.cg.freeze()
-            self.state.update(state="suspended")
-            self.events.emit("suspended")
+            if self._control("suspend", self.cg.freeze):
+                self._note(state="suspended")
+                self.events.emit("suspended")
         elif action == "resume":
-            self.cg.thaw()
-            self.state.update(state="running")
-            self.events.emit("resumed")
+            if self._control("resume", self.cg.thaw):
+                self._note(state="running")
+                self.events.emit("resumed")
         elif action == "vacate":
             if self.kill_deadline is None:
-                self.state.update(state="vacating")
+                self._note(state="vacating")
                 self.events.emit("vacating", grace=self.grace)
                 # A frozen job cannot act on SIGTERM: thaw it for its grace period.
                 if self.cg.frozen():
-                    self.cg.thaw()
+                    self._control("resume", self.cg.thaw)
                 self.child.send_signal(_signal.SIGTERM)
                 self.kill_deadline = time.monotonic() + self.grace
         elif action == "kill":
             if self.out.reason is None:
                 self.out.reason = "killed"
             self._kill()
+
+    def _control(self, action, step):
+        """Freeze or thaw; -> done.  A failure (a process that stays in D
+        state past the 5 s wait, no freezer) is the job's or the node's
+        trouble, not a reason to end it: said on stderr and as a
+        control_failed event, and supervision goes on.  A suspend that did
+        not complete is taken back, so the job is never half frozen."""
+        try:
+            fault(action)
+            step()
+            return True
+        except (StarterError, OSError) as e:
+            err = one_line(e)
+        sys.stderr.write(f"starter: {action} failed: {err}\n")
+        self.events.emit("control_failed", action=action, error=err)
+        if action == "suspend":
+            try:
+                self.cg.thaw(timeout=1.0)
+            except (StarterError, OSError) as e:
+                sys.stderr.write(f"starter: taking the suspend back failed: {one_line(e)}\n")
+        # For `starter suspend`/`resume`, which wait on the entry.
+        self._note(control_failed={"action": action, "error": err, "time": round(time.time(), 6)})
+        return False
+
+    def _note(self, **fields):
+        """Update the entry; a failed write (a full disk) leaves `starter ps`
+        behind, not the job unsupervised."""
+        try:
+            self.state.update(**fields)
+        except (StarterError, OSError) as e:
+            sys.stderr.write(f"starter: {one_line(e)}\n")
 
     def _kill(self):
         self.killed = True

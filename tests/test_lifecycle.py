@@ -203,6 +203,32 @@ def _counter_job():
     return ["sh", "-c", "i=0; while :; do i=$((i+1)); echo $i > /dev/shm/c; done"]
 
 
+def test_a_failed_suspend_is_reported_and_the_job_goes_on(tmp_path, state_dir, starter):
+    # A freeze that cannot complete (a process stuck in D state past the
+    # wait; planted here with STARTER_FAULT=suspend:fail) used to end the
+    # supervision: the job was killed as a starter error.
+    report, events = tmp_path / "r.json", tmp_path / "ev"
+    proc = subprocess.Popen([STARTER, "run", "--id", "suspfail", "--report", str(report), "--events", str(events),
+                             "--", "sleep", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, STARTER_FAULT="suspend:fail"))
+    try:
+        _wait_for(lambda: (_state(state_dir, "suspfail") or {}).get("state") == "running")
+        p = starter("suspend", "suspfail")
+        assert p.returncode == 125 and p.stderr.startswith("starter: suspend of job 'suspfail' failed: "), p
+        assert "planted fault" in p.stderr and len(p.stderr.splitlines()) == 1
+        assert _state(state_dir, "suspfail")["state"] == "running"
+        ev = [json.loads(line) for line in events.read_text().splitlines()]
+        assert ev[-1]["event"] == "control_failed" and ev[-1]["action"] == "suspend", ev
+        assert "planted fault" in ev[-1]["error"]
+        starter("resume", "suspfail", check=0)   # nothing frozen: the thaw is a no-op
+    finally:
+        proc.send_signal(signal.SIGQUIT)       # kill
+        _, err = proc.communicate(timeout=30)
+    assert proc.returncode == 137, err
+    assert "starter: suspend failed: " in err and len(err.splitlines()) == 1, err
+    assert json.loads(report.read_text())["reason"] == "killed"
+
+
 def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
     out = tmp_path / "out"
     out.mkdir()
