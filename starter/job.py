@@ -189,9 +189,9 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                          scratch_kind="scratch" if spec.scratch else "execute-dir")
         fault("scratch-record")
         if spec.scratch:
-            sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id)
+            sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id, groups=spec.groups)
         else:
-            sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid)
+            sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid, groups=spec.groups)
         sc.keep = spec.keep_scratch
         undo.push(_release_scratch, sc, report, label="scratch")   # removes it, or with --keep-scratch only closes its fd
         fault("scratch-create")

@@ -93,19 +93,22 @@ class Scratch:
 MARK = "trusted.starter.job"
 
 
-def create(path, uid, gid, *, keep=False, mark=None):
+def create(path, uid, gid, *, keep=False, mark=None, groups=()):
     """Make `path` (must not exist) as the job's scratch: mode 0700, owned uid:gid.
+    `groups`: the job's supplementary groups (for the parent's check).
 
     It is born mode 0000 and root-owned, then gets the MARK (`mark`, the job
     id), and only then its owner and mode: a directory of a starter killed in
-    between is recognisable (see remove_recorded)."""
+    between is recognisable (see remove_recorded).  What is opened after the
+    mkdir must still be that fresh directory (root's, mode 0000, empty)
+    before it is marked or given away."""
     path = os.path.abspath(path)
     parent, name = os.path.split(path)
     if not name or name in (".", ".."):
         raise SpecError("scratch", f"{path!r} is not a usable directory name")
     pfd = _open_dir(parent, "scratch: parent directory")
     try:
-        _check_parent(pfd, parent, uid, gid)
+        _check_parent(pfd, parent, uid, gid, groups)
         try:
             os.mkdir(name, 0, dir_fd=pfd)
         except FileExistsError:
@@ -115,9 +118,15 @@ def create(path, uid, gid, *, keep=False, mark=None):
             ) from None
         except OSError as e:
             raise StagingError(f"scratch: cannot create {path}: {e.strerror}") from None
+        replaced = False
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
             try:
+                replaced = not _is_fresh(fd)
+                if replaced:
+                    raise StagingError(f"scratch: {path} was replaced between its creation and its use; "
+                                       "left alone", hint="something else writes the scratch's parent "
+                                       "directory: give scratches a root-owned parent only root writes")
                 if mark is not None:
                     _set_mark(fd, mark)
                 os.fchown(fd, uid, gid)
@@ -127,10 +136,11 @@ def create(path, uid, gid, *, keep=False, mark=None):
                 os.close(fd)
                 raise
         except BaseException:
-            try:
-                os.rmdir(name, dir_fd=pfd)
-            except OSError:
-                pass
+            if not replaced:        # a replacement is not ours to remove
+                try:
+                    os.rmdir(name, dir_fd=pfd)
+                except OSError:
+                    pass
             raise
     except BaseException:
         os.close(pfd)
@@ -138,14 +148,23 @@ def create(path, uid, gid, *, keep=False, mark=None):
     return Scratch(path, pfd, fd, st, uid, gid, keep=keep)
 
 
-def create_in(execute_dir, job_id, uid, gid, *, keep=False):
+def create_in(execute_dir, job_id, uid, gid, *, keep=False, groups=()):
     """Make `<execute_dir>/job-<job_id>`; `execute_dir` is created (0755) if missing."""
     from starter import values
 
     values.job_id("job_id", job_id)
     execute_dir = os.path.abspath(execute_dir)
     os.close(_open_dir(execute_dir, "scratch: execute dir", create=0o755))
-    return create(os.path.join(execute_dir, f"job-{job_id}"), uid, gid, keep=keep, mark=job_id)
+    return create(os.path.join(execute_dir, f"job-{job_id}"), uid, gid, keep=keep, mark=job_id, groups=groups)
+
+
+def _is_fresh(fd):
+    """Is `fd` the directory just made, not one put in its place between the
+    mkdir and the open (a parent someone else writes: another user's
+    directory renamed there would be marked and given to this job)?  Root's,
+    no permission bits (a setgid parent adds S_ISGID), empty."""
+    st = os.fstat(fd)
+    return st.st_uid == 0 and not st.st_mode & 0o777 and not os.listdir(fd)
 
 
 def _set_mark(fd, job_id):
@@ -225,25 +244,6 @@ def remove_recorded(st, job_id):
         os.close(pfd)
 
 
-def remove_path(path, expect=None):
-    """Remove a scratch by path (gc after a crashed starter); a missing one is fine.
-
-    `expect` is the (st_dev, st_ino) recorded at creation, if known.
-    """
-    path = os.path.abspath(path)
-    parent, name = os.path.split(path)
-    try:
-        pfd = os.open(parent, _DIR_FLAGS & ~os.O_NOFOLLOW)
-    except FileNotFoundError:
-        return RemoveReport(path)
-    except OSError as e:
-        raise StagingError(f"scratch: cannot open {parent}: {e.strerror}") from None
-    try:
-        return remove_tree(pfd, name, expect=expect, path=path)
-    finally:
-        os.close(pfd)
-
-
 def _open_dir(path, what, create=None):
     """A directory fd of `path`, no component a link (paths.open_dir): root
     makes a job-owned directory here, which a link must not put elsewhere."""
@@ -255,13 +255,14 @@ def _open_dir(path, what, create=None):
         raise StagingError(e.args[0], e.hint) from None
 
 
-def _check_parent(pfd, parent, uid, gid):
+def _check_parent(pfd, parent, uid, gid, groups=()):
     st = os.fstat(pfd)
     mode = stat.S_IMODE(st.st_mode)
     job_writable = (
         (st.st_uid == uid and uid != 0)
         or (mode & 0o002)
-        or (mode & 0o020 and st.st_gid == gid and gid != 0)
+        or (mode & 0o020 and st.st_gid != 0 and (st.st_gid == gid or st.st_gid in groups))
+        or _has_acl(pfd)
     )
     if job_writable:
         raise StagingError(
@@ -269,6 +270,14 @@ def _check_parent(pfd, parent, uid, gid):
             "is writable by the job; it could swap its scratch for a symlink before cleanup",
             hint="put scratches under a root-owned directory with mode 0755, e.g. --execute-dir /var/lib/starter/execute",
         )
+
+
+def _has_acl(fd):
+    """An access ACL can give anyone write: such a parent counts as the job's."""
+    try:
+        return len(os.getxattr(fd, "system.posix_acl_access")) > 0
+    except OSError:
+        return False        # none (ENODATA), or no ACLs on this filesystem
 
 
 class RemoveReport:
@@ -315,6 +324,11 @@ def remove_tree(parent_fd, name, *, expect=None, path=None, check=True):
     `expect` is the (st_dev, st_ino) the directory must have (else nothing is
     touched).  Returns a RemoveReport; with `check`, raises StagingError if
     anything was left behind, after removing everything that safely could be.
+
+    Only directories of the scratch's owner (the job's uid) are entered: a
+    process of that uid still running elsewhere could rename another user's
+    directory into the tree while root removes it, and root would delete
+    what that uid itself could not.
     """
     path = path or name
     report = RemoveReport(path)
@@ -336,7 +350,7 @@ def remove_tree(parent_fd, name, *, expect=None, path=None, check=True):
             f"scratch: {path} is not the directory that was created (it was replaced); not removing it",
             hint="its parent directory must not be writable by the job",
         )
-    root_dev, root_mnt = root.st_dev, _mnt_id(fd)
+    root_dev, root_mnt, owner = root.st_dev, _mnt_id(fd), root.st_uid
     report.bytes += root.st_blocks * 512
     pst = os.fstat(parent_fd)
     if root_dev != pst.st_dev or (root_mnt is not None and root_mnt != _mnt_id(parent_fd)):
@@ -356,7 +370,7 @@ def remove_tree(parent_fd, name, *, expect=None, path=None, check=True):
             if pending:
                 child = pending.pop()
                 cpath = f"{dpath}/{child}"
-                cfd = _step(fd, child, cpath, root_dev, root_mnt, skip, report)
+                cfd = _step(fd, child, cpath, root_dev, root_mnt, owner, skip, report)
                 if cfd is not None:
                     cst = os.fstat(cfd)
                     try:
@@ -402,7 +416,7 @@ def remove_tree(parent_fd, name, *, expect=None, path=None, check=True):
     return report
 
 
-def _step(dfd, child, cpath, root_dev, root_mnt, skip, report):
+def _step(dfd, child, cpath, root_dev, root_mnt, owner, skip, report):
     """Handle one name in the open directory `dfd`: unlink it, or return an fd to descend into."""
     try:
         st = os.stat(child, dir_fd=dfd, follow_symlinks=False)
@@ -448,6 +462,8 @@ def _step(dfd, child, cpath, root_dev, root_mnt, skip, report):
         report.mounts.append(cpath)  # e.g. a bind mount from the same filesystem
     elif (cst.st_dev, cst.st_ino) != ident:
         report.errors.append((cpath, "changed while being removed"))
+    elif cst.st_uid != owner:
+        report.errors.append((cpath, f"a directory of uid {cst.st_uid}, not of the job's uid {owner}: not entered"))
     else:
         report.bytes += cst.st_blocks * 512
         return cfd

@@ -74,6 +74,79 @@ def test_create_refuses_job_writable_parent(tmp_path):
         assert os.listdir(d) == []
 
 
+def _acl_giving_write(uid):
+    """system.posix_acl_access: u::rwx u:UID:rwx g::r-x m::rwx o::r-x (setfacl is not installed)."""
+    import struct
+
+    entries = [(0x01, 7, 0xFFFFFFFF), (0x02, 7, uid), (0x04, 5, 0xFFFFFFFF), (0x10, 7, 0xFFFFFFFF),
+               (0x20, 5, 0xFFFFFFFF)]
+    return struct.pack("<I", 2) + b"".join(struct.pack("<HHI", *e) for e in entries)
+
+
+def test_create_refuses_a_parent_a_supplementary_group_or_an_acl_can_write(tmp_path):
+    d = tmp_path / "grp"
+    d.mkdir()
+    d.chmod(0o775)
+    os.chown(d, 0, 4242)                 # a group the job is in only as a supplementary one
+    with pytest.raises(StagingError, match="writable by the job"):
+        scratch.create(d / "job-1", NOBODY, NOBODY, groups=(100, 4242))
+    scratch.create(d / "job-2", NOBODY, NOBODY, groups=(100,)).remove()   # not in it: fine
+    a = tmp_path / "acl"
+    a.mkdir()
+    a.chmod(0o755)
+    os.setxattr(a, "system.posix_acl_access", _acl_giving_write(NOBODY))
+    with pytest.raises(StagingError, match="writable by the job"):
+        scratch.create(a / "job-1", NOBODY, NOBODY)
+    assert os.listdir(d) == [] and os.listdir(a) == []
+
+
+def test_create_refuses_a_directory_put_in_place_of_the_new_one(parent, monkeypatch):
+    # Between the mkdir and the open, someone who may write the parent swaps
+    # in another user's directory: it must not be marked or given away.
+    victim = parent / "victim"
+    victim.mkdir(mode=0o700)
+    os.chown(victim, 4243, 4243)
+    real_open = os.open
+
+    def swapping_open(name, flags, mode=0o777, *, dir_fd=None):
+        if name == "job-x" and dir_fd is not None:
+            os.rmdir(name, dir_fd=dir_fd)
+            os.rename("victim", name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
+        return real_open(name, flags, mode, dir_fd=dir_fd)
+
+    monkeypatch.setattr(scratch.os, "open", swapping_open)
+    with pytest.raises(StagingError, match="was replaced"):
+        scratch.create(parent / "job-x", NOBODY, NOBODY, mark="x")
+    monkeypatch.undo()
+    st = os.stat(parent / "job-x")            # left alone: owner, mode, no mark
+    assert (st.st_uid, stat.S_IMODE(st.st_mode)) == (4243, 0o700)
+    fd = os.open(parent / "job-x", os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert scratch._get_mark(fd) is None
+    finally:
+        os.close(fd)
+
+
+def test_removal_enters_only_the_jobs_own_directories(parent):
+    # Another user's directory renamed into the tree (by a process of the
+    # job's uid running elsewhere) is not entered: root would delete in it
+    # what the job's uid could not.
+    s = scratch.create(parent / "job-own", NOBODY, NOBODY)
+    os.makedirs(os.path.join(s.path, "mine", "sub"))
+    for d in ("mine", "mine/sub"):
+        os.chown(os.path.join(s.path, d), NOBODY, NOBODY)
+    foreign = os.path.join(s.path, "mine", "foreign")
+    os.mkdir(foreign, 0o755)
+    os.chown(foreign, 4243, 4243)
+    open(os.path.join(foreign, "theirs"), "w").close()
+    path = s.path
+    with pytest.raises(StagingError, match="not of the job's uid"):
+        s.remove()
+    assert os.listdir(foreign) == ["theirs"]
+    assert sorted(os.listdir(os.path.join(path, "mine"))) == ["foreign"]
+    subprocess.run(["rm", "-rf", path], check=True)
+
+
 def test_create_in_execute_dir(tmp_path, parent):
     s = scratch.create_in(tmp_path / "exec-new", "42.0", NOBODY, NOBODY)
     assert s.path == str(tmp_path / "exec-new" / "job-42.0")
@@ -238,14 +311,3 @@ def test_remove_tree_missing_is_fine(parent):
         assert scratch.remove_tree(pfd, "nothing-here").complete
     finally:
         os.close(pfd)
-
-
-def test_remove_path_for_gc(parent):
-    s = scratch.create(parent / "job-gc", NOBODY, NOBODY)
-    ident = (s.dev, s.ino)
-    s.close()  # the starter crashed; gc finds the path in the job's state entry
-    open(os.path.join(s.path, "left"), "w").close()
-    assert scratch.remove_path(s.path, expect=ident).complete
-    assert not os.path.exists(s.path)
-    assert scratch.remove_path(s.path).complete  # already gone: fine
-    assert scratch.remove_path(parent / "no" / "such").complete
