@@ -166,10 +166,16 @@ class V2Delegation:
             # cgroup the job controls is no place for the admin's process.
             raise CgroupError(f"{p} already exists: the job made it", "try again (the name has the pid in it)")
         try:
-            return os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
+            fd = os.open(p, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | os.O_NOFOLLOW)
         except OSError as e:
             _rmdir_quiet(p)
             raise CgroupError(f"cannot open {p}: {os.strerror(e.errno)}", files.hint_for(e.errno)) from None
+        if os.fstat(fd).st_uid != 0:
+            # The job owns the parent: it can rmdir our leaf between the
+            # mkdir and the open and make its own under the same name.
+            os.close(fd)
+            raise CgroupError(f"{p} was replaced by the job's own cgroup", "try again")
+        return fd
 
     def remove_leaf(self, name):
         p = os.path.join(self.upath, name)
