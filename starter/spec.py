@@ -575,11 +575,19 @@ def load_job_file(path):
         return seen
 
     path = V.string("job", path)          # relative: to the caller's cwd, as open() does
+    import stat
+
     try:
-        with open(path, "rb") as f:
+        # A regular file only, looked at before it is opened (non-blocking):
+        # a FIFO or a device there must not hang the start or arm anything.
+        if not stat.S_ISREG(os.stat(path).st_mode):
+            raise SpecError("job", f"{V.show(path)} is not a regular file")
+        with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
+            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
+                raise SpecError("job", f"{V.show(path)} is not a regular file")
             data = f.read((1 << 20) + 1)
     except OSError as e:
-        raise SpecError("job", f"cannot read {path}: {e.strerror}") from None
+        raise SpecError("job", f"cannot read {V.show(path)}: {e.strerror}") from None
     if len(data) > 1 << 20:
         raise SpecError("job", "job file larger than 1 MiB")
     if path.endswith(".toml"):

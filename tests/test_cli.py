@@ -168,6 +168,14 @@ def test_deeply_nested_job_file(starter, tmp_path):
         assert "job" in line
 
 
+def test_a_job_file_that_is_a_fifo_or_a_device_is_refused_unopened(starter, tmp_path):
+    fifo = tmp_path / "job.json"
+    os.mkfifo(fifo)          # no writer: an open() for reading would block the start
+    for path in (fifo, "/dev/null", tmp_path):
+        line = one_error_line(starter("run", "--job", str(path), "--", "true", check=125, timeout=10))
+        assert line.startswith("starter: job: ") and "not a regular file" in line, line
+
+
 def test_unusable_state_directory(starter, tmp_path):
     f = tmp_path / "a-file"
     f.write_text("")
