@@ -25,8 +25,11 @@ COLUMNS = (("pid", "PID"), ("nspid", "JOBPID"), ("user", "USER"), ("state", "S")
 
 
 def printable(text):
-    """Control characters (C0, DEL, C1) -> '?'."""
-    return "".join("?" if (ord(c) < 0x20 or 0x7F <= ord(c) < 0xA0) else c for c in text)
+    """What the job named (its commands) as the terminal may show it: control
+    characters (C0, DEL, C1), format characters (the bidi overrides and
+    isolates that reorder a line, zero-width ones), separators other than
+    the space and unassigned code points -> '?'."""
+    return "".join(c if c.isprintable() else "?" for c in text)
 
 
 def ns_pid(pid):

@@ -78,6 +78,8 @@ def test_classad_strings_and_values():
 
 def test_top_replaces_control_characters():
     assert T.printable("a\x1b]0;owned\x07b\x9bc") == "a?]0;owned?b?c"
+    # a right-to-left override and an isolate reorder what follows on the line
+    assert T.printable("ok\u202egnp.exe\u2066x\u200by\u2028z é") == "ok?gnp.exe?x?y?z é"
 
 
 def test_listen_address_defaults_to_loopback():
