@@ -28,6 +28,10 @@ class LinkError(StarterError):
     """A component of a path is a symlink, or the path is not what was asked for."""
 
 
+class MissingError(LinkError):
+    """A component of the path does not exist (a caller may take "gone" as done)."""
+
+
 def kind(mode):
     """'a FIFO', 'a directory', ... for messages."""
     for test, name in ((stat.S_ISLNK, "a symlink"), (stat.S_ISDIR, "a directory"),
@@ -89,7 +93,7 @@ def open_dir(path, what="path", create=None, full=None, readable=False):
         return fd
     except FileNotFoundError:
         os.close(fd)
-        raise LinkError(f"{what} {shown}: no such directory {path}") from None
+        raise MissingError(f"{what} {shown}: no such directory {path}") from None
     except OSError as e:
         os.close(fd)
         raise LinkError(f"{what} {shown}: {e.strerror}") from None
@@ -129,7 +133,7 @@ def open_path(path, what="path"):
         try:
             fd = os.open(name, _PATH_FLAGS, dir_fd=dfd)
         except FileNotFoundError:
-            raise LinkError(f"{what} {path}: does not exist") from None
+            raise MissingError(f"{what} {path}: does not exist") from None
         st = os.fstat(fd)
         if stat.S_ISLNK(st.st_mode):
             os.close(fd)
@@ -148,7 +152,7 @@ def open_file(path, what="file"):
         try:
             fd, st = open_beneath(dfd, name, os.O_RDONLY, what, path)
         except FileNotFoundError:
-            raise LinkError(f"{what} {path}: does not exist") from None
+            raise MissingError(f"{what} {path}: does not exist") from None
         except OSError as e:
             raise LinkError(f"{what} {path}: {e.strerror}") from None
     finally:
