@@ -482,7 +482,7 @@ def _spool_command(s, cmd, values, pos):
         return {"answer": answer, "path": path, "text": f"{answer} {path}"}
     if cmd == "link":
         dest = s.link_into(owner, cmdhash, pos[0], src=values.get("src"))
-        st = os.lstat(dest)
+        st = spool.stat_dest(dest)
         return {"dest": dest, "shared": st.st_nlink > 1, "text": f"{'linked' if st.st_nlink > 1 else 'copied'} {dest}"}
     if cmd == "release":
         removed = s.release(pos[0], owner, cmdhash)

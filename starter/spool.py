@@ -28,6 +28,13 @@ EMLINK) the job gets a private copy and a warning is logged.  After 10 such
 failures with no success ever, the spool stops trying (state in
 ``$SPOOL/.linkstate`` so every process on the node sees it; delete the file to
 try again).
+
+Root reads and writes paths the job's user controls (FILE, DEST, JOBCOPY), so
+none of them is followed through a link (paths.py: one component at a time,
+O_PATH|O_NOFOLLOW): a link anywhere on the way is refused, and the open, link
+or unlink is done relative to the directory fd that walk ended on.  A source
+must be a regular file (a FIFO or device is refused from its O_PATH fstat,
+never opened) before it is reopened for reading from that very inode.
 """
 
 import errno
@@ -37,7 +44,7 @@ import logging
 import os
 import stat
 
-from starter import values
+from starter import paths, values
 from starter.errors import SpecError, StagingError
 from starter.fileio import CHUNK, copy_hashing, unlink_best_effort, unlink_quiet
 
@@ -156,7 +163,8 @@ def check_cmdhash(cmdhash):
 
 
 def file_digests(src, algorithms):
-    """Hash a file (path or open fd) once with several algorithms -> {alg: hexdigest}."""
+    """Hash a file (path or open fd, opened without following links) once with
+    several algorithms -> {alg: hexdigest}."""
     fd = _open_src(src) if not isinstance(src, int) else src
     try:
         return copy_hashing(fd, None, algorithms)
@@ -182,16 +190,112 @@ def _check_attrs(hash_attrs):
     return attrs
 
 
+_SRC_HINT = "pass the file itself: no component of FILE may be a symlink"
+_DEST_HINT = "pass the job's directory as a path without symlinks"
+_JOBCOPY_HINT = ("a directory on the way was replaced by a link, so nothing was removed; "
+                 "removing the job's directory and `starter spool gc` reclaim the entry")
+
+
+def _absolute(path):
+    """A relative path (the documented `./analysis`) is taken from the cwd,
+    which the kernel gives without links."""
+    path = os.fspath(path)
+    if not path.startswith("/"):
+        path = os.getcwd() + "/" + path
+    parts = [c for c in path.split("/") if c not in ("", ".")]
+    return "/" + "/".join(parts) + ("/" if parts and path.endswith("/") else "")
+
+
 def _open_src(path):
+    """Open the file `path` for reading (module docstring).
+
+    Walked without links (O_PATH), refused unless a regular file before any
+    read open (a FIFO cannot block, a device is never opened), then reopened
+    through /proc/self/fd from that very inode."""
+    shown = os.fspath(path)
+    if shown.endswith("/"):
+        raise StagingError(f"spool: file {shown}: not a path to a file")
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
-    except OSError as e:
-        raise StagingError(f"spool: cannot open {path}: {e.strerror}") from None
-    st = os.fstat(fd)
-    if not stat.S_ISREG(st.st_mode):
-        os.close(fd)
-        raise StagingError(f"spool: {path} is not a regular file")
+        pfd, st = paths.open_path(_absolute(shown), "spool: file")
+    except paths.LinkError as e:
+        raise StagingError(e.args[0], hint=_SRC_HINT) from None
+    try:
+        if not stat.S_ISREG(st.st_mode):
+            raise StagingError(f"spool: file {shown}: is {paths.kind(st.st_mode)}, not a regular file (not opened)")
+        try:
+            fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except OSError as e:
+            raise StagingError(f"spool: cannot open {shown}: {e.strerror}") from None
+    finally:
+        os.close(pfd)
+    st2 = os.fstat(fd)
+    if (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(st2.st_mode):
+        os.close(fd)  # /proc/self/fd/N is our own fd: this cannot happen unless /proc is not procfs
+        raise StagingError(f"spool: file {shown}: reopened as another file", hint="is /proc mounted?")
     return fd
+
+
+class _Target:
+    """Where a job's copy goes (DEST) or is (JOBCOPY): its directory, reached
+    without links and held as an fd, and the name in it."""
+
+    def __init__(self, path, what, hint):
+        self.path = os.fspath(path)
+        parent, self.name = os.path.split(_absolute(self.path))
+        if self.name in ("", ".", ".."):
+            raise StagingError(f"spool: {what} {self.path}: not a path to a file", hint=hint)
+        try:
+            self.dfd = paths.open_dir(parent, f"spool: {what}", full=self.path)
+        except paths.MissingError:
+            raise
+        except paths.LinkError as e:
+            raise StagingError(e.args[0], hint=hint) from None
+
+    def close(self):
+        if self.dfd is not None:
+            os.close(self.dfd)
+            self.dfd = None
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _dest(dest):
+    try:
+        return _Target(dest, "DEST", _DEST_HINT)
+    except paths.MissingError as e:
+        raise StagingError(e.args[0], hint="create the job's directory first") from None
+
+
+def stat_dest(dest):
+    """lstat() of a job's copy at `dest`, its directory reached without links."""
+    with _dest(dest) as t:
+        return os.stat(t.name, dir_fd=t.dfd, follow_symlinks=False)
+
+
+class _Source:
+    """A source given as a path (opened on first use) or as an fd the caller
+    owns; every use reads it from the start."""
+
+    def __init__(self, src):
+        self.src = src
+        self.fd = src if isinstance(src, int) else None
+        self.own = self.fd is None
+
+    def open(self):
+        if self.fd is None:
+            self.fd = _open_src(self.src)
+        else:
+            os.lseek(self.fd, 0, os.SEEK_SET)
+        return self.fd
+
+    def close(self):
+        if self.own and self.fd is not None:
+            os.close(self.fd)
+            self.fd = None
 
 
 # ---------------------------------------------------------------- the spool
@@ -285,22 +389,33 @@ class Spool:
         `verify`, every known hash attribute in `cmdhash` is checked against
         the bytes actually copied; a mismatch raises StagingError.  With
         `dest`, the job's copy is linked in the same lock hold, so gc never
-        sees the new file unused.
+        sees the new file unused.  `src` and `dest` are never followed through
+        a link (module docstring).
         """
         path = self.path_of(owner, cmdhash)
+        target = _dest(dest) if dest is not None else None
+        source = _Source(src)
+        try:
+            return self._store(owner, cmdhash, path, source, verify, target)
+        finally:
+            source.close()
+            if target is not None:
+                target.close()
+
+    def _store(self, owner, cmdhash, path, source, verify, target):
         if path is None:
-            if dest is not None:
-                _copy_file(src, dest)
+            if target is not None:
+                _copy_file(source.open(), target)
             return "send", None
         name = os.path.basename(path)
-        if dest is None and self.lookup(owner, cmdhash):
+        if target is None and self.lookup(owner, cmdhash):
             return "have", path
         pairs = decode_cmdhash(cmdhash)
         algs = {HASH_ATTRS[k] for k, _ in pairs if k in HASH_ATTRS} if verify else set()
         for attempt in range(2):
             tmp = None
             if attempt or not self.lookup(owner, cmdhash):
-                tmp = self._write_verified(src, pairs, algs)
+                tmp = self._write_verified(source, pairs, algs)
             try:
                 with self._lock():
                     if self.lookup(owner, cmdhash):
@@ -312,27 +427,24 @@ class Spool:
                         tmp = None
                         os.fsync(self._dfd)
                         answer = "send"
-                    if dest is not None:
-                        self._link_locked(name, path, dest)
+                    if target is not None:
+                        self._link_locked(name, path, target)
                     return answer, path
             finally:
                 if tmp is not None:
                     unlink_quiet(tmp, self._dfd)
         raise AssertionError("unreachable")
 
-    def _write_verified(self, src, pairs, algs):
-        sfd = _open_src(src)
-        try:
-            mode = 0o555 if os.fstat(sfd).st_mode & 0o111 else 0o444
-            tmp, digests = self._write_temp(sfd, algs, mode)
-        finally:
-            os.close(sfd)
+    def _write_verified(self, source, pairs, algs):
+        sfd = source.open()
+        mode = 0o555 if os.fstat(sfd).st_mode & 0o111 else 0o444
+        tmp, digests = self._write_temp(sfd, algs, mode)
         for k, v in pairs:
             alg = HASH_ATTRS.get(k)
             if alg in digests and not hmac.compare_digest(digests[alg], v.lower()):
                 unlink_quiet(tmp, self._dfd)
                 raise StagingError(
-                    f"spool: {src}: {k} mismatch (expected {v}, got {digests[alg]})",
+                    f"spool: {source.src}: {k} mismatch (expected {v}, got {digests[alg]})",
                     hint="the file changed while it was added, or the hash given for it is wrong",
                 )
         return tmp
@@ -359,8 +471,17 @@ class Spool:
         `dest`, also give the job its copy there (see link_into).
         """
         check_owner(owner)
-        cmdhash = compute_cmdhash(file, hash_attrs)
-        answer, path = self.store(owner, cmdhash, file, dest=dest)
+        attrs = _check_attrs(hash_attrs)
+        target = _dest(dest) if dest is not None else None
+        source = _Source(file)
+        try:
+            # Opened once: what is stored is read from the inode that was hashed (and is checked again).
+            cmdhash = compute_cmdhash(source.open(), attrs) if attrs else INVALID
+            answer, path = self._store(owner, cmdhash, self.path_of(owner, cmdhash), source, True, target)
+        finally:
+            source.close()
+            if target is not None:
+                target.close()
         return answer, (path if path is not None else INVALID)
 
     # -- jobs
@@ -371,55 +492,70 @@ class Spool:
         'invalid' means a private copy of `src`.  If the spool lost the file
         and `src` is given, it is stored again first.  Where link() fails
         (EXDEV, EPERM, EMLINK) the job gets a private copy and a warning.
-        Call it before the job starts: `dest`'s directory is trusted here.
+        No component of `dest` may be a link (its directory is held as an fd
+        for the link or copy); nor of `src`.
         """
         path = self.path_of(owner, cmdhash)
-        if path is None:
-            if src is None:
-                raise StagingError("spool: CmdHash is 'invalid' and no source file was given for a private copy")
-            _copy_file(src, dest)
-            return dest
+        if path is None and src is None:
+            raise StagingError("spool: CmdHash is 'invalid' and no source file was given for a private copy")
         if src is not None:
             self.store(owner, cmdhash, src, dest=dest)
             return dest
         name = os.path.basename(path)
-        with self._lock():
+        with _dest(dest) as target, self._lock():
             if not self.lookup(owner, cmdhash):
                 raise StagingError(
                     f"spool: no {name} in {self.dir}",
                     hint="add the executable first (`starter spool add`), or pass the source file",
                 )
-            self._link_locked(name, path, dest)
+            self._link_locked(name, path, target)
         return dest
 
-    def _link_locked(self, name, path, dest):
-        if not self._links_enabled():
-            _copy_file(path, dest)
-            return
+    def _link_locked(self, name, path, target):
+        if self._links_enabled():
+            try:
+                os.link(name, target.name, src_dir_fd=self._dfd, dst_dir_fd=target.dfd, follow_symlinks=False)
+            except OSError as e:
+                if e.errno not in _LINK_ERRNOS:
+                    raise StagingError(f"spool: cannot link {path} to {target.path}: {e.strerror}") from None
+                self._note_link(False, e, target.path)
+            else:
+                self._note_link(True)
+                return
+        sfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._dfd)
         try:
-            os.link(name, dest, src_dir_fd=self._dfd, follow_symlinks=False)
-        except OSError as e:
-            if e.errno not in _LINK_ERRNOS:
-                raise StagingError(f"spool: cannot link {path} to {dest}: {e.strerror}") from None
-            self._note_link(False, e, dest)
-            _copy_file(path, dest)
-            return
-        self._note_link(True)
+            _copy_file(sfd, target)
+        finally:
+            os.close(sfd)
 
     def release(self, job_copy, owner, cmdhash):
         """Drop the hash path if we are its last user, then the job copy.
 
         Returns True if the hash path was removed.  The job copy counts only if
         it is the very inode of the hash path (a job that replaced its copy
-        cannot make us delete someone else's file).
+        cannot make us delete someone else's file).  JOBCOPY's directory is
+        reached without links and the copy unlinked relative to it, so a job
+        that swaps a directory on the way for a link gets an error, and
+        nothing outside its directory is removed.  A JOBCOPY whose directory
+        is gone is released already.
         """
         path = self.path_of(owner, cmdhash)
+        try:
+            target = _Target(job_copy, "JOBCOPY", _JOBCOPY_HINT)
+        except paths.MissingError:
+            return False
+        with target:
+            return self._release_locked(target, path)
+
+    def _release_locked(self, target, path):
         removed = False
         with self._lock():
             try:
-                jst = os.lstat(job_copy)
+                jst = os.stat(target.name, dir_fd=target.dfd, follow_symlinks=False)
             except FileNotFoundError:
                 jst = None
+            if jst is not None and stat.S_ISDIR(jst.st_mode):
+                raise StagingError(f"spool: JOBCOPY {target.path}: is a directory, not a job's copy")
             if path is not None and jst is not None and jst.st_nlink == 2:
                 name = os.path.basename(path)
                 try:
@@ -431,7 +567,10 @@ class Spool:
                     os.fsync(self._dfd)
                     removed = True
             if jst is not None:
-                unlink_quiet(job_copy)
+                try:
+                    unlink_quiet(target.name, target.dfd)
+                except OSError as e:
+                    raise StagingError(f"spool: cannot remove {target.path}: {e.strerror}") from None
         return removed
 
     # -- admin
@@ -571,28 +710,25 @@ class _Flock:
         self.fd = None
 
 
-def _copy_file(src, dest):
-    """A private read-only copy at `dest` (O_EXCL, never follows a symlink at dest)."""
-    sfd = _open_src(src)
+def _copy_file(sfd, target):
+    """A private read-only copy of the open file `sfd` at `target` (a _Target:
+    created O_EXCL in its held directory, never through a link)."""
+    mode = 0o555 if os.fstat(sfd).st_mode & 0o111 else 0o444
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
-        mode = 0o555 if os.fstat(sfd).st_mode & 0o111 else 0o444
-        try:
-            fd = os.open(dest, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        except OSError as e:
-            raise StagingError(f"spool: cannot create {dest}: {e.strerror}") from None
-        try:
-            while os.sendfile(fd, sfd, None, CHUNK):
-                pass
-            os.fchmod(fd, mode)
-            os.fsync(fd)
-        except BaseException:
-            os.close(fd)
-            unlink_best_effort(dest)
-            raise
+        fd = os.open(target.name, flags, 0o600, dir_fd=target.dfd)
+    except OSError as e:
+        raise StagingError(f"spool: cannot create {target.path}: {e.strerror}") from None
+    try:
+        while os.sendfile(fd, sfd, None, CHUNK):
+            pass
+        os.fchmod(fd, mode)
+        os.fsync(fd)
+    except BaseException:
         os.close(fd)
-    finally:
-        os.close(sfd)
-    return dest
+        unlink_best_effort(target.name, target.dfd)
+        raise
+    os.close(fd)
 
 
 def _pid_alive(tmpname):

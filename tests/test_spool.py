@@ -8,6 +8,7 @@ import queue
 import random
 import stat
 import subprocess
+import time
 
 import pytest
 
@@ -443,3 +444,169 @@ def test_cli_round_trip(tmp_path, starter):
     assert p.returncode == 2 and "--owner" in p.stderr
     p = starter("spool", "--spool", d, "add", "--owner", "x", "--hash", "none", exe, check=0)
     assert p.stdout.split()[:3] == ["send", "invalid", "invalid"]
+
+
+# ---------------------------------------------------------------- paths the job's user controls
+#
+# The batch system runs `spool` as root on FILE (the user's executable), DEST and
+# JOBCOPY (in the job's directory): no link on the way is followed, and a source
+# that is not a regular file is never opened.
+
+
+def _secret(tmp_path):
+    """A root-only file, like /etc/shadow."""
+    p = tmp_path / "secret"
+    p.write_bytes(b"root:$6$not-for-the-job\n")
+    p.chmod(0o600)
+    return p
+
+
+def _nothing_stored(s):
+    assert _exe_names(s.dir) == []
+    assert not [n for n in os.listdir(s.dir) if n.startswith(sp.TMP_PREFIX)]
+
+
+def test_symlinked_source_is_refused_and_nothing_stored(tmp_path):
+    s = sp.Spool(tmp_path / "spool")
+    secret = _secret(tmp_path)
+    link = tmp_path / "analysis"
+    link.symlink_to(secret)
+    job = tmp_path / "job"
+    job.mkdir()
+    for owner in ("alice", "root"):  # even an owner who may read the target: a link is not the file
+        with pytest.raises(StagingError, match=r"analysis is a symlink \(not followed\)"):
+            s.add(owner, str(link), dest=str(job / "analysis"))
+        with pytest.raises(StagingError, match="is a symlink"):
+            s.store(owner, "CmdHashSHA256-" + "0" * 64, str(link))
+        with pytest.raises(StagingError, match="is a symlink"):
+            s.link_into(owner, sp.INVALID, str(job / "private"), src=str(link))
+    _nothing_stored(s)
+    assert os.listdir(job) == []
+
+
+def test_source_under_a_symlinked_directory_is_refused(tmp_path):
+    s = sp.Spool(tmp_path / "spool")
+    real = tmp_path / "real"
+    real.mkdir()
+    _exe(real)
+    (tmp_path / "bin").symlink_to(real)
+    with pytest.raises(StagingError, match=f"{tmp_path}/bin is a symlink"):
+        s.add("alice", str(tmp_path / "bin" / "prog"))
+    _nothing_stored(s)
+    assert s.add("alice", str(real / "prog"))[0] == "send"  # the same file by its real path
+
+
+def test_relative_source_is_walked_from_the_cwd(tmp_path, monkeypatch):
+    s = sp.Spool(tmp_path / "spool")
+    _exe(tmp_path)
+    (tmp_path / "link").symlink_to(tmp_path / "prog")
+    monkeypatch.chdir(tmp_path)
+    assert s.add("alice", "./prog")[0] == "send"  # the documented `spool add --owner alice ./analysis`
+    with pytest.raises(StagingError, match="is a symlink"):
+        s.add("alice", "./link")
+    with pytest.raises(StagingError, match="'..'"):
+        s.add("alice", "../" + tmp_path.name + "/prog")
+
+
+def test_fifo_and_device_sources_are_never_opened(tmp_path, monkeypatch):
+    s = sp.Spool(tmp_path / "spool")
+    fifo = tmp_path / "fifo"
+    os.mkfifo(fifo)  # no writer: a blocking open would hang here
+    dev = tmp_path / "watchdog"
+    os.mknod(dev, stat.S_IFCHR | 0o666, os.makedev(1, 3))  # stands for /dev/watchdog: opening it has effects
+    (tmp_path / "devlink").symlink_to("/dev/null")
+    opened = []
+    real_open = os.open
+
+    def spy(path, flags, *a, **kw):
+        opened.append((os.fspath(path), flags))
+        return real_open(path, flags, *a, **kw)
+
+    monkeypatch.setattr(os, "open", spy)
+    for src, what in ((fifo, "is a FIFO"), (dev, "is a character device"), ("/dev/null", "is a character device"),
+                      (tmp_path / "devlink", "is a symlink")):
+        t0 = time.monotonic()
+        with pytest.raises(StagingError, match=what):
+            s.add("alice", str(src), dest=str(tmp_path / "job.exe"))
+        assert time.monotonic() - t0 < 2
+    monkeypatch.undo()
+    names = {"fifo", "watchdog", "null", "devlink"}
+    read_opens = [(p, f) for p, f in opened if os.path.basename(p) in names and not f & os.O_PATH]
+    assert read_opens == []
+    _nothing_stored(s)
+    assert not os.path.lexists(tmp_path / "job.exe")
+
+
+def test_dest_under_a_symlinked_directory_is_refused(tmp_path):
+    s = sp.Spool(tmp_path / "spool")
+    exe = _exe(tmp_path)
+    victim = tmp_path / "cron.d"  # root would plant the user's bytes there as a root-owned file
+    victim.mkdir()
+    job = tmp_path / "job"
+    job.mkdir()
+    (job / "bin").symlink_to(victim)
+    with pytest.raises(StagingError, match=f"{job}/bin is a symlink"):
+        s.add("alice", exe, dest=str(job / "bin" / "analysis"))
+    _nothing_stored(s)  # refused before anything was stored
+    _, hpath = s.add("alice", exe)
+    ch = sp.compute_cmdhash(exe)
+    for src in (None, exe):
+        with pytest.raises(StagingError, match="is a symlink"):
+            s.link_into("alice", ch, str(job / "bin" / "analysis"), src=src)
+    with pytest.raises(StagingError, match="is a symlink"):
+        s.link_into("alice", sp.INVALID, str(job / "bin" / "analysis"), src=exe)
+    assert os.listdir(victim) == []
+    assert os.stat(hpath).st_nlink == 1
+    (job / "analysis").symlink_to(victim / "planted")  # a link as the last component is not followed either
+    with pytest.raises(StagingError, match="File exists"):
+        s.link_into("alice", ch, str(job / "analysis"))
+    assert os.listdir(victim) == []
+
+
+def test_release_through_a_symlinked_directory_unlinks_nothing_outside(tmp_path):
+    s = sp.Spool(tmp_path / "spool")
+    exe = _exe(tmp_path)
+    ch = sp.compute_cmdhash(exe)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "analysis").write_text("precious")
+    job = tmp_path / "job"
+    (job / "bin").mkdir(parents=True)
+    _, hpath = s.add("alice", exe, dest=str(job / "bin" / "analysis"))
+    os.rename(job / "bin", job / "moved")  # the job swaps its directory for a link
+    (job / "bin").symlink_to(victim)
+    with pytest.raises(StagingError, match=f"{job}/bin is a symlink"):
+        s.release(str(job / "bin" / "analysis"), "alice", ch)
+    assert (victim / "analysis").read_text() == "precious"
+    assert os.stat(hpath).st_nlink == 2  # the entry stays for gc
+    # JOBCOPY itself a link: the link goes, not what it names
+    (job / "moved" / "analysis").unlink()
+    (job / "moved" / "analysis").symlink_to(victim / "analysis")
+    assert s.release(str(job / "moved" / "analysis"), "alice", ch) is False
+    assert not os.path.lexists(job / "moved" / "analysis")
+    assert (victim / "analysis").read_text() == "precious"
+    # a job directory that is gone already: nothing to do
+    assert s.release(str(tmp_path / "gone" / "analysis"), "alice", ch) is False
+
+
+def test_cli_refusals_are_one_line_exit_125(tmp_path, starter):
+    d = str(tmp_path / "spool")
+    secret = _secret(tmp_path)
+    (tmp_path / "analysis").symlink_to(secret)
+    job = tmp_path / "job"
+    job.mkdir()
+    os.mkfifo(tmp_path / "fifo")
+    runs = [
+        (["add", "--owner", "alice", "analysis", "--dest", str(job / "analysis")], "is a symlink"),
+        (["link", "--owner", "alice", "--cmdhash", "invalid", "--src", "analysis", str(job / "p")], "is a symlink"),
+        (["add", "--owner", "alice", "fifo"], "is a FIFO"),
+        (["release", "--owner", "alice", "--cmdhash", "invalid", str(tmp_path / "analysis" / "x")],
+         "analysis is a symlink"),
+    ]
+    for args, msg in runs:
+        p = starter("spool", "--spool", d, *args, cwd=tmp_path, timeout=20)
+        assert p.returncode == 125, (args, p.stdout, p.stderr)
+        assert p.stdout == "" and p.stderr.count("\n") == 1 and msg in p.stderr, (args, p.stderr)
+        assert "Traceback" not in p.stderr
+    assert os.listdir(job) == []
+    assert not [n for n in os.listdir(d) if n.startswith(("exe-", sp.TMP_PREFIX))]
