@@ -34,7 +34,11 @@ none of them is followed through a link (paths.py: one component at a time,
 O_PATH|O_NOFOLLOW): a link anywhere on the way is refused, and the open, link
 or unlink is done relative to the directory fd that walk ended on.  A source
 must be a regular file (a FIFO or device is refused from its O_PATH fstat,
-never opened) before it is reopened for reading from that very inode.
+never opened), and it is read only if the job's user could read it: FILE is
+reopened from its O_PATH fd with the uid, gid and groups of the local account
+named by `owner`; an owner with no local account gets only a file everyone may
+read (o+r).  So root copies nothing into a job that its user could not have
+copied there.
 """
 
 import errno
@@ -43,6 +47,7 @@ import hmac
 import logging
 import os
 import stat
+from contextlib import contextmanager
 
 from starter import paths, values
 from starter.errors import SpecError, StagingError
@@ -163,8 +168,10 @@ def check_cmdhash(cmdhash):
 
 
 def file_digests(src, algorithms):
-    """Hash a file (path or open fd, opened without following links) once with
-    several algorithms -> {alg: hexdigest}."""
+    """Hash a file (path or open fd) once with several algorithms -> {alg: hexdigest}.
+
+    A path is opened without following links, but with no user's access check
+    (no owner is known here): pass the path of a file the caller trusts."""
     fd = _open_src(src) if not isinstance(src, int) else src
     try:
         return copy_hashing(fd, None, algorithms)
@@ -191,6 +198,7 @@ def _check_attrs(hash_attrs):
 
 
 _SRC_HINT = "pass the file itself: no component of FILE may be a symlink"
+_READ_HINT = "root copies only what the job's user could read: fix the file's owner or mode"
 _DEST_HINT = "pass the job's directory as a path without symlinks"
 _JOBCOPY_HINT = ("a directory on the way was replaced by a link, so nothing was removed; "
                  "removing the job's directory and `starter spool gc` reclaim the entry")
@@ -206,12 +214,13 @@ def _absolute(path):
     return "/" + "/".join(parts) + ("/" if parts and path.endswith("/") else "")
 
 
-def _open_src(path):
-    """Open the file `path` for reading (module docstring).
+def _open_src(path, owner=None):
+    """Open the file `path` for reading, as the job's user could (module docstring).
 
     Walked without links (O_PATH), refused unless a regular file before any
     read open (a FIFO cannot block, a device is never opened), then reopened
-    through /proc/self/fd from that very inode."""
+    through /proc/self/fd from that very inode with the reader's credentials
+    (`owner` None: no access check, for files the caller trusts)."""
     shown = os.fspath(path)
     if shown.endswith("/"):
         raise StagingError(f"spool: file {shown}: not a path to a file")
@@ -222,8 +231,20 @@ def _open_src(path):
     try:
         if not stat.S_ISREG(st.st_mode):
             raise StagingError(f"spool: file {shown}: is {paths.kind(st.st_mode)}, not a regular file (not opened)")
+        creds = None
+        if owner is not None:
+            creds = _reader(owner)
+            if creds is None and not st.st_mode & stat.S_IROTH:
+                raise StagingError(
+                    f"spool: file {shown}: owner {owner!r} is not a local account (or not one this process "
+                    f"can act as), and the file (mode {stat.S_IMODE(st.st_mode):04o}) is not readable by everyone",
+                    hint="run as root with --owner naming the job's local account, or make the file o+r")
         try:
-            fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+            with _credentials(creds):
+                fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+        except PermissionError:
+            raise StagingError(f"spool: file {shown}: {owner!r} may not read it, so it is not copied",
+                               hint=_READ_HINT) from None
         except OSError as e:
             raise StagingError(f"spool: cannot open {shown}: {e.strerror}") from None
     finally:
@@ -233,6 +254,54 @@ def _open_src(path):
         os.close(fd)  # /proc/self/fd/N is our own fd: this cannot happen unless /proc is not procfs
         raise StagingError(f"spool: file {shown}: reopened as another file", hint="is /proc mounted?")
     return fd
+
+
+def _reader(owner):
+    """(uid, gid, groups) to read `owner`'s files with; () when this process
+    already is that account; None when there is no such local account or we
+    cannot act as it (not root)."""
+    import pwd
+
+    try:
+        pw = pwd.getpwnam(owner)
+    except (KeyError, ValueError, UnicodeError):
+        return None
+    if pw.pw_uid == os.geteuid():
+        return ()
+    if os.geteuid() != 0:
+        return None
+    return pw.pw_uid, pw.pw_gid, os.getgrouplist(pw.pw_name, pw.pw_gid)
+
+
+@contextmanager
+def _credentials(creds):
+    """Act with effective uid, gid and groups `creds` inside the block (the
+    kernel checks an open against them, ACLs included), root again after.
+    Effective ids only: the real and saved uid stay 0, so the switch back
+    cannot fail."""
+    if not creds:
+        yield
+        return
+    uid, gid, groups = creds
+    old_gid, old_groups = os.getegid(), os.getgroups()
+
+    def restore():
+        os.seteuid(0)
+        os.setegid(old_gid)
+        os.setgroups(old_groups)
+
+    try:
+        os.setgroups(groups)
+        os.setegid(gid)
+        os.seteuid(uid)
+    except OSError as e:
+        restore()
+        raise StagingError(f"spool: cannot take uid {uid}, gid {gid} to read the job's file: {e.strerror}",
+                           hint="the starter needs CAP_SETUID and CAP_SETGID") from None
+    try:
+        yield
+    finally:
+        restore()
 
 
 class _Target:
@@ -277,17 +346,17 @@ def stat_dest(dest):
 
 
 class _Source:
-    """A source given as a path (opened on first use) or as an fd the caller
-    owns; every use reads it from the start."""
+    """A source given as a path (opened on first use, as `owner` could) or as
+    an fd the caller owns; every use reads it from the start."""
 
-    def __init__(self, src):
-        self.src = src
+    def __init__(self, src, owner):
+        self.src, self.owner = src, owner
         self.fd = src if isinstance(src, int) else None
         self.own = self.fd is None
 
     def open(self):
         if self.fd is None:
-            self.fd = _open_src(self.src)
+            self.fd = _open_src(self.src, self.owner)
         else:
             os.lseek(self.fd, 0, os.SEEK_SET)
         return self.fd
@@ -389,12 +458,12 @@ class Spool:
         `verify`, every known hash attribute in `cmdhash` is checked against
         the bytes actually copied; a mismatch raises StagingError.  With
         `dest`, the job's copy is linked in the same lock hold, so gc never
-        sees the new file unused.  `src` and `dest` are never followed through
-        a link (module docstring).
+        sees the new file unused.  `src` (a path) is read as `owner` could
+        (module docstring); `src` and `dest` are never followed through a link.
         """
         path = self.path_of(owner, cmdhash)
         target = _dest(dest) if dest is not None else None
-        source = _Source(src)
+        source = _Source(src, owner)
         try:
             return self._store(owner, cmdhash, path, source, verify, target)
         finally:
@@ -473,7 +542,7 @@ class Spool:
         check_owner(owner)
         attrs = _check_attrs(hash_attrs)
         target = _dest(dest) if dest is not None else None
-        source = _Source(file)
+        source = _Source(file, owner)
         try:
             # Opened once: what is stored is read from the inode that was hashed (and is checked again).
             cmdhash = compute_cmdhash(source.open(), attrs) if attrs else INVALID
@@ -493,7 +562,7 @@ class Spool:
         and `src` is given, it is stored again first.  Where link() fails
         (EXDEV, EPERM, EMLINK) the job gets a private copy and a warning.
         No component of `dest` may be a link (its directory is held as an fd
-        for the link or copy); nor of `src`.
+        for the link or copy); `src` is read as `owner` could.
         """
         path = self.path_of(owner, cmdhash)
         if path is None and src is None:

@@ -449,8 +449,8 @@ def test_cli_round_trip(tmp_path, starter):
 # ---------------------------------------------------------------- paths the job's user controls
 #
 # The batch system runs `spool` as root on FILE (the user's executable), DEST and
-# JOBCOPY (in the job's directory): no link on the way is followed, and a source
-# that is not a regular file is never opened.
+# JOBCOPY (in the job's directory): no link on the way is followed, a source that
+# is not a regular file is never opened, and root reads only what the owner could.
 
 
 def _secret(tmp_path):
@@ -464,6 +464,15 @@ def _secret(tmp_path):
 def _nothing_stored(s):
     assert _exe_names(s.dir) == []
     assert not [n for n in os.listdir(s.dir) if n.startswith(sp.TMP_PREFIX)]
+
+
+def _local_account(name="nobody"):
+    import pwd
+
+    try:
+        return pwd.getpwnam(name)
+    except KeyError:
+        pytest.skip(f"needs the local account {name!r} (the owner whose rights bound what root reads)")
 
 
 def test_symlinked_source_is_refused_and_nothing_stored(tmp_path):
@@ -537,6 +546,59 @@ def test_fifo_and_device_sources_are_never_opened(tmp_path, monkeypatch):
     assert not os.path.lexists(tmp_path / "job.exe")
 
 
+def test_source_is_read_with_the_owners_rights(tmp_path):
+    nobody = _local_account()
+    s = sp.Spool(tmp_path / "spool")
+    ids = (os.geteuid(), os.getegid(), os.getgroups())
+    secret = _secret(tmp_path)
+    with pytest.raises(StagingError, match="'nobody' may not read it"):
+        s.add("nobody", str(secret))
+    # a hard link is the file itself: no link to follow, but still not nobody's to read
+    hard = tmp_path / "analysis"
+    os.link(secret, hard)
+    with pytest.raises(StagingError, match="may not read it"):
+        s.link_into("nobody", sp.INVALID, str(tmp_path / "job.exe"), src=str(hard))
+    assert not os.path.lexists(tmp_path / "job.exe")
+    # the directories on the way are the batch system's (tmp_path is root-only): only the file counts
+    mine = _exe(tmp_path, "mine", mode=0o700)
+    os.chown(mine, nobody.pw_uid, nobody.pw_gid)
+    answer, path = s.add("nobody", mine)
+    assert answer == "send" and open(path, "rb").read() == open(mine, "rb").read()
+    assert not [n for n in os.listdir(s.dir) if n.startswith(sp.TMP_PREFIX)]
+    assert s.add("root", str(secret))[0] == "send"  # root's own job may read root's files
+    assert (os.geteuid(), os.getegid(), os.getgroups()) == ids
+
+
+def test_no_rights_to_switch_to_is_its_own_error(tmp_path, monkeypatch):
+    _local_account()
+    s = sp.Spool(tmp_path / "spool")
+    ids = (os.geteuid(), os.getegid(), os.getgroups())
+    real = os.seteuid
+
+    def no_cap_setuid(uid):  # root without CAP_SETUID (a container): not "nobody may not read it"
+        if uid != 0:
+            raise PermissionError(1, "Operation not permitted")
+        real(uid)
+
+    monkeypatch.setattr(os, "seteuid", no_cap_setuid)
+    with pytest.raises(StagingError, match="cannot take uid .* CAP_SETUID"):
+        s.add("nobody", _exe(tmp_path))
+    monkeypatch.undo()
+    assert (os.geteuid(), os.getegid(), os.getgroups()) == ids
+    _nothing_stored(s)
+
+
+def test_owner_without_local_account_gets_only_world_readable_files(tmp_path):
+    s = sp.Spool(tmp_path / "spool")
+    owner = "no-such-account-x9"
+    secret = _secret(tmp_path)
+    with pytest.raises(StagingError, match="not a local account.*mode 0600"):
+        s.add(owner, str(secret))
+    _nothing_stored(s)
+    secret.chmod(0o604)
+    assert s.add(owner, str(secret))[0] == "send"
+
+
 def test_dest_under_a_symlinked_directory_is_refused(tmp_path):
     s = sp.Spool(tmp_path / "spool")
     exe = _exe(tmp_path)
@@ -600,6 +662,7 @@ def test_cli_refusals_are_one_line_exit_125(tmp_path, starter):
         (["add", "--owner", "alice", "analysis", "--dest", str(job / "analysis")], "is a symlink"),
         (["link", "--owner", "alice", "--cmdhash", "invalid", "--src", "analysis", str(job / "p")], "is a symlink"),
         (["add", "--owner", "alice", "fifo"], "is a FIFO"),
+        (["add", "--owner", "alice", str(secret)], "not readable by everyone"),
         (["release", "--owner", "alice", "--cmdhash", "invalid", str(tmp_path / "analysis" / "x")],
          "analysis is a symlink"),
     ]
