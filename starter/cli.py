@@ -394,10 +394,13 @@ commands:
 
 ATTRS: comma-separated hash attributes, in order (default CmdHashSHA256; also
 CmdHashMD5, CmdHashSHA1, CmdHashSHA512; 'none' means CmdHash 'invalid').
+
+No symlink is followed in FILE, DEST or JOBCOPY; FILE must be a regular file that
+O could read (a local account's rights; otherwise it must be world-readable).
 """
 
 SPOOL_OPTIONS = {
-    "--owner": ("owner", "value", "OWNER  the job owner (user name)"),
+    "--owner": ("owner", "value", "OWNER  the job owner (user name); FILE is read with its rights"),
     "--cmdhash": ("cmdhash", "value", "CMDHASH  as printed by add, or 'invalid'"),
     "--hash": ("hash", "value", "ATTRS  comma-separated hash attributes"),
     "--src": ("src", "value", "FILE  source for a private copy or to restore a lost entry"),
