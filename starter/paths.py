@@ -46,7 +46,9 @@ def kind(mode):
 def _link_error(what, path, prefix):
     target = os.path.realpath(path)
     return LinkError(f"{what} {path}: {prefix} is a symlink (not followed)",
-                     f"give the resolved path, {target}" if target != path else "give a path without symlinks")
+                     f"if the link is yours, give the real path (it leads to {target}); "
+                     "a link a job or user made is refused on purpose"
+                     if target != path else "give a path without symlinks")
 
 
 def split(path):

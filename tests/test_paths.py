@@ -151,7 +151,7 @@ def test_bind_source_with_a_link_component_is_refused(starter, tmp_path, kind):
     assert p.returncode == 125
     line = _one_line(p.stderr)
     assert f"{tmp_path}/link is a symlink (not followed)" in line, line
-    assert f"give the resolved path, {tmp_path}/real/data" in line, line
+    assert f"if the link is yours, give the real path (it leads to {tmp_path}/real/data)" in line, line
     assert not marker.exists()
 
 
