@@ -54,7 +54,9 @@
  * the job's host uid.
  *
  * shim_enter: a short-lived helper (fork) setns()es into the job's
- * namespaces (all but the cgroup one), clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s
+ * namespaces (all but the cgroup one; by the fds the starter opened and
+ * checked against what it recorded at clone, never by the job's PID 1),
+ * clone3(CLONE_PARENT|CLONE_INTO_CGROUP)s
  * the entering process (so its parent is the starter, which gets a pidfd
  * with pidfd_open), writes the pid on a pipe and exits.  The helper resets
  * the inherited attributes before setns (the job's mount namespace is not
@@ -1322,56 +1324,39 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
 
 /* ---- enter -------------------------------------------------------------- */
 
-static int open_ns(int pid, const char *name)
-{
-    char num[16], path[64];
-    s_int(num, sizeof num, pid);
-    size_t at = s_cat(path, 0, sizeof path, "/proc/");
-    at = s_cat(path, at, sizeof path, num);
-    at = s_cat(path, at, sizeof path, "/ns/");
-    s_cat(path, at, sizeof path, name);
-    return open(path, O_RDONLY | O_CLOEXEC);
-}
+_Static_assert(SHIM_NNS == sizeof ((struct shim_spec *)0)->enter_ns_fds / sizeof(int),
+               "enter_ns_fds has one slot per SHIM_NS_*");
 
-static int setns_by_pid(int pid, int nsflags)
+/* The helper: join the namespaces the caller opened and checked, in
+ * SHIM_NS_* order (mnt last: after it the root is the job's), all but the
+ * cgroup one (see enter_child_main).  By fd, never by the job's PID 1: what
+ * that process is in now is the job's to change (a job in a user namespace
+ * of its own can unshare its mount namespace and mount over /bin there). */
+static void join_namespaces(const struct child_ctx *c)
 {
-    /* mnt last: after it, /proc is the job's. */
-    static const struct {
-        int flag;
-        const char *name;
-    } order[] = {{SHIM_NEWIPC, "ipc"}, {SHIM_NEWUTS, "uts"}, {SHIM_NEWNET, "net"},
-                 {SHIM_NEWPID, "pid"}, {SHIM_NEWCGROUP, "cgroup"}, {SHIM_NEWNS, "mnt"},
-                 {0, NULL}};
-    int fds[6];
-    int n = 0;
-    for (int i = 0; order[i].name; i++) {
-        fds[i] = -1;
-        if (!(nsflags & order[i].flag))
-            continue;
-        fds[i] = open_ns(pid, order[i].name);
-        if (fds[i] < 0)
-            return -1;
-        n = i + 1;
+    static const int type[SHIM_NNS] = {CLONE_NEWIPC, CLONE_NEWUTS, CLONE_NEWNET,
+                                       CLONE_NEWPID, CLONE_NEWCGROUP, CLONE_NEWNS};
+    static const char *const what[SHIM_NNS] = {"job ipc namespace", "job uts namespace",
+                                              "job net namespace", "job pid namespace",
+                                              "job cgroup namespace", "job mount namespace"};
+    for (int i = 0; i < SHIM_NNS; i++) {
+        int fd = c->s->enter_ns_fds[i];
+        if (i != SHIM_NS_CGROUP && fd >= 0 && setns(fd, type[i]) < 0)
+            fail(c, "setns", what[i]);
     }
-    for (int i = 0; i < n; i++)
-        if (fds[i] >= 0 && setns(fds[i], order[i].flag) < 0)
-            return -1;
-    return 0;
 }
 
 /* The entering process: already in the job's namespaces but the cgroup
  * one, no mounts.  It joins the cgroup namespace only now, from inside the
  * job's cgroup: clone3(CLONE_INTO_CGROUP) refuses (ENOENT) a move from a
  * cgroup outside the caller's cgroup namespace, which the helper's is. */
-static _Noreturn void enter_child_main(const struct child_ctx *c, int cgns)
+static _Noreturn void enter_child_main(const struct child_ctx *c)
 {
+    int cgns = c->s->enter_ns_fds[SHIM_NS_CGROUP];
     if (c->s->die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
         fail(c, "PR_SET_PDEATHSIG", NULL);
-    if ((c->s->nsflags & SHIM_NEWCGROUP) &&
-        setns(cgns >= 0 ? cgns : c->s->enter_pidfd, CLONE_NEWCGROUP) < 0)
+    if (cgns >= 0 && setns(cgns, CLONE_NEWCGROUP) < 0)
         fail(c, "setns", "job cgroup namespace");
-    if (cgns >= 0)
-        close(cgns);
     wait_release(c);
     if (setsid() < 0)
         fail(c, "setsid", NULL);
@@ -1401,29 +1386,18 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
         close(pidpipe[0]);
         child_ctx_init(&c, s, &p);
         reset_signals();
-        /* Here, before setns: the job may have made its PID 1's mount
-         * namespace its own (unshare -Urm), and root must not write to its
-         * /proc/self/oom_score_adj there.  The entering process inherits all
-         * of it from this helper. */
+        /* Here, before setns: root writes nothing through the job's view
+         * (its /proc/self/oom_score_adj there).  The entering process
+         * inherits all of it from this helper. */
         if (s->reset_inherited)
             reset_inherited(&c);
-        int nsflags = s->nsflags & ~SHIM_NEWCGROUP, cgns = -1; /* see enter_child_main */
-        if (setns(s->enter_pidfd, nsflags) < 0) {
-            if (errno != EINVAL)
-                fail(&c, "setns", "job namespaces");
-            /* No setns() on pidfds (< 5.8): by /proc path, before the job's
-             * pid and mount namespaces change what /proc shows. */
-            if ((s->nsflags & SHIM_NEWCGROUP) && (cgns = open_ns(s->enter_pid, "cgroup")) < 0)
-                fail(&c, "open", "job cgroup namespace");
-            if (setns_by_pid(s->enter_pid, nsflags) < 0)
-                fail(&c, "setns", "job namespaces");
-        }
+        join_namespaces(&c);
         int pidfd = -1, attached = 0;
         /* CLONE_PARENT: the starter, not this helper, is the parent, so it
          * can wait for it and PDEATHSIG follows the starter. */
         pid_t pid = do_clone(CLONE_PARENT, s->cgroup_fd, &pidfd, &attached);
         if (pid == 0)
-            enter_child_main(&c, cgns);
+            enter_child_main(&c);
         if (pid < 0)
             fail(&c, "clone3", "into the job");
         int msg[2] = {pid, attached};

@@ -32,6 +32,16 @@
 #define SHIM_NEWPID 0x20000000
 #define SHIM_NEWNET 0x40000000
 
+/* shim_enter: the order of shim_spec.enter_ns_fds, which is the order the
+ * helper joins them in (mnt last: it changes the helper's root). */
+#define SHIM_NS_IPC 0
+#define SHIM_NS_UTS 1
+#define SHIM_NS_NET 2
+#define SHIM_NS_PID 3
+#define SHIM_NS_CGROUP 4
+#define SHIM_NS_MNT 5
+#define SHIM_NNS 6
+
 /* What the child writes on the error pipe when a step fails: 256 bytes,
  * less than PIPE_BUF, so it arrives whole or not at all. */
 struct shim_report {
@@ -107,8 +117,12 @@ struct shim_spec {
     int die_with_parent;      /* PR_SET_PDEATHSIG(SIGKILL) */
     int drop_privileges;      /* creds, no caps, NO_NEW_PRIVS */
     int cap_last_cap;         /* from /proc/sys/kernel/cap_last_cap */
-    int enter_pidfd;          /* shim_enter: pidfd of the job's PID 1 */
-    int enter_pid;            /* shim_enter: its pid, for the /proc/PID/ns fallback */
+    /* shim_enter: fds of the namespaces to join, indexed by SHIM_NS_*, -1
+     * for none; each one's SHIM_NEW* flag is in nsflags.  The caller opened
+     * them and checked that they are the ones the starter made for the job
+     * (starter/ns.py open_namespaces): what the job's PID 1 is in now is
+     * never joined unchecked. */
+    int enter_ns_fds[6];
     /* cli (issue 12): without cwd, chdir to the first of these that works
      * as the job's user in the job's view (caller's cwd, home, "/"); none
      * working is the "chdir" failure of the last one. */

@@ -161,13 +161,23 @@ def control(state_dir, job_id, action):
 
 def enter(state_dir, job_id, argv, user=None):
     """Join a running job's namespaces and cgroup and run argv there, as the
-    job's user by default: what condor_ssh_to_job gives, for an admin."""
+    job's user by default: what condor_ssh_to_job gives, for an admin.
+
+    Only the namespaces the starter made for the job, as it recorded them
+    at clone time (job.py): a job that made its PID 1 a namespace of its own
+    (unshare in a user namespace of its own, --userns-root or --allow-userns)
+    is refused, not joined.  The job's user namespace is never joined: the
+    entering process has host credentials (the job's host uid by default)."""
     from starter import ns
     from starter.spec import DEFAULT_PATH, resolve_user, rlimit_table
 
     st = _entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id) or not st.get("pid"):
         raise StarterError(f"job {job_id!r} is not running")
+    recorded = st.get("namespaces")
+    if not isinstance(recorded, dict) or "mnt" not in recorded:
+        raise StarterError(f"job {job_id!r} has no record of the namespaces the starter made for it",
+                           "it was started by an older starter: enter it once it is restarted")
     if user is not None:
         uid, gid, groups, home, name = resolve_user(user, None)
     else:
@@ -179,10 +189,20 @@ def enter(state_dir, job_id, argv, user=None):
 
     sc_filter = seccomp.load(st.get("seccomp", "default"), bool(st.get("allow_userns")), state_dir)
     pid = st["pid"]
-    pidfd = os.pidfd_open(pid)
+    try:
+        pidfd = os.pidfd_open(pid)
+    except ProcessLookupError:
+        raise StarterError(f"job {job_id!r}: its PID 1 (pid {pid}) is gone") from None
     leaf = leaf_fd = None
+    nsfds = {}
     try:
         cg = job_cgroup(st, job_id)
+        try:
+            nsfds = ns.open_namespaces(pidfd, recorded)
+        except ns.NamespacesChanged as e:
+            raise StarterError(f"job {job_id!r} changed its namespaces ({', '.join(sorted(e.changed))}) "
+                               "since it started: `starter enter` joins only the namespaces the starter "
+                               "made for it") from None
         cgroup_fd = cg.clone_fd()
         if st.get("delegate"):
             # Not in the job's own cgroup (it has children: no internal
@@ -195,15 +215,11 @@ def enter(state_dir, job_id, argv, user=None):
                "TERM": os.environ.get("TERM", "dumb")}
         if name:
             env["USER"] = name
-        # Every namespace the job has (pid, mnt, ipc, cgroup, net and uts
-        # where it has its own), read from its PID 1, not from its options.
-        namespaces = ns.namespaces_of(pid)
-        if "mnt" not in namespaces:
-            raise StarterError(f"job {job_id!r} (pid {pid}) shares the host's mount namespace",
-                               "its PID 1 is gone or was replaced; `starter ps` shows its state")
-        child = ns.enter(pidfd, namespaces, list(argv), env, cwd="/", uid=uid, gid=gid,
+        child = ns.enter(nsfds, list(argv), env, cwd="/", uid=uid, gid=gid,
                          groups=groups, cgroup_fd=cgroup_fd, released=False, seccomp=sc_filter,
                          rlimits=rlimit_table())
+        ns.close_namespaces(nsfds)
+        nsfds = {}
         try:
             cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything
             child.release()
@@ -212,6 +228,7 @@ def enter(state_dir, job_id, argv, user=None):
         finally:
             child.close()
     finally:
+        ns.close_namespaces(nsfds)
         if leaf_fd is not None:
             os.close(leaf_fd)
             cg.remove_leaf(leaf)

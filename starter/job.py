@@ -268,6 +268,16 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     trace.mark("plan")
     child = ns.spawn(child_spec)
     undo.push(child.close, label="child")
+    # Which namespaces the starter made, for `starter enter` (admin.py),
+    # read now: the child runs nothing of the job's before the release.  A
+    # job with a user namespace of its own can later unshare its PID 1 into
+    # namespaces of its own making; enter refuses those.  The cgroup
+    # namespace is made after the release unless at clone (--delegate):
+    # None, enter checks its owner instead (ns.open_namespaces).
+    made = child_spec.namespaces - ({"cgroup"} if not child_spec.cgroupns_at_clone else set())
+    job_namespaces = ns.identities(child.pid, made)
+    if "cgroup" in child_spec.namespaces and "cgroup" not in made:
+        job_namespaces["cgroup"] = None
     trace.mark("clone")
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
     cg.add_pid(child.pid, cloned=child_spec.cgroup_fd is not None)
@@ -304,7 +314,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         report.update(error=str(e), exit_code=e.exit_code)
         raise
     trace.mark("exec")
-    job_state.update(state="running", pid=child.pid)
+    job_state.update(state="running", pid=child.pid, namespaces=job_namespaces)
     fault("running")
     events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None,
                 address6=lease.address6 if lease else None)

@@ -36,7 +36,8 @@ from starter.values import MAX_NUMERIC_ID  # (uid_t)-1 means "unchanged" to setr
 
 __all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "decode_status",
            "NAMESPACES", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWPID",
-           "CLONE_NEWNET", "CLONE_NEWCGROUP", "namespaces_of"]
+           "CLONE_NEWNET", "CLONE_NEWCGROUP", "identities", "open_namespaces", "close_namespaces",
+           "NamespacesChanged"]
 
 CLONE_NEWNS = lib.SHIM_NEWNS
 CLONE_NEWUTS = lib.SHIM_NEWUTS
@@ -49,6 +50,9 @@ CLONE_NEWCGROUP = lib.SHIM_NEWCGROUP
 NAMESPACES = {"pid": CLONE_NEWPID, "net": CLONE_NEWNET, "mnt": CLONE_NEWNS,
               "uts": CLONE_NEWUTS, "ipc": CLONE_NEWIPC, "cgroup": CLONE_NEWCGROUP}
 DEFAULT_NAMESPACES = frozenset({"pid", "net", "mnt"})
+# shim_spec.enter_ns_fds's slots
+_NS_SLOTS = {"ipc": lib.SHIM_NS_IPC, "uts": lib.SHIM_NS_UTS, "net": lib.SHIM_NS_NET,
+             "pid": lib.SHIM_NS_PID, "cgroup": lib.SHIM_NS_CGROUP, "mnt": lib.SHIM_NS_MNT}
 
 _REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
 
@@ -254,21 +258,27 @@ def spawn(spec):
     return child
 
 
-def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=None,
+def enter(namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=None,
           *, released=True, drop_privileges=True, keep_fds=(), stdio=(None, None, None),
           seccomp=None, rlimits=None):
-    """Run argv inside a running job: join the namespaces of the job's PID 1
-    (given by its pidfd) in a short-lived helper, and clone the process into
+    """Run argv inside a running job: join `namespaces` (name -> fd, from
+    open_namespaces()) in a short-lived helper, and clone the process into
     `cgroup_fd`.  Returns a Child, already released unless released=False
     (then attach it to v1 cgroups first, and call release())."""
+    unknown = set(namespaces) - _NS_SLOTS.keys()
+    if unknown:
+        raise SpecError("namespaces", f"cannot enter {', '.join(sorted(unknown))}")
+    for name, fd in namespaces.items():
+        if not isinstance(fd, int) or fd < 0:
+            raise SpecError("namespaces", f"{name}: {fd!r} is not a fd")
     spec = ChildSpec(argv, env, cwd=cwd, uid=uid, gid=gid, groups=groups,
                      namespaces=frozenset(namespaces), mounts=(), private_tmp=False,
                      keep_fds=keep_fds, cgroup_fd=cgroup_fd, drop_privileges=drop_privileges,
                      stdio=stdio, seccomp=seccomp, rlimits=rlimits)
     keep = []
     c = _build(spec, keep, entering=True)
-    c.enter_pidfd = pidfd
-    c.enter_pid = _pid_of_pidfd(pidfd)
+    for name, fd in namespaces.items():
+        c.enter_ns_fds[_NS_SLOTS[name]] = fd
     out = ffi.new("struct shim_child *")
     try:
         check(lib.shim_enter(c, out), "enter")
@@ -290,17 +300,102 @@ def enter(pidfd, namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup
     return child
 
 
-def namespaces_of(pid):
-    """The namespace types (NAMESPACES keys) in which process `pid` differs
-    from the caller: the ones enter() must join to be where the job is."""
-    out = set()
-    for name in NAMESPACES:
-        try:
-            if os.readlink(f"/proc/{pid}/ns/{name}") != os.readlink(f"/proc/self/ns/{name}"):
-                out.add(name)
-        except FileNotFoundError:  # a kernel without this namespace type
-            pass
-    return frozenset(out)
+# ---- which namespaces a job is in ---------------------------------------------
+#
+# `starter enter` joins what the starter made for the job, never what the
+# job's PID 1 is in now: a job with a user namespace of its own (--userns-root,
+# --allow-userns) can unshare() its mount namespace and mount over /bin there,
+# and an admin who joined that namespace would run the job's binaries as
+# whoever they entered as.  So the starter records which namespaces it made
+# (identities(), right after clone, before the child runs anything of the
+# job's), and enter opens the PID 1's namespaces by path and joins them by
+# those fds only if every one is the recorded one (open_namespaces()).
+#
+# The cgroup namespace is made by the child after the release byte (where
+# the starter cannot read it before the job runs), so it has no identity on
+# record; it is checked by its owner instead: the child makes it as root of
+# the host's user namespace, before any --userns-root, so that namespace
+# owns it; every namespace the job could make or join is owned by a user
+# namespace of the job's (it has no capability in the host's).
+
+NS_GET_USERNS = 0xb701      # _IO(0xb7, 0x1), <linux/nsfs.h>
+
+
+class NamespacesChanged(StarterError):
+    """The job's PID 1 is no longer in the namespaces the starter made."""
+
+    def __init__(self, changed, message, hint=None):
+        super().__init__(message, hint)
+        self.changed = changed
+
+
+def identities(pid, names):
+    """name -> [st_dev, st_ino] of /proc/PID/ns/NAME: which namespace of that
+    type the process is in.  For a process that cannot have changed them
+    (the starter's child before the release byte)."""
+    out = {}
+    for name in names:
+        st = os.stat(f"/proc/{pid}/ns/{name}")
+        out[name] = [st.st_dev, st.st_ino]
+    return out
+
+
+def _owned_by_our_user_namespace(fd):
+    import fcntl
+
+    owner = fcntl.ioctl(fd, NS_GET_USERNS)
+    try:
+        st, ours = os.fstat(owner), os.stat("/proc/self/ns/user")
+    finally:
+        os.close(owner)
+    return (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino)
+
+
+def open_namespaces(pidfd, recorded):
+    """fds of the namespaces `recorded` names (name -> [st_dev, st_ino]; a
+    cgroup namespace may be None: made after the release, checked by its
+    owner), opened from the process of `pidfd`, each checked to be the
+    recorded one.  The process is checked to be alive after the opens, so
+    /proc/PID named it throughout (a pid is not reused before its process
+    is reaped).  Raises NamespacesChanged if any differs, StarterError if
+    the process is gone."""
+    pid = _pid_of_pidfd(pidfd)
+    fds = {}
+    changed = []
+    try:
+        for name, ident in recorded.items():
+            if name not in _NS_SLOTS:
+                raise StarterError(f"cannot enter a {name} namespace")
+            if ident is None and name != "cgroup":
+                raise StarterError(f"no record of the job's {name} namespace")
+            if pid <= 0:
+                raise ProcessLookupError
+            fd = fds[name] = os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
+            if ident is None:
+                same = _owned_by_our_user_namespace(fd)
+            else:
+                st = os.fstat(fd)
+                same = [st.st_dev, st.st_ino] == list(ident)
+            if not same:
+                changed.append(name)
+        _signal.pidfd_send_signal(pidfd, 0)
+    except (ProcessLookupError, FileNotFoundError):
+        close_namespaces(fds)
+        raise StarterError(f"the job's PID 1 (pid {pid}) is gone") from None
+    except BaseException:
+        close_namespaces(fds)
+        raise
+    if changed:
+        close_namespaces(fds)
+        raise NamespacesChanged(changed, f"the job's PID 1 (pid {pid}) left the "
+                                f"{', '.join(sorted(changed))} namespace{'s' if len(changed) > 1 else ''} "
+                                "the starter made for it")
+    return fds
+
+
+def close_namespaces(fds):
+    for fd in fds.values():
+        _close(fd)
 
 
 def setns(fd, nstype=0):
@@ -399,8 +494,7 @@ def _build(spec, keep, entering=False, src_fds=None):
     c.die_with_parent = 1 if spec.die_with_parent else 0
     c.drop_privileges = 1 if spec.drop_privileges else 0
     c.cap_last_cap = cap_last_cap()
-    c.enter_pidfd = -1
-    c.enter_pid = -1
+    c.enter_ns_fds = [-1] * lib.SHIM_NNS
     if not spec.cwd and spec.cwd_fallbacks:
         c.cwd_fallbacks = _strv("cwd", list(spec.cwd_fallbacks), keep)
         c.ncwd_fallbacks = len(spec.cwd_fallbacks)
@@ -566,5 +660,5 @@ def _step_hint(step, err, spec):
         return ("--rlimit above what the starter may grant: raising a hard limit needs "
                 "CAP_SYS_RESOURCE, and nofile cannot exceed the sysctl fs.nr_open")
     if step.startswith("setns") and err == E.EINVAL:
-        return "the job's PID 1 is gone, or the kernel lacks setns() on pidfds (>= 5.8)"
+        return "not a namespace of that type: the namespaces given to enter are wrong"
     return None

@@ -557,13 +557,16 @@ def test_enter_sees_the_jobs_processes_network_and_mounts():
                  namespaces=frozenset({"pid", "net", "mnt", "uts"}), hostname="jobhost") as job:
         os.read(job.out_r, 100)
         r, w = os.pipe()
+        fds = ns.open_namespaces(job.child.pidfd,
+                                 ns.identities(job.child.pid, {"pid", "net", "mnt", "uts"}))
         try:
-            entered = ns.enter(job.child.pidfd, frozenset({"pid", "net", "mnt", "uts"}),
+            entered = ns.enter(fds,
                                ["sh", "-c", "ps -e -o pid=,comm=; ip -o link | wc -l; hostname; "
                                 "grep -E '^(NSpid|Uid|CapEff)' /proc/self/status; echo x > /tmp/mine"],
                                ENV, uid=NOBODY, gid=NOBODY, stdio=(None, w, None))
         finally:
             os.close(w)
+            ns.close_namespaces(fds)
         with entered:
             entered.wait_started()
             out = _read_all(r)
@@ -586,16 +589,44 @@ def test_enter_sees_the_jobs_processes_network_and_mounts():
 
 def test_enter_failure_names_the_step():
     with Running() as job:
-        entered = ns.enter(job.child.pidfd, frozenset({"pid", "mnt"}), ["true"], ENV, cwd="/nope")
+        made = ns.identities(job.child.pid, {"pid", "mnt"})
+        fds = ns.open_namespaces(job.child.pidfd, made)
+        try:
+            entered = ns.enter(fds, ["true"], ENV, cwd="/nope")
+        finally:
+            ns.close_namespaces(fds)
         with entered, pytest.raises(SpawnError) as e:
             entered.wait_started()
         assert e.value.step == "chdir /nope"
         assert os.WEXITSTATUS(entered.wait()) == 125
         job.finish()
-        # The job is gone: the helper's setns fails, reported the same way.
-        with pytest.raises(SpawnError) as e:
-            ns.enter(job.child.pidfd, frozenset({"pid", "mnt"}), ["true"], ENV)
-        assert e.value.step == "setns job namespaces"
+        # The job is gone: its namespaces cannot be opened.
+        with pytest.raises(StarterError, match="is gone"):
+            ns.open_namespaces(job.child.pidfd, made)
+
+
+def test_open_namespaces_refuses_namespaces_other_than_the_recorded_ones():
+    """What `starter enter` rests on: a namespace of the job's PID 1 that is
+    not the one recorded at clone is refused, each by name, and no fd stays
+    open (no_leaks)."""
+    with Running(namespaces=frozenset({"pid", "mnt", "net", "ipc"})) as job:
+        made = ns.identities(job.child.pid, {"pid", "mnt", "net", "ipc"})
+        other = dict(made, mnt=[made["mnt"][0], made["mnt"][1] + 1],
+                     net=ns.identities(os.getpid(), {"net"})["net"])
+        with pytest.raises(ns.NamespacesChanged) as e:
+            ns.open_namespaces(job.child.pidfd, other)
+        assert sorted(e.value.changed) == ["mnt", "net"]
+        fds = ns.open_namespaces(job.child.pidfd, made)
+        assert sorted(fds) == ["ipc", "mnt", "net", "pid"]
+        ns.close_namespaces(fds)
+        # Only the cgroup namespace may go unrecorded (then its owner is
+        # checked: the host's user namespace, as here).
+        with pytest.raises(StarterError, match="no record"):
+            ns.open_namespaces(job.child.pidfd, dict(made, mnt=None))
+        ns.close_namespaces(ns.open_namespaces(job.child.pidfd, {"cgroup": None}))
+        with pytest.raises(SpecError):
+            ns.enter({"mnt": None}, ["true"], ENV)
+        job.finish()
 
 
 

@@ -202,7 +202,8 @@ def test_enter_never_writes_through_the_jobs_mount_namespace(starter, tmp_path, 
     # The job's PID 1 moves into a mount namespace of its own whose /proc is
     # a tmpfs: /proc/self/oom_score_adj there is a link to a root-owned file.
     # `starter enter` resets the entering process's oom_score_adj as root,
-    # so it must do that before it joins the job's namespaces.
+    # so it must do that before it joins the job's namespaces; and it does
+    # not join a mount namespace the job made at all (see below).
     opts, _, _ = who
     d, f = _root_tree(tmp_path)
     job_id = "priv-enter-" + ("nobody" if opts else "default")
@@ -219,7 +220,98 @@ def test_enter_never_writes_through_the_jobs_mount_namespace(starter, tmp_path, 
     if out != ["trapped"]:
         pytest.skip(f"unprivileged user namespaces are not available here: {out} {err.strip()}")
     assert f.read_text() == "root's\n"
-    assert entered and entered[0].returncode == 0, entered
+    assert entered, entered
+    _one_line_error(entered[0], "changed its namespaces (mnt)")
+
+
+# The job's PID 1 makes a mount namespace of its own (root of its own user
+# namespace, it may) and binds a script of its own over /bin/sh there (a
+# link to dash: the bind lands on /bin/dash).  An admin who joined that
+# namespace and ran /bin/sh would run the job's script as host root (with
+# --user root) or as the job's user.
+_OVERMOUNT = r"""cp /bin/dash /tmp/realsh && printf '#!/tmp/realsh
+echo PWNED $(id -u)
+' > /tmp/evil &&
+chmod 755 /tmp/evil && mount --bind /tmp/evil /bin/sh && /bin/sh -c true | grep -q PWNED && echo trapped
+echo DONE; exec sleep 300"""
+_UNSHARE = {"userns-root": (["--userns-root"], "unshare -m"),
+            "allow-userns": (["--allow-userns"], "unshare -Urm")}
+
+
+@pytest.mark.parametrize("mode", sorted(_UNSHARE))
+def test_enter_refuses_a_mount_namespace_the_job_made(starter, state_dir, who, mode):
+    """`starter enter` joins only the namespaces the starter made for the job
+    (recorded at clone, before the job ran): a PID 1 that moved into a mount
+    namespace of its own making is refused, one line, exit 125, for the
+    job's user and for root alike; what the job mounted never runs."""
+    opts, _, _ = who
+    extra, unshare = _UNSHARE[mode]
+    job_id = f"priv-enter-mnt-{mode}-" + ("nobody" if opts else "default")
+    entered = []
+
+    def enter(entry):
+        for user in ([], ["--user", "root"]):
+            entered.append(starter("enter", job_id, *user, "--", "/bin/sh", "-c", "echo entered"))
+
+    # exec: the PID 1 itself unshares (unshare(1) does not fork without -f).
+    out, _, err = _running(job_id, [*opts, *extra, "--net", "none"],
+                           f"exec {unshare} --propagation private sh -c " + shlex.quote(_OVERMOUNT),
+                           state_dir, starter, probe=enter)
+    if out != ["trapped"]:
+        pytest.skip(f"unprivileged user namespaces are not available here: {out} {err.strip()}")
+    assert len(entered) == 2, entered
+    for p in entered:
+        _one_line_error(p, f"job '{job_id}' changed its namespaces (mnt)",
+                        "only the namespaces the starter made")
+        assert "PWNED" not in p.stdout and "entered" not in p.stdout, p.stdout
+
+
+def test_enter_refuses_other_namespaces_the_job_made(starter, state_dir):
+    """The same for the net, ipc, uts (the starter made one: --hostname) and
+    cgroup namespaces (made after the release, so checked by its owner: the
+    host's user namespace, never the job's).  A namespace type the job
+    shares with the host (uts without --hostname) is not joined at all: the
+    job's own one is never what the entering process gets."""
+    job_id = "priv-enter-other"
+    entered = []
+    out, _, err = _running(job_id, ["--user", "nobody", "--allow-userns", "--hostname", "job-host",
+                                    "--net", "none"],
+                           "exec unshare -UrniuC sh -c 'hostname job-made; echo DONE; exec sleep 300'",
+                           state_dir, starter, probe=lambda e: entered.append(starter("enter", job_id, "--", "hostname")))
+    if not entered:
+        pytest.skip(f"unprivileged user namespaces are not available here: {err.strip()}")
+    _one_line_error(entered[0], "changed its namespaces (cgroup, ipc, net, uts)")
+    assert entered[0].stdout == ""
+    entered.clear()
+    out, _, err = _running(job_id, ["--user", "nobody", "--userns-root", "--net", "none"],
+                           "exec unshare -u sh -c 'hostname job-made; echo DONE; exec sleep 300'",
+                           state_dir, starter, probe=lambda e: entered.append(starter("enter", job_id, "--", "hostname")))
+    assert entered[0].returncode == 0, (entered, err)
+    assert entered[0].stdout == socket.gethostname() + "\n"
+
+
+def test_enter_a_userns_root_job_as_its_host_uid(starter, state_dir, who):
+    """enter never joins the job's user namespace: the entering process has
+    the job's host uid (not uid 0 of the job's namespace) and its mount
+    namespace, pid namespace and cgroup.  With --init the job (PID 2) may
+    make namespaces of its own: PID 1 is the starter's init, and enter
+    joins its namespaces, which are the starter's."""
+    opts, uid, _ = who
+    job_id = "priv-enter-userns-" + ("nobody" if opts else "default")
+    entered = []
+
+    def enter(entry):
+        entered.append(starter("enter", job_id, "--", "sh", "-c",
+                               "id -u; tr -s ' ' < /proc/self/uid_map; /bin/sh -c 'echo real'"))
+
+    out, _, err = _running(job_id, [*opts, "--userns-root", "--init", "--net", "none"],
+                           "unshare -m --propagation private sh -c " + shlex.quote(_OVERMOUNT),
+                           state_dir, starter, probe=enter)
+    if out != ["trapped"]:
+        pytest.skip(f"unprivileged user namespaces are not available here: {out} {err.strip()}")
+    p = entered[0]
+    assert p.returncode == 0, (p.stdout, p.stderr)
+    assert p.stdout.splitlines() == [str(uid), " 0 0 4294967295", "real"], p.stdout
 
 
 # ---------------------------------------------------------------- sockets
