@@ -181,7 +181,10 @@ def enter(state_dir, job_id, argv, user=None):
     if user is not None:
         uid, gid, groups, home, name = resolve_user(user, None)
     else:
-        uid, gid, groups = st.get("uid", 0), st.get("gid", 0), tuple(st.get("groups") or ())
+        uid, gid = st.get("uid"), st.get("gid")
+        if not isinstance(uid, int) or not isinstance(gid, int):
+            raise StarterError(f"job {job_id!r}: its entry records no uid/gid", "name one with --user")
+        groups = tuple(st.get("groups") or ())
         home, name = "/", st.get("user")
     # The job's own filter: an unfiltered process in the job could be
     # ptraced by the job and used to make the calls the filter denies.
@@ -197,6 +200,12 @@ def enter(state_dir, job_id, argv, user=None):
     nsfds = {}
     try:
         cg = job_cgroup(st, job_id)
+        # The pid is the job's (not a reused one, while its starter tears
+        # down): in its cgroup now, and still alive after open_namespaces
+        # opened its namespaces (which it checks).
+        if not cg.holds(pid):
+            raise StarterError(f"job {job_id!r}: pid {pid} is not in the job's cgroup",
+                               "its PID 1 is gone; `starter ps` shows its state")
         try:
             nsfds = ns.open_namespaces(pidfd, recorded)
         except ns.NamespacesChanged as e:

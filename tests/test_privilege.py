@@ -18,6 +18,7 @@ import resource
 import shlex
 import socket
 import subprocess
+import time
 
 import pytest
 
@@ -122,6 +123,27 @@ def _running(job_id, opts, script, state_dir, starter, probe=lambda entry: None)
     return out, seen, err
 
 
+def _wait_running(state_dir, job_id):
+    """The job's entry once its starter wrote it "running": a job can print
+    before that, and `starter enter` needs the pid it records."""
+    path = os.path.join(state_dir, job_id + ".json")
+    deadline = time.monotonic() + 30
+    while True:
+        try:
+            with open(path) as f:
+                entry = json.load(f)
+        except FileNotFoundError:
+            entry = {}
+        if entry.get("state") == "running" or time.monotonic() > deadline:
+            return entry
+        time.sleep(0.01)
+
+
+def _enter_when_running(starter, state_dir, job_id, *argv):
+    _wait_running(state_dir, job_id)
+    return starter("enter", job_id, "--", *argv)
+
+
 def test_default_user_is_the_job_account(starter, state_dir):
     pw = pwd.getpwnam(JOB_ACCOUNT)
     assert pw.pw_uid != 0 and pw.pw_gid != 0 and pw.pw_shell.endswith("nologin")
@@ -212,7 +234,8 @@ def test_enter_never_writes_through_the_jobs_mount_namespace(starter, tmp_path, 
     entered = []
 
     def enter(entry):
-        entered.append(starter("enter", job_id, "--", "sh", "-c", "cat /proc/self/oom_score_adj; id -u"))
+        entered.append(_enter_when_running(starter, state_dir, job_id, "sh", "-c",
+                                           "cat /proc/self/oom_score_adj; id -u"))
 
     out, _, err = _running(job_id, [*opts, "--allow-userns", "--bind", f"{d}:/mnt"],
                            "exec unshare -Urm --propagation private sh -c " + shlex.quote(trap + "; echo DONE; exec sleep 300"),
@@ -250,6 +273,7 @@ def test_enter_refuses_a_mount_namespace_the_job_made(starter, state_dir, who, m
     entered = []
 
     def enter(entry):
+        _wait_running(state_dir, job_id)
         for user in ([], ["--user", "root"]):
             entered.append(starter("enter", job_id, *user, "--", "/bin/sh", "-c", "echo entered"))
 
@@ -277,7 +301,7 @@ def test_enter_refuses_other_namespaces_the_job_made(starter, state_dir):
     out, _, err = _running(job_id, ["--user", "nobody", "--allow-userns", "--hostname", "job-host",
                                     "--net", "none"],
                            "exec unshare -UrniuC sh -c 'hostname job-made; echo DONE; exec sleep 300'",
-                           state_dir, starter, probe=lambda e: entered.append(starter("enter", job_id, "--", "hostname")))
+                           state_dir, starter, probe=lambda e: entered.append(_enter_when_running(starter, state_dir, job_id, "hostname")))
     if not entered:
         pytest.skip(f"unprivileged user namespaces are not available here: {err.strip()}")
     _one_line_error(entered[0], "changed its namespaces (cgroup, ipc, net, uts)")
@@ -285,7 +309,7 @@ def test_enter_refuses_other_namespaces_the_job_made(starter, state_dir):
     entered.clear()
     out, _, err = _running(job_id, ["--user", "nobody", "--userns-root", "--net", "none"],
                            "exec unshare -u sh -c 'hostname job-made; echo DONE; exec sleep 300'",
-                           state_dir, starter, probe=lambda e: entered.append(starter("enter", job_id, "--", "hostname")))
+                           state_dir, starter, probe=lambda e: entered.append(_enter_when_running(starter, state_dir, job_id, "hostname")))
     assert entered[0].returncode == 0, (entered, err)
     assert entered[0].stdout == socket.gethostname() + "\n"
 
@@ -301,6 +325,7 @@ def test_enter_a_userns_root_job_as_its_host_uid(starter, state_dir, who):
     entered = []
 
     def enter(entry):
+        _wait_running(state_dir, job_id)
         entered.append(starter("enter", job_id, "--", "sh", "-c",
                                "id -u; tr -s ' ' < /proc/self/uid_map; /bin/sh -c 'echo real'"))
 
@@ -312,6 +337,39 @@ def test_enter_a_userns_root_job_as_its_host_uid(starter, state_dir, who):
     p = entered[0]
     assert p.returncode == 0, (p.stdout, p.stderr)
     assert p.stdout.splitlines() == [str(uid), " 0 0 4294967295", "real"], p.stdout
+
+
+def test_enter_refuses_an_entry_it_cannot_trust(starter, state_dir):
+    """An entry without the uid (enter never falls back to root), without
+    the namespaces the starter made (a job started by an older starter), or
+    whose pid is not in the job's cgroup (a reused pid): refused."""
+    job_id = "priv-enter-entry"
+    path = os.path.join(state_dir, job_id + ".json")
+    seen = []
+
+    def enter(entry):
+        # (else the starter's "running" write would undo the changes below)
+        entry = _wait_running(state_dir, job_id)
+
+        def tampered(**change):
+            doc = dict(entry, **change)
+            doc = {k: v for k, v in doc.items() if v is not None}
+            with open(path + ".test", "w") as f:
+                json.dump(doc, f)
+            os.rename(path + ".test", path)
+            return starter("enter", job_id, "--", "id", "-u")
+
+        seen.append(tampered(uid=None))
+        seen.append(tampered(namespaces=None))
+        seen.append(tampered(pid=os.getpid()))
+        seen.append(tampered())
+        return entry
+
+    _running(job_id, ["--user", "nobody", "--net", "none"], "true", state_dir, starter, probe=enter)
+    _one_line_error(seen[0], "records no uid")
+    _one_line_error(seen[1], "no record of the namespaces")
+    _one_line_error(seen[2], f"pid {os.getpid()} is not in the job's cgroup")
+    assert seen[3].returncode == 0 and seen[3].stdout == "65534\n", seen[3]
 
 
 # ---------------------------------------------------------------- sockets

@@ -335,6 +335,13 @@ class JobCgroup:
             if d != skip:
                 files.write(os.path.join(d, "cgroup.procs"), int(pid))
 
+    def holds(self, pid):
+        """Is `pid` in the job's cgroup or one below it, in the tracking
+        hierarchy (the one a job process cannot leave)?"""
+        top = self.dirs()[0]
+        return any(pid in files.read_pids(os.path.join(d, "cgroup.procs"))
+                   for d in subdirs_bottom_up(top))
+
     def pids(self):
         """Every pid in the job's cgroups and their sub-cgroups, in every
         hierarchy (sorted, unique)."""
