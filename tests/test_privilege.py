@@ -107,8 +107,8 @@ def _running(job_id, opts, script, state_dir, starter, probe=lambda entry: None)
     try:
         for line in proc.stdout:  # the job says when it is done: no sleeps
             if line.strip() == "DONE":
-                with open(os.path.join(state_dir, job_id + ".json")) as f:
-                    entry = json.load(f)
+                # The job may print before its starter records "running".
+                entry = _wait_running(state_dir, job_id)
                 seen = probe(entry)
                 break
             out.append(line.rstrip("\n"))
