@@ -508,6 +508,32 @@ def test_fifty_jobs(site, cfg):
 
 
 @pytest.mark.net
+def test_a_veth_that_outlives_its_job_is_down_before_its_rules_go(site, cfg, monkeypatch):
+    # The job's namespace is kept alive (here by the site's holder process;
+    # in an attack by a socket of it passed to another process): its veth
+    # stays until deleted, and must pass nothing once its rules are removed.
+    job = site.job()
+    lease = _setup(job, "outlive", cfg)
+    flags = f"/sys/class/net/{lease.host_ifname}/flags"
+    with open(flags) as f:
+        assert int(f.read(), 16) & 1, "the veth should be up while the job runs"
+    seen = []
+    w = net._local()                # what net.teardown uses without netd
+    real_apply = w.nft.apply
+
+    def apply(table, verb, changes, what="transaction"):
+        if verb == "delete":
+            with open(flags) as f:
+                seen.append(int(f.read(), 16) & 1)
+        return real_apply(table, verb, changes, what)
+
+    monkeypatch.setattr(w.nft, "apply", apply)
+    assert net.teardown("outlive", cfg) is not None
+    assert seen == [0], "the job's rules were removed while its veth was still up"
+    assert lease.host_ifname not in _our_veths()
+
+
+@pytest.mark.net
 def test_setup_failure_leaves_nothing(site, cfg, tmp_path):
     # Not a network namespace: the veth cannot be created there.
     bogus = os.open(str(tmp_path), os.O_RDONLY)

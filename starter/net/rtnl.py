@@ -93,6 +93,10 @@ def set_up(index):
     return RTM_NEWLINK, 0, _ifinfo(index, IFF_UP, IFF_UP)
 
 
+def set_down(name):
+    return RTM_NEWLINK, 0, _ifinfo(0, 0, IFF_UP) + _name(IFLA_IFNAME, name)
+
+
 def add_address(index, address, prefixlen, nodad=False):
     packed = _packed(address)
     flags = IFA_F_NODAD if nodad else 0

@@ -177,6 +177,15 @@ class Links:
         finally:
             job.close()
 
+    def set_down(self, host_ifname):
+        """Take the pair's host end down: it takes no packet from its peer
+        any more (a down device drops what is forwarded to it).  ENODEV ok."""
+        try:
+            self.rt.run([rtnl.set_down(host_ifname)])
+        except RtnlError as e:
+            if e.code not in (errno.ENODEV, errno.ENOENT):
+                raise _error(f"take veth {host_ifname} down", e) from None
+
     def delete(self, host_ifname):
         """Delete the pair by its host end.  Idempotent (ENODEV ok)."""
         try:

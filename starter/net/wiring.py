@@ -481,6 +481,12 @@ class Wiring:
         # The IPv6 objects: by the lease, or (no lease: gc) by the counters found.
         address6 = lease.get("address6") if lease else None
         has6 = bool(address6) or bool(counters and "ipv6" in counters)
+        # The veth can outlive the job (a socket of the job's network
+        # namespace held by another process) until it is deleted, which netd
+        # leaves to its worker: without its rules it would pass that
+        # socket's traffic unchecked to the host and out.  Down first.
+        if _if_exists(key):
+            self.links.set_down(key)
         if counters is not None or address:
             changes = table.job_changes("delete", key, key, address, address6, has6)
             try:
