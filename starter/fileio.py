@@ -6,6 +6,7 @@ A leaf: it imports nothing of the starter and nothing heavy at import time
 (hashlib only where a digest is made), so the run path may use it.
 """
 
+import errno
 import os
 
 CHUNK = 1 << 20
@@ -30,19 +31,26 @@ def unlink_best_effort(name, dir_fd=None):
         pass
 
 
-def copy_hashing(src_fd, dst_fd, algorithms):
+def copy_hashing(src_fd, dst_fd, algorithms, limit=None):
     """Read `src_fd` to its end once, writing every byte to `dst_fd` (None:
     only hash) and hashing it with each of `algorithms` (hashlib names) on
     the way -> {algorithm: hexdigest}.  The digests are of exactly the bytes
     written: a source that changes during the copy cannot pass a check made
-    on an earlier read."""
+    on an earlier read.  `limit`: the size the source had when it was
+    opened; a source still growing past it (root copying a user's file that
+    never ends) raises OSError(EFBIG) instead of filling the disk."""
     import hashlib
 
     hs = {a: hashlib.new(a) for a in algorithms}
+    left = limit
     while True:
-        buf = os.read(src_fd, CHUNK)
+        buf = os.read(src_fd, CHUNK if left is None else max(1, min(CHUNK, left)))
         if not buf:
             break
+        if left is not None:
+            left -= len(buf)
+            if left < 0:
+                raise OSError(errno.EFBIG, "the file grew while it was copied")
         for h in hs.values():
             h.update(buf)
         if dst_fd is not None:

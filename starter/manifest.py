@@ -161,8 +161,12 @@ def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise StagingError(f"manifest: {name}: not a regular file in {src_dir}")
+        _check_room(dfd, name, st.st_size)
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
-        got = copy_hashing(fd, out, ("sha256",))["sha256"]
+        try:
+            got = copy_hashing(fd, out, ("sha256",), limit=st.st_size)["sha256"]
+        except OSError as e:
+            raise StagingError(f"manifest: {name}: {e.strerror} (in {src_dir})") from None
         if not hmac.compare_digest(got, digest):
             raise StagingError(
                 f"manifest: {name}: sha256 mismatch (expected {digest}, got {got})",
@@ -182,3 +186,14 @@ def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
         if out is not None:
             os.close(out)
         unlink_quiet(tmp, dfd)
+
+
+def _check_room(dfd, name, size):
+    """Root stages the input, so neither quotas nor the blocks reserved for
+    root stop it: an input (not verified yet) larger than what an ordinary
+    user could still write there is refused before a byte is copied."""
+    vfs = os.fstatvfs(dfd)
+    room = vfs.f_bavail * vfs.f_frsize
+    if size > room:
+        raise StagingError(f"manifest: {name}: {size} bytes, more than the {room} bytes free for users "
+                           "where the job's scratch is", hint="free space there, or check the input")

@@ -522,7 +522,7 @@ class Spool:
         tmp = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dfd)
         try:
-            digests = copy_hashing(sfd, fd, algs)
+            digests = copy_hashing(sfd, fd, algs, limit=os.fstat(sfd).st_size)
             os.fchmod(fd, mode)
             os.fsync(fd)
         except BaseException:

@@ -3,6 +3,7 @@
 import hashlib
 import os
 import stat
+import subprocess
 
 import pytest
 
@@ -111,6 +112,33 @@ def test_symlinked_source_is_refused(inputs, job_dir, tmp_path):
     with pytest.raises(StagingError, match="config: is a symlink"):
         manifest.verify_and_stage(str(sig), digest_of(sig), str(src), job_dir.path, NOBODY, NOBODY)
     assert os.listdir(job_dir.path) == []
+
+
+def test_an_input_larger_than_the_users_free_space_is_not_copied(inputs, job_dir):
+    # Not verified yet, and root copies it: neither quotas nor root's
+    # reserved blocks would stop a sparse 100 TB file.
+    src, sig, _ = inputs
+    vfs = os.statvfs(job_dir.path)
+    with open(src / "input.dat", "r+b") as f:
+        f.truncate(vfs.f_bavail * vfs.f_frsize + (1 << 30))
+    with pytest.raises(StagingError, match="input.dat: .* bytes, more than the .* bytes free for users"):
+        manifest.verify_and_stage(str(sig), digest_of(sig), str(src), job_dir.path, NOBODY, NOBODY)
+    assert os.listdir(job_dir.path) == []
+
+
+def test_an_input_that_grows_while_it_is_copied_is_refused(inputs, job_dir):
+    # A file whose size says 0 but whose reads never end (a procfs file
+    # bind-mounted over the input stands in for a file the user keeps
+    # appending to): the copy stops at the size it had when opened.
+    src, sig, _ = inputs
+    target = src / "config"
+    subprocess.run(["mount", "--bind", "/proc/cpuinfo", str(target)], check=True)
+    try:
+        with pytest.raises(StagingError, match="config: the file grew while it was copied"):
+            manifest.verify_and_stage(str(sig), digest_of(sig), str(src), job_dir.path, NOBODY, NOBODY)
+    finally:
+        subprocess.run(["umount", str(target)], check=True)
+    assert [n for n in os.listdir(job_dir.path) if n.startswith(".stage-")] == []
 
 
 def test_missing_file_and_existing_destination(inputs, job_dir):
