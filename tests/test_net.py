@@ -124,6 +124,9 @@ def test_rule_rendering_table():
     assert sets["lan"]["elem"] == [{"prefix": {"addr": "10.77.0.0", "len": 16}}]
     assert {"prefix": {"addr": "169.254.0.0", "len": 16}} in sets["blocked"]["elem"]
     assert {"prefix": {"addr": "127.0.0.0", "len": 8}} in sets["blocked"]["elem"]
+    # new connections beyond the job's share of the conntrack table: dropped, out and to the host
+    capped = {r["chain"] for r in rules if '"ct count": {"val": 32768, "inv": true}' in json.dumps(r)}
+    assert capped == {"job_out", "job_to_host"}
 
 
 def test_rule_rendering_job_adds_no_rules():
@@ -505,6 +508,67 @@ def test_fifty_jobs(site, cfg):
     assert not set(_our_veths()) & {l.host_ifname for l in leases}
     assert cfg.table not in _tables()
     assert os.listdir(cfg.state_dir) == []
+
+
+def test_max_flows_from_the_environment_or_the_conntrack_table(tmp_path):
+    f = tmp_path / "nf_conntrack_max"
+    f.write_text("262144\n")
+    assert nft.max_flows({}, str(f)) == 32768
+    f.write_text("4096\n")
+    assert nft.max_flows({}, str(f)) == 1024                 # never below
+    assert nft.max_flows({}, str(tmp_path / "none")) == nft.DEFAULT_MAX_FLOWS
+    assert nft.max_flows({"STARTER_NET_MAX_FLOWS": "7"}, str(f)) == 7
+    for bad in ("0", "-1", "1e3", "²", "x"):
+        with pytest.raises(NetworkError, match="STARTER_NET_MAX_FLOWS"):
+            nft.max_flows({"STARTER_NET_MAX_FLOWS": bad}, str(f))
+
+
+_UDP_COUNT = """
+import socket, sys, time
+s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+s.bind(("0.0.0.0", int(sys.argv[1])))
+print("ready", flush=True)
+s.settimeout(3)
+n = 0
+try:
+    while True:
+        s.recv(64)
+        n += 1
+except socket.timeout:
+    pass
+print(n, flush=True)
+"""
+
+_UDP_FLOWS = """
+import socket, sys
+for i in range(int(sys.argv[3])):      # each from a port of its own: a flow each
+    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+    s.sendto(b"x", (sys.argv[1], int(sys.argv[2])))
+    s.close()
+"""
+
+
+@pytest.mark.net
+def test_a_job_cannot_hold_more_than_its_share_of_the_conntrack_table(site, cfg, monkeypatch):
+    monkeypatch.setenv("STARTER_NET_MAX_FLOWS", "4")      # read when the table is made
+    job = site.job()
+    _setup(job, "flows", cfg)
+    port = site.port()
+    rx = site.wan.popen(nethosts.PY, "-c", _UDP_COUNT, str(port))
+    try:
+        assert rx.stdout.readline().strip() == "ready"
+        before = _dropped("flows", cfg)
+        r = job.python(_UDP_FLOWS, site.wan_addr, port, 10)
+        assert r.returncode == 0, r.stderr
+        received = int(rx.stdout.readline())
+    finally:
+        rx.kill()
+        rx.wait()
+        rx.stdout.close()
+        rx.stderr.close()
+    assert received == 4, received
+    assert _dropped("flows", cfg) - before >= 6
+    net.teardown("flows", cfg)
 
 
 @pytest.mark.net

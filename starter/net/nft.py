@@ -13,6 +13,7 @@ the cost of adding a job grows with the number of jobs.
       set uplinks    { ifname }                  masquerade out of these
       set guard_ifs  { ifname }                  uplinks whose forwarding WE turned on
       set job_ifs    { ifname }                  host ends of job veths
+      set job_flows  { ifname }, dynamic         each job's tracked connections (ct count)
       set job_src    { ifname . ipv4_addr }      the one source address each may use
       set job_nets6, lan6, blocked6 { ipv6_addr, interval }   the same for IPv6
                      (blocked6: ::/127, ::ffff:0:0/96, fe80::/10, fec0::/10,
@@ -46,6 +47,7 @@ the cost of adding a job grows with the number of jobs.
         iifname @job_ifs jump job_to_host
       chain job_to_host
         icmpv6 NS, NA                         -> accept
+        ct state new, over max_flows in @job_flows -> count, drop (see below)
         meta l4proto . th dport @host_allow   -> accept        (site proxy, resolver)
                                               -> count, drop   (the host itself)
       chain forward     (filter, forward, 0)
@@ -54,6 +56,7 @@ the cost of adding a job grows with the number of jobs.
         iifname @guard_ifs                    -> count, drop   (see below)
       chain job_out
         oifname != @uplinks                   -> count, drop   (other jobs, other host nets)
+        ct state new, over max_flows in @job_flows -> count, drop
         counter oifname map @ctr_uplink_out      (which uplink routing chose)
         meta nfproto ipv6                     -> goto job_out6 (ND/router msgs: drop;
                                                  ip6 daddr @lan6: lan_out6, else wan_out6)
@@ -87,6 +90,7 @@ forwarded traffic must allow the pool.
 """
 
 import json
+import os
 import threading
 
 from starter.errors import NetworkError
@@ -153,6 +157,25 @@ def _icmpv6(types):
 
 ACCEPT = {"accept": None}
 DROP = {"drop": None}
+# Tracked connections one job may hold: the default when the host's table
+# size (nf_conntrack_max) cannot be read; see max_flows().
+DEFAULT_MAX_FLOWS = 32768
+
+
+def max_flows(env=None, conntrack_max_path="/proc/sys/net/netfilter/nf_conntrack_max"):
+    """The per-job cap on tracked connections: $STARTER_NET_MAX_FLOWS, else an
+    eighth of the host's connection-tracking table (at least 1024)."""
+    env = os.environ if env is None else env
+    v = env.get("STARTER_NET_MAX_FLOWS")
+    if v:
+        if not (v.isascii() and v.isdigit()) or not 0 < int(v) <= 1 << 31:
+            raise NetworkError(f"STARTER_NET_MAX_FLOWS={v!r} is not a number of connections (1 or more)")
+        return int(v)
+    try:
+        with open(conntrack_max_path, "rb") as f:
+            return max(1024, int(f.read()) // 8)
+    except (OSError, ValueError):
+        return DEFAULT_MAX_FLOWS
 
 
 class Table:
@@ -188,10 +211,13 @@ class Table:
     def table_obj(self):
         return {"family": FAMILY, "name": self.name}
 
-    def create(self, pool, lan=(), uplinks=(), guard_ifs=(), host_allow=(), pool6=None, guard6_ifs=()):
+    def create(self, pool, lan=(), uplinks=(), guard_ifs=(), host_allow=(), pool6=None, guard6_ifs=(),
+               max_flows=DEFAULT_MAX_FLOWS):
         """The whole table, replacing any leftover of the same name atomically
         (add + delete + add in one transaction; other tables untouched).
-        lan holds both families; pool6 None: no IPv6 pool (nothing matches)."""
+        lan holds both families; pool6 None: no IPv6 pool (nothing matches).
+        max_flows: the connection-tracking entries one job may hold at once
+        (its new connections beyond are dropped and counted as dropped)."""
         t = self.table_obj()
         lan4, lan6 = split_families(lan)
         iif, oif = _meta("iifname"), _meta("oifname")
@@ -208,6 +234,9 @@ class Table:
             self._set("guard_ifs", "ifname", elem=list(guard_ifs)),
             self._set("guard6_ifs", "ifname", elem=list(guard6_ifs)),
             self._set("job_ifs", "ifname"),
+            # per job (by its veth): its tracked connections, counted by the
+            # kernel; filled from the packet path (nft makes it dynamic)
+            {"add": {"set": self._obj(name="job_flows", type="ifname", size=65535)}},
             self._set("job_src", ["ifname", "ipv4_addr"]),
             self._set("job_src6", ["ifname", "ipv6_addr"]),
             self._set("host_allow", ["inet_proto", "inet_service"],
@@ -235,6 +264,13 @@ class Table:
         ]
         drop_job = [_ctr_map(iif, "ctr_drop"), DROP]
         nfproto = _meta("nfproto")
+        # A job holding more of the host's conntrack table than this drops
+        # its new connections: no job fills the table (or the masquerade's
+        # ports to one destination) for the other jobs and the host.
+        too_many_flows = [_match({"ct": {"key": "state"}}, ["new"], "in"),
+                          {"set": {"op": "add", "elem": iif, "set": "@job_flows",
+                                   "stmt": [{"ct count": {"val": int(max_flows), "inv": True}}]}},
+                          *drop_job]
         cmds += [
             self._rule("prerouting", _match(iif, "@job_ifs"), {"jump": {"target": "job_ingress"}}),
             self._rule("job_ingress", _match(nfproto, "ipv6"), {"goto": {"target": "job_ingress6"}}),
@@ -257,6 +293,7 @@ class Table:
             self._rule("job_ingress6", _match(_payload("ip6", "daddr"), "@blocked6"), *drop_job),
             self._rule("input", _match(iif, "@job_ifs"), {"jump": {"target": "job_to_host"}}),
             self._rule("job_to_host", _icmpv6(ND), ACCEPT),
+            self._rule("job_to_host", *too_many_flows),
             self._rule("job_to_host", _match({"concat": [_meta("l4proto"), _payload("th", "dport")]},
                                              "@host_allow"), ACCEPT),
             self._rule("job_to_host", *drop_job),
@@ -265,6 +302,7 @@ class Table:
             self._rule("forward", _match(nfproto, "ipv4"), _match(iif, "@guard_ifs"), {"counter": "dropped"}, DROP),
             self._rule("forward", _match(nfproto, "ipv6"), _match(iif, "@guard6_ifs"), {"counter": "dropped"}, DROP),
             self._rule("job_out", _match(oif, "@uplinks", "!="), *drop_job),
+            self._rule("job_out", *too_many_flows),
             self._rule("job_out", _ctr_map(oif, "ctr_uplink_out")),
             self._rule("job_out", _match(nfproto, "ipv6"), {"goto": {"target": "job_out6"}}),
             self._rule("job_out", _match(_payload("ip", "daddr"), "@lan"), _ctr_map(iif, "ctr_lan_out"), ACCEPT),
@@ -504,7 +542,6 @@ def _getobjs(table_name, names):
 
 
 def _counter_error(name, err):
-    import os
 
     return NetworkError(f"nftables: reading counter {name} failed: {os.strerror(-err)}")
 

@@ -236,7 +236,8 @@ class Wiring:
         store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard, "v6": v6})
         try:
             self.nft.run(table.create(cfg.pool, cfg.lan, list(cfg.uplink), guard, cfg.allow_host_ports,
-                                      cfg.pool6, (v6 or {}).get("guard6", ())), "create table")
+                                      cfg.pool6, (v6 or {}).get("guard6", ()), nft.max_flows()),
+                         "create table")
             for ifname in guard:
                 write_sysctl(forwarding_path(ifname), "1")
         except BaseException:
