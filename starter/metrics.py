@@ -271,27 +271,37 @@ def parse_listen(value):
     return str(addr), port, addr.is_loopback
 
 
+MAX_CLIENTS = 16      # connections served at once; more are closed at once
+
+
 def serve(state_dir, listen):
-    """GET /metrics until SIGTERM/SIGINT.  Each scrape reads the node afresh;
-    one request at a time (a scrape is a few ms; nothing to share)."""
+    """GET /metrics until SIGTERM/SIGINT.  Each scrape reads the node afresh.
+    A thread per connection (at most MAX_CLIENTS), so a client that stalls
+    (a byte every few seconds) holds only its own; the scrapes themselves
+    run one at a time."""
     import http.server
     import signal
     import socket
+    import socketserver
+    import threading
 
     host, port, loopback = parse_listen(listen)
     if not loopback:
         sys.stderr.write(f"starter metrics: listening on {host}, not loopback: job ids and users are visible "
                          "to whoever reaches it; firewall it\n")
 
+    scrape = threading.Lock()
+
     class Handler(http.server.BaseHTTPRequestHandler):
         server_version = "starter-metrics"
-        timeout = 10          # one request at a time: a client that stalls must not hold the endpoint
+        timeout = 10          # per read: an idle connection is dropped
 
         def do_GET(self):
             path = self.path.split("?", 1)[0]
             if path == "/metrics":
                 try:
-                    body, code, ctype = text(state_dir).encode(), 200, CONTENT_TYPE
+                    with scrape:
+                        body, code, ctype = text(state_dir).encode(), 200, CONTENT_TYPE
                 except StarterError as e:
                     body, code, ctype = f"starter metrics: {e}\n".encode(), 500, "text/plain"
             elif path == "/":
@@ -307,8 +317,15 @@ def serve(state_dir, listen):
         def log_message(self, fmt, *args):
             pass
 
-    class Server(http.server.HTTPServer):
+    class Server(socketserver.ThreadingMixIn, http.server.HTTPServer):
         address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+        daemon_threads = True
+
+        def process_request(self, request, client_address):
+            if threading.active_count() > MAX_CLIENTS:      # the main thread + MAX_CLIENTS - 1
+                self.shutdown_request(request)
+                return
+            super().process_request(request, client_address)
 
     try:
         httpd = Server((host, port), Handler)

@@ -281,9 +281,16 @@ def test_http_endpoint_answers_a_scrape(node):
         line = srv.stderr.readline()
         m = re.search(r"serving (http://127\.0\.0\.1:\d+)/metrics", line)
         assert m, line
-        with urllib.request.urlopen(m.group(1) + "/metrics", timeout=10) as r:
+        # A client that connects and stalls does not hold the endpoint.
+        port = int(m.group(1).rsplit(":", 1)[1])
+        stalled = [socket.create_connection(("127.0.0.1", port)) for _ in range(3)]
+        for s in stalled:
+            s.sendall(b"GET /metr")
+        with urllib.request.urlopen(m.group(1) + "/metrics", timeout=5) as r:
             ctype = r.headers["Content-Type"]
             text = r.read().decode()
+        for s in stalled:
+            s.close()
         assert ctype.startswith("text/plain; version=0.0.4")
         _promtool(text)
         assert _sample(text, "starter_job_state", job_id=node["b"], state="running") == 1
