@@ -553,6 +553,9 @@ def test_a_job_cannot_hold_more_than_its_share_of_the_conntrack_table(site, cfg,
     monkeypatch.setenv("STARTER_NET_MAX_FLOWS", "4")      # read when the table is made
     job = site.job()
     _setup(job, "flows", cfg)
+    job_key = ipam.job_key("flows", cfg.table)
+    other = site.job()                 # keeps the table after "flows" is gone
+    _setup(other, "flows-other", cfg)
     port = site.port()
     rx = site.wan.popen(nethosts.PY, "-c", _UDP_COUNT, str(port))
     try:
@@ -568,7 +571,14 @@ def test_a_job_cannot_hold_more_than_its_share_of_the_conntrack_table(site, cfg,
         rx.stderr.close()
     assert received == 4, received
     assert _dropped("flows", cfg) - before >= 6
+    listed = subprocess.run(["nft", "list", "set", "inet", cfg.table, "job_flows"], capture_output=True,
+                            text=True, check=True).stdout
+    assert f'"{job_key}"' in listed or job_key in listed, listed
     net.teardown("flows", cfg)
+    listed = subprocess.run(["nft", "list", "set", "inet", cfg.table, "job_flows"], capture_output=True,
+                            text=True).stdout
+    assert listed and job_key not in listed, listed      # removed with the job
+    net.teardown("flows-other", cfg)
 
 
 @pytest.mark.net

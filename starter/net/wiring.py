@@ -497,6 +497,10 @@ class Wiring:
                 for change in changes:
                     with contextlib.suppress(nft.NftError):
                         self.nft.apply(table, "delete", [change], "remove job rule")
+            # Its connection count, made by its first connection (if it had
+            # one): a set that only grew would fill up after 65535 jobs.
+            with contextlib.suppress(nft.NftError):
+                self.nft.apply(table, "delete", [("element", "job_flows", [((key,), None)])], "remove job count")
         if defer and self._queue is not None:
             self._pending.add(key)
             self._later.append((cfg, key, lease))   # queued by start_deferred()
