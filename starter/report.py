@@ -10,6 +10,7 @@ import os
 import stat
 import time
 
+from starter.errors import StarterError
 from starter.fileio import unlink_best_effort
 from starter.state import dumps
 
@@ -43,7 +44,7 @@ class Dest:
         self.dir_fd = None   # FILE: its directory (ours)
         self.name = None
         if dest.startswith("fd:"):
-            self.fd = int(dest[3:])
+            self.fd = _passed_fd(int(dest[3:]), what, dest)
         elif dest in STD_PATHS:
             self.fd = STD_PATHS[dest]
         else:
@@ -119,6 +120,25 @@ class Dest:
         if self.dir_fd is not None:
             os.close(self.dir_fd)
             self.dir_fd = None
+
+
+def _passed_fd(fd, what, dest):
+    """fd:N must be a descriptor the starter was given, open for writing.
+    Every descriptor the starter opens itself (its signal pipe, the
+    launcher's pipe once taken) is close-on-exec, and one that came through
+    exec cannot be: so fd:N naming one of the starter's own (a report
+    written into its signal pipe read as signals) is refused."""
+    import fcntl
+
+    try:
+        fdflags, flags = fcntl.fcntl(fd, fcntl.F_GETFD), fcntl.fcntl(fd, fcntl.F_GETFL)
+    except OSError:
+        raise StarterError(f"{what} {dest}: no descriptor {fd} was passed to the starter") from None
+    if fdflags & fcntl.FD_CLOEXEC:
+        raise StarterError(f"{what} {dest}: descriptor {fd} is the starter's own, not one passed to it")
+    if flags & os.O_ACCMODE == os.O_RDONLY:
+        raise StarterError(f"{what} {dest}: descriptor {fd} is open for reading only")
+    return fd
 
 
 def _write_all(fd, data):

@@ -141,6 +141,9 @@ def test_hostile_job_file_refused(starter, tmp_path, state_dir, raw, field):
     # _signal's handler and sigprocmask constants are not signals; SIGCLD is SIGCHLD
     (["--on-signal", "SIG_DFL=kill"], "on-signal"), (["--on-signal", "_BLOCK=vacate"], "on-signal"),
     (["--on-signal", "SIG_SETMASK=suspend"], "on-signal"), (["--on-signal", "CLD=kill"], "on-signal"),
+    # fd:N not passed to the starter: its own (the signal pipe: events read as signals) or none
+    (["--events", "fd:3"], "events"), (["--events", "fd:4"], "events"), (["--report", "fd:3"], "report"),
+    (["--report", "fd:99"], "report"),
 ])
 def test_hostile_cli_refused(starter, args, field):
     p = starter("run", *args, "--", "true")
