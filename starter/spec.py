@@ -310,7 +310,9 @@ def build(cli, job_file=None):
     raw = dict(_flatten_file(job_file)) if job_file else {}
     for k, v in cli.items():
         if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit") and k in raw:
-            raw[k] = list(raw[k]) + list(v)       # repeatable: file first, then flags
+            if not isinstance(raw[k], list):    # as the file gives it alone, checked there
+                raise SpecError(k, f"must be a list in the job file, got {type(raw[k]).__name__}")
+            raw[k] = raw[k] + list(v)             # repeatable: file first, then flags
         else:
             raw[k] = v
     return _make(raw)
@@ -601,6 +603,8 @@ def load_job_file(path):
             raise SpecError("job", "job file is not UTF-8") from None
         except tomllib.TOMLDecodeError as e:
             raise SpecError("job", f"not valid TOML: {e}") from None
+        except ValueError as e:         # e.g. an integer of more than 4300 digits
+            raise SpecError("job", f"not usable TOML: {e}") from None
         except RecursionError:
             raise SpecError("job", "job file nested too deeply") from None
     try:

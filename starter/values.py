@@ -65,11 +65,18 @@ def show(value, limit=60):
 
 
 def string(field, value):
-    """A str without NUL bytes (NUL would cut it short in C)."""
+    """A str without NUL bytes (NUL would cut it short in C) that encodes to
+    bytes as the OS does (a JSON "\\ud800" does not; the escapes of a
+    command line's non-UTF-8 bytes do)."""
     if not isinstance(value, str):
         raise SpecError(field, f"must be a string, got {type(value).__name__}")
     if "\0" in value:
         raise SpecError(field, "contains a NUL byte")
+    if not value.isascii():
+        try:
+            value.encode("utf-8", "surrogateescape")
+        except UnicodeEncodeError:
+            raise SpecError(field, f"{show(value)} holds a lone surrogate, not text") from None
     return value
 
 
@@ -113,7 +120,7 @@ def numeric_id(field, value):
     """A uid or gid given as digits."""
     if isinstance(value, int) and not isinstance(value, bool):
         n = value
-    elif is_numeric_id(value):
+    elif is_numeric_id(value) and len(value) <= 20:     # int() of 5000 digits is an error of its own
         n = int(value)
     else:
         raise SpecError(field, f"{show(value)} is not a numeric id (ASCII digits)")
@@ -170,7 +177,7 @@ def size(field, value, max_bytes=MAX_SIZE):
             f = float(num)
         except ValueError:
             raise SpecError(field, f"{show(value)} is not a size (e.g. 512M, 2G)") from None
-        if f != f or f > max_bytes:     # nan, inf, 1e400, or just too big
+        if f != f or not -max_bytes <= f <= max_bytes:     # nan, +-inf, 1e400, or just too big
             raise SpecError(field, f"{show(value)} is out of range (1 byte .. {_bytes(max_bytes)})")
         n = int(f * _SIZE_UNITS[unit])
     if not 0 < n <= max_bytes:

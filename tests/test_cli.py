@@ -168,6 +168,27 @@ def test_deeply_nested_job_file(starter, tmp_path):
         assert "job" in line
 
 
+@pytest.mark.parametrize("name, text, args", [
+    ("surrogate.json", '{"command": ["/bin/true"], "cwd": "/\\ud800"}', ()),
+    ("surrogate-env.json", '{"command": ["/bin/true"], "env": {"A": "\\udbff"}}', ()),
+    ("bigint.toml", "command = ['/bin/true']\ngrace = 1" + "0" * 5000 + "\n", ()),
+    ("merge.json", '{"command": ["/bin/true"], "on_signal": 5}', ("--on-signal", "USR1=vacate")),
+    ("merge-str.json", '{"command": ["/bin/true"], "lan": "10.0.0.0/8"}', ("--lan", "10.1.0.0/16")),
+    ("neg-inf.json", '{"command": ["/bin/true"], "limits": {"memory": "-1e309"}}', ()),
+])
+def test_job_files_found_by_fuzzing_get_one_line(starter, tmp_path, name, text, args):
+    f = tmp_path / name
+    f.write_text(text)
+    line = one_error_line(starter("run", "--net", "none", "--job", str(f), *args, check=125))
+    assert "internal error" not in line, line
+
+
+def test_numbers_found_by_fuzzing_get_one_line(starter):
+    for args in (("--memory", "-1e309"), ("--user", "9" * 5000), ("--group", "1" * 30)):
+        line = one_error_line(starter("run", "--net", "none", *args, "--", "true", check=125))
+        assert "internal error" not in line, (args, line)
+
+
 def test_a_job_file_that_is_a_fifo_or_a_device_is_refused_unopened(starter, tmp_path):
     fifo = tmp_path / "job.json"
     os.mkfifo(fifo)          # no writer: an open() for reading would block the start
