@@ -71,7 +71,8 @@ def ps(state_dir, as_json):
     for row in table:
         print("  ".join(v.ljust(w) for v, w in zip(row, widths)).rstrip())
     for r in rows:
-        for h in r["held"] or ():
+        held = r["held"]
+        for h in held if isinstance(held, list) else ([held] if held else ()):
             print(f"{r['id']}: still held: {h}")
     return 0
 

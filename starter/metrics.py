@@ -21,7 +21,7 @@ import os
 import sys
 
 from starter import state as S
-from starter.errors import StarterError
+from starter.errors import StarterError, one_line
 from starter.fileio import unlink_quiet
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -152,10 +152,9 @@ def collect(state_dir):
     backends = {}
     for job_id in S.list_ids(state_dir):
         try:
-            with open(os.path.join(state_dir, job_id + ".json"), "rb") as f:
-                entry = S.loads(f.read().decode())
-        except (OSError, ValueError):
-            continue  # ended (or not yet written) between the listing and now
+            entry = S.loads(S.read_entry(os.path.join(state_dir, job_id + ".json")))
+        except (OSError, ValueError, RecursionError):
+            continue  # ended (or not yet written) between the listing and now; or not an entry
         if not isinstance(entry, dict) or entry.get("id") != job_id:
             continue
         live = S.starter_alive(entry)
@@ -170,7 +169,14 @@ def collect(state_dir):
                 network = _nat_counters(job_id, entry.get("host_ifname"))
             except (StarterError, OSError):
                 errors += 1
-        one, state = job_samples(entry, live, usage, network)
+        try:
+            one, state = job_samples(entry, live, usage, network)
+            for rows in one.values():
+                for _, value in rows:
+                    _fmt(value)         # what render() will do: a value it cannot write fails here
+        except (TypeError, ValueError, AttributeError, OverflowError):
+            errors += 1     # an entry not as the starter writes it: the others are still served
+            continue
         counts[state] = counts.get(state, 0) + 1
         for k, v in one.items():
             samples.setdefault(k, []).extend(v)
@@ -304,6 +310,9 @@ def serve(state_dir, listen):
                         body, code, ctype = text(state_dir).encode(), 200, CONTENT_TYPE
                 except StarterError as e:
                     body, code, ctype = f"starter metrics: {e}\n".encode(), 500, "text/plain"
+                except Exception as e:     # one line for the scraper, no traceback on our stderr
+                    body, code, ctype = (f"starter metrics: internal error: {one_line(repr(e))}\n".encode(),
+                                         500, "text/plain")
             elif path == "/":
                 body, code, ctype = b"starter metrics: see /metrics\n", 200, "text/plain"
             else:

@@ -391,23 +391,35 @@ def mark_reclaiming(state_dir, job_id, st, held):
     write_atomic(os.path.join(state_dir, job_id + ".json"), dumps(st) + "\n")
 
 
+MAX_ENTRY = 1 << 20     # an entry is a few hundred bytes
+
+
+def read_entry(path):
+    """A regular file's text, at most MAX_ENTRY: what is in the state
+    directory is read by every admin command and every start, so a FIFO, a
+    link to /dev/zero or a huge file there must not hang or fill them."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    try:
+        st = os.fstat(fd)
+        if st.st_mode & 0o170000 != 0o100000 or st.st_size > MAX_ENTRY:
+            raise ValueError("not an entry")
+        return os.read(fd, MAX_ENTRY + 1).decode()
+    finally:
+        os.close(fd)
+
+
 def load(state_dir, job_id, lock_fd=None):
     """The entry: <id>.json, else what its lock file holds (a starter killed
-    before its first update).  {} if neither can be read."""
-    try:
-        with open(os.path.join(state_dir, job_id + ".json"), "rb") as f:
-            return loads(f.read().decode())
-    except (OSError, ValueError, UnicodeDecodeError):
-        pass
-    try:
-        if lock_fd is not None:
-            st = loads(read_fd(lock_fd))
-        else:
-            with open(_lock_path(state_dir, job_id), "rb") as f:
-                st = loads(f.read().decode())
-    except (OSError, ValueError, UnicodeDecodeError):
-        return {}
-    return st if isinstance(st, dict) else {}
+    before its first update).  {} if neither can be read or holds no object."""
+    for read in (lambda: read_entry(os.path.join(state_dir, job_id + ".json")),
+                 lambda: read_fd(lock_fd) if lock_fd is not None else read_entry(_lock_path(state_dir, job_id))):
+        try:
+            st = loads(read())
+        except (OSError, ValueError, UnicodeDecodeError, RecursionError):
+            continue
+        if isinstance(st, dict):
+            return st
+    return {}
 
 
 def _listdir(state_dir):

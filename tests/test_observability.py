@@ -76,6 +76,26 @@ def test_classad_strings_and_values():
     assert CA.value(1.5) == "1.5"
 
 
+def test_metrics_serves_the_other_jobs_past_a_broken_or_hostile_entry(tmp_path):
+    # Entries not as the starter writes them (found by fuzzing): a value that
+    # is not a number, a FIFO and a link to /dev/zero in its place.  Each is
+    # a read error; nothing hangs, no internal error.
+    d = tmp_path / "state"
+    d.mkdir(mode=0o700)
+    for job_id in ("bad", "fifo", "zero", "list"):
+        (d / f"{job_id}.lock").write_text("")
+    (d / "bad.json").write_text('{"id": "bad", "started_at": ""}')
+    os.mkfifo(d / "fifo.json")
+    os.symlink("/dev/zero", d / "zero.json")
+    (d / "list.json").write_text("[1]")
+    p = subprocess.run([STARTER, "metrics", "--state-dir", str(d)], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 0, p.stderr
+    assert "starter_metrics_read_errors 1" in p.stdout, p.stdout
+    for cmd in (["ps"], ["gc"]):
+        q = subprocess.run([STARTER, *cmd, "--state-dir", str(d)], capture_output=True, text=True, timeout=30)
+        assert "Traceback" not in q.stderr and "internal error" not in q.stderr, (cmd, q.stderr)
+
+
 def test_top_replaces_control_characters():
     assert T.printable("a\x1b]0;owned\x07b\x9bc") == "a?]0;owned?b?c"
     # a right-to-left override and an isolate reorder what follows on the line
