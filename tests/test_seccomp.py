@@ -199,6 +199,16 @@ BAD_PROFILES = [
      '{"names": ["bpf"], "action": "SCMP_ACT_KILL_PROCESS"}]}',
      "syscalls[1].names[0]: 'bpf' already has a rule without conditions in syscalls[0]"),
     ('{"defaultAction": "SCMP_ACT_ALLOW", "x": "' + "a" * (1 << 20) + '"}', "larger than 1 MiB"),
+    # found by fuzzing: other JSON types where a name is expected, nesting, a lone surrogate
+    ('{"defaultAction": ["SCMP_ACT_ALLOW"]}', "defaultAction: ['SCMP_ACT_ALLOW'] is not one of"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "flags": [{}]}', "flags[0]: {} is not one of"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": {"a": 1}}]}',
+     "syscalls[0].action: {'a': 1} is not one of"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["bpf"], "action": "SCMP_ACT_ERRNO", '
+     '"args": [{"index": 0, "value": 1, "op": [1]}]}]}', "args[0].op: [1] is not one of"),
+    ('{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [{"names": ["\\ud800"], "action": "SCMP_ACT_ERRNO"}]}',
+     "is not a syscall name"),
+    ('{"syscalls": ' + "[" * 100000 + "]" * 100000 + "}", "nested too deeply"),
 ]
 
 

@@ -114,6 +114,8 @@ def parse(data, source, resolve=None):
         raise bad("", "not UTF-8") from None
     except ValueError as e:
         raise bad("", f"not valid JSON: {e}") from None
+    except RecursionError:
+        raise bad("", "nested too deeply") from None
     if not isinstance(doc, dict):
         raise bad("", "must be a JSON object")
     _keys(doc, _TOP_KEYS, "", bad)
@@ -128,7 +130,7 @@ def parse(data, source, resolve=None):
     if not isinstance(raw_flags, list):
         raise bad("flags", "must be a list")
     for i, f in enumerate(raw_flags):
-        if f not in FLAGS:
+        if not isinstance(f, str) or f not in FLAGS:
             raise bad(f"flags[{i}]", f"{f!r} is not one of {', '.join(FLAGS)}")
         flags |= FLAGS[f]
 
@@ -146,7 +148,7 @@ def parse(data, source, resolve=None):
             raise bad(where + ".names", "must be a non-empty list of syscall names")
         resolved = []
         for j, n in enumerate(names):
-            if not isinstance(n, str) or not n or len(n) > 64 or "\0" in n:
+            if not isinstance(n, str) or not n or len(n) > 64 or not n.isascii() or "\0" in n:
                 raise bad(f"{where}.names[{j}]", f"{n!r} is not a syscall name")
             nr = resolve(n)
             if nr == -1:
@@ -164,7 +166,7 @@ def parse(data, source, resolve=None):
             if type(index) is not int or not 0 <= index <= 5:
                 raise bad(aw + ".index", f"{index!r} is not an argument index 0..5")
             op = a.get("op")
-            if op not in OPS:
+            if not isinstance(op, str) or op not in OPS:
                 raise bad(aw + ".op", f"{op!r} is not one of {', '.join(OPS)}")
             vals = []
             for key in ("value", "valueTwo"):
@@ -250,6 +252,8 @@ def _tests_newuser(cond):
 
 
 def _action(name, errno_ret, where, errno_where, bad):
+    if not isinstance(name, str):
+        raise bad(where, f"{name!r} is not one of {', '.join(ACTIONS)}")
     if name in UNSUPPORTED_ACTIONS:
         raise bad(where, f"{name} is not supported: it {UNSUPPORTED_ACTIONS[name]}")
     if name not in ACTIONS:
