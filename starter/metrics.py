@@ -267,6 +267,8 @@ def parse_listen(value):
         host = "127.0.0.1"
     host = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:
+        if not (port.isascii() and port.isdigit()):      # int() takes '１２', '1_0', ' 1'
+            raise ValueError
         port = int(port)
         if not 0 <= port <= 65535:
             raise ValueError

@@ -423,8 +423,8 @@ def _make(raw):
     job_id = raw.get("id")
     job_id = V.job_id("id", job_id) if job_id is not None else os.urandom(6).hex()
 
-    user = raw.get("user")
-    group = raw.get("group")
+    # A job file may give them as numbers (docs/reference.md): as the digits.
+    user, group = (str(v) if type(v) is int else v for v in (raw.get("user"), raw.get("group")))
     if user is not None:
         V.user_or_id("user", user)
     if group is not None:

@@ -183,6 +183,13 @@ def test_job_files_found_by_fuzzing_get_one_line(starter, tmp_path, name, text, 
     assert "internal error" not in line, line
 
 
+def test_a_job_files_user_may_be_a_number(starter, tmp_path):
+    f = tmp_path / "job.json"
+    f.write_text('{"command": ["id", "-u"], "user": 65534}')
+    p = starter("run", "--net", "none", "--job", str(f), check=0)
+    assert p.stdout.strip() == "65534"
+
+
 def test_numbers_found_by_fuzzing_get_one_line(starter):
     for args in (("--memory", "-1e309"), ("--user", "9" * 5000), ("--group", "1" * 30)):
         line = one_error_line(starter("run", "--net", "none", *args, "--", "true", check=125))

@@ -106,8 +106,9 @@ def test_listen_address_defaults_to_loopback():
     assert M.parse_listen("9110") == ("127.0.0.1", 9110, True)
     assert M.parse_listen("[::1]:9110") == ("::1", 9110, True)
     assert M.parse_listen("10.0.0.1:80")[2] is False
-    with pytest.raises(M.StarterError):
-        M.parse_listen("localhost:80")
+    for bad in ("localhost:80", "１２", "1_000", " 80", "-0"):
+        with pytest.raises(M.StarterError):
+            M.parse_listen(bad)
 
 
 # ---------------------------------------------------------------- helpers
