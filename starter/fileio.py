@@ -31,6 +31,40 @@ def unlink_best_effort(name, dir_fd=None):
         pass
 
 
+class NotRegular(OSError):
+    """read_regular(): the name is not a regular file."""
+
+
+class TooLarge(OSError):
+    """read_regular(): the file holds more than the limit."""
+
+
+def read_regular(path, limit, dir_fd=None):
+    """The bytes of the regular file `path`, at most `limit` of them: its
+    last component is not followed (OSError ELOOP), a FIFO never blocks the
+    read.  NotRegular or TooLarge else; open()'s OSError as it comes."""
+    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dir_fd)
+    try:
+        if os.fstat(fd).st_mode & 0o170000 != 0o100000:
+            raise NotRegular(errno.EINVAL, "not a regular file")
+        return read_limited(fd, limit)
+    finally:
+        os.close(fd)
+
+
+def read_limited(fd, limit):
+    """What is left to read of `fd`, at most `limit` bytes (else TooLarge)."""
+    chunks, size = [], 0
+    while True:
+        b = os.read(fd, min(CHUNK, limit + 1 - size))
+        if not b:
+            return b"".join(chunks)
+        chunks.append(b)
+        size += len(b)
+        if size > limit:
+            raise TooLarge(errno.EFBIG, f"larger than {limit} bytes")
+
+
 def copy_hashing(src_fd, dst_fd, algorithms, limit=None):
     """Read `src_fd` to its end once, writing every byte to `dst_fd` (None:
     only hash) and hashing it with each of `algorithms` (hashlib names) on
@@ -38,7 +72,7 @@ def copy_hashing(src_fd, dst_fd, algorithms, limit=None):
     written: a source that changes during the copy cannot pass a check made
     on an earlier read.  `limit`: the size the source had when it was
     opened; a source still growing past it (root copying a user's file that
-    never ends) raises OSError(EFBIG) instead of filling the disk."""
+    never ends) raises TooLarge instead of filling the disk."""
     import hashlib
 
     hs = {a: hashlib.new(a) for a in algorithms}
@@ -50,7 +84,7 @@ def copy_hashing(src_fd, dst_fd, algorithms, limit=None):
         if left is not None:
             left -= len(buf)
             if left < 0:
-                raise OSError(errno.EFBIG, "the file grew while it was copied")
+                raise TooLarge(errno.EFBIG, "the file grew while it was copied")
         for h in hs.values():
             h.update(buf)
         if dst_fd is not None:

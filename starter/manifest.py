@@ -32,7 +32,7 @@ import stat
 
 from starter import values
 from starter.errors import SpecError, StagingError
-from starter.fileio import CHUNK, copy_hashing, unlink_best_effort, unlink_quiet
+from starter.fileio import TooLarge, copy_hashing, read_limited, unlink_best_effort, unlink_quiet
 
 MAX_SIGFILE = 4 << 20
 
@@ -91,18 +91,11 @@ def read_sigfile(sigfile, trusted_digest):
     except paths.LinkError as e:
         raise StagingError(e.args[0], e.hint) from None
     try:
-        chunks, size = [], 0
-        while True:
-            buf = os.read(fd, CHUNK)
-            if not buf:
-                break
-            size += len(buf)
-            if size > MAX_SIGFILE:
-                raise StagingError(f"manifest: signature file {sigfile} is over {MAX_SIGFILE} bytes")
-            chunks.append(buf)
+        data = read_limited(fd, MAX_SIGFILE)
+    except TooLarge:
+        raise StagingError(f"manifest: signature file {sigfile} is over {MAX_SIGFILE} bytes") from None
     finally:
         os.close(fd)
-    data = b"".join(chunks)
     got = hashlib.sha256(data).hexdigest()
     if not hmac.compare_digest(got, want):
         raise StagingError(

@@ -81,7 +81,7 @@ import fcntl
 import os
 
 from starter.errors import StarterError
-from starter.fileio import unlink_quiet
+from starter.fileio import read_regular, unlink_quiet
 
 
 # The bounded reclaims at the start of a job (reclaim.gc_quick, and the NAT
@@ -395,17 +395,10 @@ MAX_ENTRY = 1 << 20     # an entry is a few hundred bytes
 
 
 def read_entry(path):
-    """A regular file's text, at most MAX_ENTRY: what is in the state
-    directory is read by every admin command and every start, so a FIFO, a
-    link to /dev/zero or a huge file there must not hang or fill them."""
-    fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-    try:
-        st = os.fstat(fd)
-        if st.st_mode & 0o170000 != 0o100000 or st.st_size > MAX_ENTRY:
-            raise ValueError("not an entry")
-        return os.read(fd, MAX_ENTRY + 1).decode()
-    finally:
-        os.close(fd)
+    """A regular file's text, at most MAX_ENTRY (else OSError): what is in
+    the state directory is read by every admin command and every start, so a
+    FIFO, a link to /dev/zero or a huge file there must not hang or fill them."""
+    return read_regular(path, MAX_ENTRY).decode()
 
 
 def load(state_dir, job_id, lock_fd=None):

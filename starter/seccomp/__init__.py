@@ -23,7 +23,7 @@ trustworthy as the profile next to the starter's code.
 import os
 
 from starter.errors import SpecError, StarterError
-from starter.fileio import unlink_best_effort
+from starter.fileio import NotRegular, TooLarge, read_regular, unlink_best_effort
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "default.json")
 MAX_PROFILE = 1 << 20
@@ -122,25 +122,14 @@ def _read_profile(path):
     """The profile's bytes.  The last component is not followed (no
     symlinks), and it must be a regular file (a FIFO must not block us)."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NOFOLLOW | os.O_NONBLOCK)
+        return read_regular(path, MAX_PROFILE)
+    except NotRegular:
+        raise SpecError("seccomp", f"profile {path} is not a regular file") from None
+    except TooLarge:
+        raise SpecError("seccomp", f"{path}: larger than {MAX_PROFILE >> 20} MiB") from None
     except OSError as e:
         hint = "give the real path, not a symbolic link" if e.errno == 40 else None
         raise SpecError("seccomp", f"cannot read profile {path}: {e.strerror}", hint) from None
-    try:
-        if not _is_reg(os.fstat(fd)):
-            raise SpecError("seccomp", f"profile {path} is not a regular file")
-        chunks, size = [], 0
-        while True:
-            b = os.read(fd, 65536)
-            if not b:
-                break
-            chunks.append(b)
-            size += len(b)
-            if size > MAX_PROFILE:
-                raise SpecError("seccomp", f"{path}: larger than {MAX_PROFILE >> 20} MiB")
-        return b"".join(chunks)
-    finally:
-        os.close(fd)
 
 
 _ident = None
