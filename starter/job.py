@@ -271,13 +271,8 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     # Which namespaces the starter made, for `starter enter` (admin.py),
     # read now: the child runs nothing of the job's before the release.  A
     # job with a user namespace of its own can later unshare its PID 1 into
-    # namespaces of its own making; enter refuses those.  The cgroup
-    # namespace is made after the release unless at clone (--delegate):
-    # None, enter checks its owner instead (ns.open_namespaces).
-    made = child_spec.namespaces - ({"cgroup"} if not child_spec.cgroupns_at_clone else set())
-    job_namespaces = ns.identities(child.pid, made)
-    if "cgroup" in child_spec.namespaces and "cgroup" not in made:
-        job_namespaces["cgroup"] = None
+    # namespaces of its own making; enter refuses those.
+    job_namespaces = ns.made_for(child.pid, child_spec)
     trace.mark("clone")
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
     cg.add_pid(child.pid, cloned=child_spec.cgroup_fd is not None)

@@ -36,7 +36,7 @@ from starter.values import MAX_NUMERIC_ID  # (uid_t)-1 means "unchanged" to setr
 
 __all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "decode_status",
            "NAMESPACES", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWPID",
-           "CLONE_NEWNET", "CLONE_NEWCGROUP", "identities", "open_namespaces", "close_namespaces",
+           "CLONE_NEWNET", "CLONE_NEWCGROUP", "identities", "made_for", "open_namespaces", "close_namespaces",
            "NamespacesChanged"]
 
 CLONE_NEWNS = lib.SHIM_NEWNS
@@ -337,6 +337,17 @@ def identities(pid, names):
     for name in names:
         st = os.stat(f"/proc/{pid}/ns/{name}")
         out[name] = [st.st_dev, st.st_ino]
+    return out
+
+
+def made_for(pid, spec):
+    """The record of what the starter made for its child `pid` (ChildSpec
+    `spec`), for open_namespaces(): identities() of the namespaces it was
+    cloned into; its cgroup namespace, made after the release unless at
+    clone, as None (checked by its owner)."""
+    later = set() if spec.cgroupns_at_clone else {"cgroup"} & spec.namespaces
+    out = identities(pid, spec.namespaces - later)
+    out.update(dict.fromkeys(later))
     return out
 
 
