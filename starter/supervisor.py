@@ -256,7 +256,7 @@ class Supervisor:
         # The entry says "killing" only once the kill is found to take a
         # while (see kill()): a write before or during it delayed it.
         self.out.unkillable = self.cg.kill(timeout=self.kill_timeout,
-                                           then=lambda: self.state.update(state="killing"))
+                                           then=lambda: self._note(state="killing"))
 
 
 def describe(pids):
