@@ -171,10 +171,11 @@ def max_flows(env=None, conntrack_max_path="/proc/sys/net/netfilter/nf_conntrack
         if not (v.isascii() and v.isdigit()) or not 0 < int(v) <= 1 << 31:
             raise NetworkError(f"STARTER_NET_MAX_FLOWS={v!r} is not a number of connections (1 or more)")
         return int(v)
+    from starter.net.sysctl import read_sysctl
+
     try:
-        with open(conntrack_max_path, "rb") as f:
-            return max(1024, int(f.read()) // 8)
-    except (OSError, ValueError):
+        return max(1024, int(read_sysctl(conntrack_max_path)) // 8)
+    except (OSError, ValueError, TypeError):    # TypeError: None, no such sysctl
         return DEFAULT_MAX_FLOWS
 
 
@@ -542,7 +543,6 @@ def _getobjs(table_name, names):
 
 
 def _counter_error(name, err):
-
     return NetworkError(f"nftables: reading counter {name} failed: {os.strerror(-err)}")
 
 
@@ -667,7 +667,6 @@ class Nft:
         first build a cache of the table, whose cost grows with the number
         of jobs (at 500 jobs here: +1.3 ms to add a job, +4 ms to remove
         one).  All or nothing; NftError names the first refused change."""
-        import os
         import socket
         import struct
 
