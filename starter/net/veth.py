@@ -177,24 +177,25 @@ class Links:
         finally:
             job.close()
 
-    def set_down(self, host_ifname):
-        """Take the pair's host end down: it takes no packet from its peer
-        any more (a down device drops what is forwarded to it).  ENODEV ok."""
+    def _on_link(self, request, what):
+        """One request about a link that may be gone already (ENODEV ok):
+        -> whether it was there."""
         try:
-            self.rt.run([rtnl.set_down(host_ifname)])
+            self.rt.run([request])
         except RtnlError as e:
             if e.code not in (errno.ENODEV, errno.ENOENT):
-                raise _error(f"take veth {host_ifname} down", e) from None
-
-    def delete(self, host_ifname):
-        """Delete the pair by its host end.  Idempotent (ENODEV ok)."""
-        try:
-            self.rt.run([rtnl.del_link(host_ifname)])
-        except RtnlError as e:
-            if e.code not in (errno.ENODEV, errno.ENOENT):
-                raise _error(f"delete veth {host_ifname}", e) from None
+                raise _error(what, e) from None
             return False
         return True
+
+    def set_down(self, host_ifname):
+        """Take the pair's host end down: it takes no packet from its peer
+        any more (a down device drops what is forwarded to it)."""
+        return self._on_link(rtnl.set_down(host_ifname), f"take veth {host_ifname} down")
+
+    def delete(self, host_ifname):
+        """Delete the pair by its host end.  Idempotent."""
+        return self._on_link(rtnl.del_link(host_ifname), f"delete veth {host_ifname}")
 
     def host_addresses(self, family=_socket.AF_INET):
         """[(cidr, ifname)] of the host's addresses of one family (pool
