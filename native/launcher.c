@@ -21,6 +21,12 @@
  * (the starter then warms up itself).  The grandchild is reparented and
  * reaped by the batch system's reaper; the starter never sees it.
  *
+ * Installed set-user-ID root (scripts/setup), this is also the entry point
+ * of callers that are not root (a Slurm batch script, HTCondor's job
+ * wrapper): see caller_run() below and docs/design.md, "Callers that are
+ * not root".  Every other command, run by a user, drops the borrowed
+ * privilege before anything else and runs as that user.
+ *
  * Built by scripts/setup with launcher-paths.h, which defines STARTER_PYTHON
  * (the venv's interpreter) and STARTER_CODE (what runs: sys.path, then
  * starter.cli.entry()).
@@ -32,6 +38,12 @@
 #include <poll.h>
 #include <stdlib.h>
 #include <string.h>
+#include <grp.h>
+#include <signal.h>
+#include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
 #include <sys/syscall.h>
 #include <sys/wait.h>
 #include <unistd.h>
@@ -154,11 +166,226 @@ static void warm_up(void)
 		close(pipefd[1]);
 }
 
+/* ------------------------------------------------------------------
+ * A caller that is not root: `starter run` through the set-user-ID bit.
+ *
+ *   caller (uid U)        relay (uid U, this pid)          root starter (uid 0)
+ *   --------------        -----------------------          --------------------
+ *   exec starter run ...  fork ────────────────────────►   setsid, uid/gid/groups 0,
+ *                         drop to U (real, effective,      rlimits, umask, signals reset,
+ *                         saved): no privilege left        environment emptied, then
+ *   signals ────────────► every catchable signal ──sock──► exec python: `starter run`
+ *                         (sigwaitinfo), one byte each     with $STARTER_CALLER (who)
+ *                         ◄───────── exit status ───────── and $STARTER_CALLER_FD (sock)
+ *   exit code ◄────────── exits with it
+ *   (SIGKILL)             dies: sock hangs up ───────────► the starter kills the job
+ *
+ * The relay keeps the caller's pid, session, process group and cgroup, so
+ * the batch system's signals and its kill of the step reach it; the root
+ * starter sits in the same cgroup (the job's cgroups nest under it) but in a
+ * session of its own, and with real uid 0 the caller cannot signal, stop or
+ * trace it: signals reach it only through the relay, as bytes the starter
+ * maps to its actions (TERM vacates, ...).  The caller's environment,
+ * rlimits, umask, signal dispositions and mask do not reach the root
+ * process; its fds do (stdio, fd:N), and every path the caller names is
+ * opened by the starter with the caller's rights (starter/caller.py).  What
+ * the caller may ask for is the node policy's business (starter/policy.py).
+ */
+
+/* Signals a relay never forwards: SIGKILL/SIGSTOP cannot be caught, SIGCHLD
+ * is the starter's own end. */
+static int forwarded(int sig)
+{
+	return sig != SIGKILL && sig != SIGSTOP && sig != SIGCHLD;
+}
+
+static void die(const char *what)
+{
+	fprintf(stderr, "starter: %s: %s (exit 125)\n", what, strerror(errno));
+	_exit(125);
+}
+
+/* The root half: becomes the starter. */
+static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
+		      gid_t *groups, int ngroups)
+{
+	static const struct { int res; rlim_t soft, hard; } limits[] = {
+		{ RLIMIT_CORE, 0, 0 },                  /* a root process never dumps the caller's data */
+		{ RLIMIT_NOFILE, 1024, 524288 },
+		{ RLIMIT_STACK, 8 << 20, RLIM_INFINITY },
+	};
+	size_t size = 64 + 12 * (size_t)ngroups;
+	char *who = malloc(size), *e_who = malloc(size + 16), e_fd[40], e_warm[48];
+	char *args[argc + 5], *env[5];
+	const char *warm;
+	size_t len;
+	int n = 0, ne = 0;
+	sigset_t none;
+
+	if (!who || !e_who)
+		die("out of memory");
+	if (setsid() < 0 || setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
+		die("cannot become root for the caller's job");
+	for (int r = 0; r < RLIM_NLIMITS; r++) {     /* the caller's rlimits are not root's */
+		struct rlimit rl = { RLIM_INFINITY, RLIM_INFINITY };
+
+		if (r == RLIMIT_NICE || r == RLIMIT_RTPRIO || r == RLIMIT_SIGPENDING || r == RLIMIT_MEMLOCK)
+			continue;                       /* kept: they only restrict the starter */
+		for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++)
+			if (limits[i].res == r)
+				rl = (struct rlimit){ limits[i].soft, limits[i].hard };
+		/* Best effort: raising a hard limit needs CAP_SYS_RESOURCE,
+		 * which some nodes' root lacks; a limit the caller lowered then
+		 * stays, which can only fail the caller's own start (125), and
+		 * caps the job's own limits at the caller's (the shim). */
+		(void)setrlimit(r, &rl);
+	}
+	umask(022);
+	for (int sig = 1; sig < NSIG; sig++)
+		if (sig != SIGKILL && sig != SIGSTOP)
+			signal(sig, SIG_DFL);               /* SIG_IGN would survive the exec */
+	sigemptyset(&none);
+	sigprocmask(SIG_SETMASK, &none, NULL);
+	len = (size_t)snprintf(who, size, "%u:%u:", (unsigned)uid, (unsigned)gid);
+	for (int i = 0; i < ngroups && len < size - 12; i++)
+		len += (size_t)snprintf(who + len, size - len, "%s%u", i ? "," : "", (unsigned)groups[i]);
+	if (fcntl(sock, F_SETFD, 0) < 0)
+		die("cannot pass the caller's socket");
+	/* The whole environment is ours: nothing of the caller's reaches root. */
+	if (clearenv() != 0)
+		die("cannot empty the environment");
+	warm_up();              /* after the switch: the v1 move is root's */
+	warm = getenv("STARTER_WARM_FD");
+	env[ne++] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
+	snprintf(e_who, size + 16, "STARTER_CALLER=%s", who);
+	env[ne++] = e_who;
+	snprintf(e_fd, sizeof e_fd, "STARTER_CALLER_FD=%d", sock);
+	env[ne++] = e_fd;
+	if (warm) {
+		snprintf(e_warm, sizeof e_warm, "STARTER_WARM_FD=%s", warm);
+		env[ne++] = e_warm;
+	}
+	env[ne] = NULL;
+	args[n++] = STARTER_PYTHON;
+	args[n++] = "-IS";
+	args[n++] = "-c";
+	args[n++] = STARTER_CODE;
+	for (int i = 1; i < argc; i++)
+		args[n++] = argv[i];
+	args[n] = NULL;
+	execve(STARTER_PYTHON, args, env);
+	die("cannot run " STARTER_PYTHON);
+}
+
+/* The caller's half: forward signals, wait, exit with the starter's code. */
+static int relay(pid_t starter, int sock, uid_t uid, gid_t gid)
+{
+	sigset_t all;
+	siginfo_t si;
+	int status;
+
+	/* Nothing of root's stays with the process the caller can signal. */
+	if (setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0) {
+		kill(starter, SIGKILL);     /* our own child, still ours to end */
+		die("cannot drop privileges");
+	}
+	sigfillset(&all);
+	for (;;) {
+		int sig = sigwaitinfo(&all, &si);
+
+		if (sig < 0)
+			continue;                   /* EINTR */
+		if (sig == SIGCHLD) {
+			pid_t p = waitpid(starter, &status, WNOHANG);
+
+			if (p == starter)
+				break;
+			continue;
+		}
+		if (forwarded(sig)) {
+			unsigned char b = (unsigned char)sig;
+
+			/* Never blocks: a starter too busy to read would lose a
+			 * repeat of a signal it already has. */
+			(void)send(sock, &b, 1, MSG_DONTWAIT | MSG_NOSIGNAL);
+		}
+	}
+	if (WIFEXITED(status))
+		return WEXITSTATUS(status);
+	fprintf(stderr, "starter: the root starter died of signal %d (exit 125)\n", WTERMSIG(status));
+	return 125;
+}
+
+/* Root runs the interpreter and the code below this launcher's directory:
+ * every directory on the way must be root's and writable by no one else,
+ * else whoever could write one would choose what root runs. */
+static void check_install(void)
+{
+	char path[] = STARTER_PYTHON;
+	struct stat st;
+
+	for (char *slash = path; (slash = strchr(slash + 1, '/')) != NULL; ) {
+		*slash = 0;
+		if (lstat(path, &st) < 0 || !S_ISDIR(st.st_mode) || st.st_uid != 0 || (st.st_mode & 022)) {
+			fprintf(stderr, "starter: %s is not a directory of root's that only root may write: "
+				"this installation cannot serve users (exit 125)\n", path);
+			_exit(125);
+		}
+		*slash = '/';
+	}
+}
+
+/* `starter run` for a caller that is not root (the picture above). */
+static int caller_run(int argc, char **argv)
+{
+	uid_t uid = getuid();
+	gid_t gid = getgid(), *groups;
+	int ngroups = getgroups(0, NULL), sv[2];
+	sigset_t all;
+	pid_t p;
+
+	check_install();
+	groups = malloc(sizeof(gid_t) * (size_t)(ngroups > 0 ? ngroups : 1));
+	if (ngroups < 0 || !groups || (ngroups = getgroups(ngroups, groups)) < 0)
+		die("cannot read the caller's groups");
+	/* stdio the caller closed is /dev/null, never a file root opens later */
+	for (int fd = 0; fd < 3; fd++)
+		if (fcntl(fd, F_GETFD) < 0 && open("/dev/null", O_RDWR) != fd)
+			die("cannot open /dev/null for a closed stdio descriptor");
+	if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, sv) < 0)
+		die("cannot make the caller's socket");
+	sigfillset(&all);
+	sigprocmask(SIG_BLOCK, &all, NULL);     /* none is lost before the relay waits */
+	/* An ignored signal is dropped even while blocked: the caller may have
+	 * exec'd us with SIGTERM ignored (nohup, a wrapper), and the relay must
+	 * still see it. */
+	for (int sig = 1; sig < NSIG; sig++)
+		if (sig != SIGKILL && sig != SIGSTOP)
+			signal(sig, SIG_DFL);
+	p = fork();
+	if (p < 0)
+		die("cannot fork");
+	if (p == 0) {
+		close(sv[1]);
+		root_half(sv[0], argv, argc, uid, gid, groups, ngroups);
+	}
+	close(sv[0]);
+	return relay(p, sv[1], uid, gid);
+}
+
 int main(int argc, char **argv)
 {
 	char *args[argc + 5];
 	int n = 0;
 
+	if (getuid() != 0 && geteuid() == 0) {      /* set-user-ID root, run by a user */
+		if (argc > 1 && !strcmp(argv[1], "run"))
+			return caller_run(argc, argv);
+		/* Any other command runs as the user, as if not set-user-ID. */
+		if (setresgid(getgid(), getgid(), getgid()) < 0 ||
+		    setresuid(getuid(), getuid(), getuid()) < 0)
+			die("cannot drop privileges");
+	}
 	if (argc > 1 && !strcmp(argv[1], "run") && geteuid() == 0)
 		warm_up();
 	args[n++] = STARTER_PYTHON;

@@ -35,6 +35,7 @@ commands:
                                 control a running job (same as signalling its starter)
   gc                            reclaim what crashed starters left behind
   netd                          run the per-node network helper (for --net nat)
+  config check|show [FILE]      validate / print the node policy (/etc/starter/starter.toml)
   spool [--spool DIR] add|ls|gc|link|release ...
                                 shared executables, stored once per owner and hash
 
@@ -155,6 +156,11 @@ def help_text(title, table):
 
 def need_root(what):
     if os.geteuid() != 0:
+        if what == "starter run":
+            raise StarterError(
+                "starter run needs root: this `starter` command is not set-user-ID root",
+                "users start jobs through the set-user-ID `starter` command that scripts/setup "
+                "installs (.venv/bin/starter, mode 4755); `python -m starter` is for root only")
         raise StarterError(
             f"{what} must run as root",
             "it creates namespaces, cgroups and network devices and switches to the job's user; "
@@ -170,23 +176,60 @@ def cmd_run(argv):
         return 0
     trace.mark("import")
     values, _, command = parse(argv, RUN_OPTIONS, usage="starter run [options] -- CMD [ARGS]")
+    caller = None
     if os.geteuid() == 0:
         # First: the first cgroup migration's RCU wait then overlaps what follows.
         from starter.cgroups import warm_up
 
         warm_up()
         trace.mark("warm-up")
+        if "STARTER_CALLER" in os.environ:    # the set-user-ID launcher's (starter/caller.py)
+            from starter.caller import from_environ
+
+            caller = from_environ()
     from starter import spec as S
 
-    job_file = S.load_job_file(values.pop("job")) if "job" in values else None
-    if command:
-        values["command"] = command
     need_root("starter run")
-    js = S.build(values, job_file)
+    from starter import policy
+
+    # A root caller may name another policy file (tests, a trial); a caller
+    # that is not root has an empty environment here (the launcher's doing).
+    pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
+    if caller is None:
+        job_file = S.load_job_file(values.pop("job")) if "job" in values else None
+        if command:
+            values["command"] = command
+        js = S.build(values, job_file, pol)
+    else:
+        # Every path the caller names is looked at with its rights, not root's.
+        with caller.rights():
+            job_file = S.load_job_file(values.pop("job")) if "job" in values else None
+            if command:
+                values["command"] = command
+            js = S.build(values, job_file, pol, caller)
     trace.mark("spec")
     from starter.job import run
 
-    return run(js)
+    return run(js, caller, pol)
+
+
+def cmd_config(argv):
+    """`starter config check [FILE]` / `starter config show [FILE]`: the node policy."""
+    usage = "usage: starter config check|show [FILE]   (default FILE: /etc/starter/starter.toml)\n"
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in ("check", "show") or len(argv) > 2:
+        sys.stdout.write(usage + "\ncheck: validate the node policy (exit 0: usable); show: print the "
+                         "effective policy,\nits defaults and what callers that are not root may ask for.\n")
+        return 0 if argv[:1] in (["-h"], ["--help"]) else 2
+    from starter import policy
+    from starter import values as V
+
+    path = V.host_path("config", argv[1]) if len(argv) > 1 else policy.PATH
+    pol = policy.load(path)
+    if argv[0] == "check":
+        sys.stdout.write(f"{path}: ok\n" if pol.path else f"{path}: no such file; the built-in policy applies\n")
+    else:
+        sys.stdout.write(pol.render())
+    return 0
 
 
 NS_FLAGS = {"p": "pid", "n": "net", "m": "mnt", "u": "uts", "i": "ipc"}
@@ -502,13 +545,24 @@ def _spool_command(s, cmd, values, pos):
 
 
 def _state_dir(values):
+    """--state-dir, else $STARTER_STATE_DIR, else the node policy's
+    defaults.state_dir, else /run/starter."""
     from starter.spec import state_dir
 
-    return state_dir(values.get("state-dir"))
+    value = values.get("state-dir")
+    if value is None and not os.environ.get("STARTER_STATE_DIR"):
+        from starter import policy
+
+        try:
+            value = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH).defaults.get("state-dir")
+        except StarterError:
+            value = None        # an admin command still works beside a broken policy
+    return state_dir(value)
 
 
 COMMANDS = {
     "run": cmd_run,
+    "config": cmd_config,
     "ns-exec": cmd_ns_exec,
     "enter": cmd_enter,
     "ps": cmd_ps,

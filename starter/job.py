@@ -69,16 +69,30 @@ class Undo:
         return err
 
 
-def run(spec):
-    """Run the job described by a checked JobSpec; -> the starter's exit code."""
+class _Root:
+    """A no-op context: what a root caller names is opened as root."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        pass
+
+
+def run(spec, caller=None, policy=None):
+    """Run the job described by a checked JobSpec; -> the starter's exit code.
+    caller: a starter.caller.Caller when the caller is not root (its paths
+    are opened with its rights, its relay's signals and hang-up are
+    watched); policy: the node policy (its per-caller job count)."""
     from starter.report import Dest, Events, write_report
     from starter.supervisor import Signals
 
     t0 = time.time()
     undo = Undo()
+    rights = caller.rights if caller is not None else _Root
     # Closed at the very end, after the report: a SIGTERM during teardown
     # must not kill the starter before it reports (Signals.close).
-    signals = Signals(spec.on_signal)
+    signals = Signals(spec.on_signal, caller.fd if caller is not None else None)
     events = Events(None, spec.id)
     report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
               "signal": None, "started_at": round(t0, 6)}
@@ -92,12 +106,15 @@ def run(spec):
         trace.mark("seccomp")
         # Both resolved (without following links) before anything runs; the
         # report's directory fd is held until the end.
-        if spec.report:
-            report_dest = Dest(spec.report, "report")
-        try:
-            events = Events(spec.events, spec.id)
-        except OSError as e:
-            raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
+        with rights():
+            if spec.report:
+                report_dest = Dest(spec.report, "report")
+                if caller is not None:
+                    report_dest.check_writable()
+            try:
+                events = Events(spec.events, spec.id)
+            except OSError as e:
+                raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
         from starter import cgroups, reclaim
 
         reclaim.gc_quick(spec.state_dir)
@@ -106,17 +123,26 @@ def run(spec):
         backend = cgroups.open_backend(spec.cgroup_parent)
         if spec.delegate:   # refused before anything of the job exists
             backend.check_delegation()
+        count_lock = None
+        if caller is not None:
+            # Its cgroups go inside the caller's own: root's all the way up,
+            # and not a job's (a process inside a job cannot start one).
+            backend.check_caller_parents()
+            count_lock = _caller_slot(spec.state_dir, caller, policy)
         job_state = JobState(spec.state_dir, spec.id).create(
             reclaim=reclaim.reclaim_for_start,
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
             userns_root=spec.userns_root, seccomp=spec.seccomp, allow_userns=spec.allow_userns,
             argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
             cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
-            cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent, delegate=spec.delegate)
+            cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent, delegate=spec.delegate,
+            caller=caller.uid if caller is not None else 0)
+        if count_lock is not None:      # the entry counts from here on
+            os.close(count_lock)
         fault("state-entry")
         events.emit("starting", argv=spec.argv, user=spec.uid)
         trace.mark("state")
-        code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter)
+        code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter, rights)
     except StarterError as e:
         sys.stderr.write(f"starter: {one_line(e)}\n")
         report.update(error=str(e), exit_code=e.exit_code)
@@ -158,9 +184,10 @@ def run(spec):
         report["ended_at"] = round(time.time(), 6)
         if report_dest is not None:
             try:
-                write_report(report_dest, report, spec.report_format)
-            except OSError as e:
-                sys.stderr.write(f"starter: cannot write report {spec.report}: {e.strerror}\n")
+                with rights():      # the caller's file, made with its rights
+                    write_report(report_dest, report, spec.report_format)
+            except (OSError, StarterError) as e:
+                sys.stderr.write(f"starter: cannot write report {spec.report}: {getattr(e, 'strerror', None) or one_line(e)}\n")
             report_dest.close()
         events.emit("exited", report=report)
         events.close()
@@ -170,7 +197,7 @@ def run(spec):
     return code
 
 
-def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None):
+def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_Root):
     from starter import cgroups, ns
     from starter.mounts import Mount
     from starter.spec import rlimit_table
@@ -203,9 +230,10 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         if spec.manifest:
             from starter import manifest
 
-            staged = manifest.verify_and_stage(
-                spec.manifest, spec.manifest_digest, spec.inputs or os.path.dirname(spec.manifest),
-                sc.fd, spec.uid, spec.gid)
+            with rights():      # read with the caller's rights (the job's own uid then)
+                staged = manifest.verify_and_stage(
+                    spec.manifest, spec.manifest_digest, spec.inputs or os.path.dirname(spec.manifest),
+                    sc.fd, spec.uid, spec.gid)
             # Run the verified copy, never the path that was checked.
             name = argv[0][2:] if argv[0].startswith("./") else argv[0]
             if name in staged:
@@ -366,6 +394,34 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     if undo.holds("net", "scratch"):
         job_state.update(state="exited")
     return code
+
+
+def _caller_slot(state_dir, caller, policy):
+    """Refuse a caller's job beyond the policy's callers.max_jobs; -> an fd
+    holding a lock on the count (the state directory itself, flock()ed:
+    nothing to leave behind), held until the job's entry exists."""
+    import fcntl
+
+    from starter import state
+
+    state.ensure_dir(state_dir)
+    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        limit = policy.callers["max_jobs"] if policy is not None else None
+        if limit is not None:
+            running = sum(1 for i in state.list_ids(state_dir)
+                          if state.load(state_dir, i).get("caller") == caller.uid and state.is_live(state_dir, i))
+            if running >= limit:
+                from starter.policy import PolicyError
+
+                raise PolicyError(f"uid {caller.uid} has {running} jobs running on this node, the most "
+                                  f"{policy.where('callers.max_jobs')} allows",
+                                  "wait for one to end, or ask the node's admin")
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def default_cwds(spec):

@@ -116,6 +116,17 @@ class Dest:
             unlink_best_effort(tmp, self.dir_fd)
             raise
 
+    def check_writable(self):
+        """Refuse now, not after the job ran, a FILE whose directory the
+        effective ids (a caller's, inside Caller.rights()) may not write."""
+        if self.dir_fd is not None and not os.access(f"/proc/self/fd/{self.dir_fd}", os.W_OK | os.X_OK,
+                                                     effective_ids=True):
+            from starter import paths
+
+            self.close()
+            raise paths.LinkError(f"{self.what} {self.dest}: its directory is not writable by the caller",
+                                  "give a file in a directory you may write, or fd:N")
+
     def close(self):
         if self.dir_fd is not None:
             os.close(self.dir_fd)

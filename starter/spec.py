@@ -301,12 +301,27 @@ def resolve_user(user, group):
     return uid, gid, groups, home, name
 
 
+def caller_user(caller):
+    """-> (uid, gid, groups, home, name) of a caller that is not root."""
+    import pwd
+
+    try:
+        pw = pwd.getpwuid(caller.uid)
+        home, name = pw.pw_dir, pw.pw_name
+    except KeyError:
+        home, name = "/", None
+    return caller.uid, caller.gid, tuple(sorted(set(caller.groups) - {caller.gid})), home, name
+
+
 # ---------------------------------------------------------------- building
 
 # Option name -> (JobSpec path, parser).  The job file uses the same names.
-def build(cli, job_file=None):
+def build(cli, job_file=None, policy=None, caller=None):
     """Merge a job file (dict, already parsed) and command-line values (dict
-    of option name -> value, only those given) into a checked JobSpec."""
+    of option name -> value, only those given) into a checked JobSpec, with
+    the node policy's defaults where neither gives a value; for a caller
+    that is not root (starter/caller.py), the policy's [callers] table
+    decides what it may ask for, and the job runs as the caller."""
     raw = dict(_flatten_file(job_file)) if job_file else {}
     for k, v in cli.items():
         if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit") and k in raw:
@@ -315,7 +330,9 @@ def build(cli, job_file=None):
             raw[k] = raw[k] + list(v)             # repeatable: file first, then flags
         else:
             raw[k] = v
-    return _make(raw)
+    if policy is not None:
+        policy.apply(raw, caller)
+    return _make(raw, caller)
 
 
 _FILE_KEYS = {
@@ -412,7 +429,7 @@ def _list(field, v):
     return v
 
 
-def _make(raw):
+def _make(raw, caller=None):
     argv = raw.get("command") or []
     if not argv:
         raise SpecError("command", "no command given (starter run [options] -- CMD ARGS)")
@@ -429,7 +446,13 @@ def _make(raw):
         V.user_or_id("user", user)
     if group is not None:
         V.user_or_id("group", group)
-    uid, gid, groups, home, uname = resolve_user(user, group)
+    if caller is not None:
+        # As the caller itself, with the groups the kernel gave it (a batch
+        # system may have set them), never from --user or the job account.
+        uid, gid, groups, home, uname = caller_user(caller)
+        user = uname or str(uid)
+    else:
+        uid, gid, groups, home, uname = resolve_user(user, group)
     if user is None:
         user = uname  # recorded in the state entry: who the job runs as
 

@@ -47,7 +47,6 @@ import hmac
 import logging
 import os
 import stat
-from contextlib import contextmanager
 
 from starter import paths, values
 from starter.errors import SpecError, StagingError
@@ -240,7 +239,7 @@ def _open_src(path, owner=None):
                     f"can act as), and the file (mode {stat.S_IMODE(st.st_mode):04o}) is not readable by everyone",
                     hint="run as root with --owner naming the job's local account, or make the file o+r")
         try:
-            with _credentials(creds):
+            with paths.as_user(creds, "to read the job's file"):
                 fd = os.open(f"/proc/self/fd/{pfd}", os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
         except PermissionError:
             raise StagingError(f"spool: file {shown}: {owner!r} may not read it, so it is not copied",
@@ -271,37 +270,6 @@ def _reader(owner):
     if os.geteuid() != 0:
         return None
     return pw.pw_uid, pw.pw_gid, os.getgrouplist(pw.pw_name, pw.pw_gid)
-
-
-@contextmanager
-def _credentials(creds):
-    """Act with effective uid, gid and groups `creds` inside the block (the
-    kernel checks an open against them, ACLs included), root again after.
-    Effective ids only: the real and saved uid stay 0, so the switch back
-    cannot fail."""
-    if not creds:
-        yield
-        return
-    uid, gid, groups = creds
-    old_gid, old_groups = os.getegid(), os.getgroups()
-
-    def restore():
-        os.seteuid(0)
-        os.setegid(old_gid)
-        os.setgroups(old_groups)
-
-    try:
-        os.setgroups(groups)
-        os.setegid(gid)
-        os.seteuid(uid)
-    except OSError as e:
-        restore()
-        raise StagingError(f"spool: cannot take uid {uid}, gid {gid} to read the job's file: {e.strerror}",
-                           hint="the starter needs CAP_SETUID and CAP_SETGID") from None
-    try:
-        yield
-    finally:
-        restore()
 
 
 class _Target:

@@ -13,7 +13,7 @@ import time
 import pytest
 
 from starter import spool as sp
-from starter.errors import SpecError, StagingError
+from starter.errors import SpecError, StagingError, StarterError
 
 
 # ---------------------------------------------------------------- escaping (pure)
@@ -581,7 +581,7 @@ def test_no_rights_to_switch_to_is_its_own_error(tmp_path, monkeypatch):
         real(uid)
 
     monkeypatch.setattr(os, "seteuid", no_cap_setuid)
-    with pytest.raises(StagingError, match="cannot take uid .* CAP_SETUID"):
+    with pytest.raises(StarterError, match="cannot take uid .* CAP_SETUID"):
         s.add("nobody", _exe(tmp_path))
     monkeypatch.undo()
     assert (os.geteuid(), os.getegid(), os.getgroups()) == ids

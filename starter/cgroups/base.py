@@ -602,6 +602,39 @@ class Backend:
     def distinct_parents(self):
         return list(dict.fromkeys(self.parents.values()))
 
+    def check_caller_parents(self):
+        """For a caller that is not root (starter/caller.py): its job's
+        cgroups go under the caller's own cgroup in every hierarchy, which
+        must be root's all the way up.  A cgroup the caller may write (one
+        delegated to it, say by systemd's user@.service) would let it move
+        the job's processes out of the job's cgroup, past its limits and
+        its kill.  And no job may start one: the caller's cgroup is not
+        inside a job's (the set-user-ID bit already does nothing there,
+        under no_new_privs)."""
+        import stat
+
+        for role in self.roles():
+            m, own = self.mount_for(role), self.layout.own.get(role)
+            if own is None:
+                continue
+            parts = [c for c in own.split("/") if c]
+            if any(a.startswith("starter") and b.startswith("job-") for a, b in zip(parts, parts[1:])):
+                raise CgroupError(f"a process inside a job cannot start a job (its {role} cgroup is {own})")
+            d = m.mount_point
+            for name in [""] + parts:
+                d = os.path.join(d, name) if name else d
+                try:
+                    st, procs = os.lstat(d), os.lstat(os.path.join(d, "cgroup.procs"))
+                except OSError as e:
+                    raise CgroupError(f"cannot check the caller's cgroup {d}: {e.strerror}") from None
+                if (not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or procs.st_uid != 0
+                        or st.st_mode & 0o022 or procs.st_mode & 0o022):
+                    raise CgroupError(
+                        f"the caller's cgroup {d} is not root's alone (owner uid {st.st_uid}, "
+                        f"cgroup.procs owner uid {procs.st_uid}): a job of its user could leave its own cgroup",
+                        "start jobs from a batch system's job or step, not from a cgroup delegated to a user "
+                        "(systemd --user, a user's own delegated subtree)")
+
     def check_delegation(self, mountinfo=None):
         """Raise CgroupError unless jobs can get a delegated subtree here."""
         raise CgroupError(DELEGATE_V1_REFUSAL, DELEGATE_V1_HINT)

@@ -1,0 +1,85 @@
+"""Who asked for this job, when it was not root.
+
+A caller that is not root reaches `starter run` through the set-user-ID
+launcher (native/launcher.c, caller_run()), which forks: the caller's half
+(the relay, which keeps the caller's pid and forwards its signals) and this
+process, root through and through, with an empty environment but for
+$STARTER_CALLER ("UID:GID:G1,G2,...": the caller's real ids and groups, as
+the kernel gave them to the launcher) and $STARTER_CALLER_FD (the relay's
+socket).  Only the launcher can set them for a root process a user started:
+it empties the environment first.  A root caller that sets them itself only
+restricts its own job.
+
+What it means here:
+  * the job runs as the caller's uid, gid and groups, never another
+    (spec.py), under the node policy's [callers] table (policy.py);
+  * every path the caller names is opened with the caller's rights
+    (Caller.rights(): effective ids switched around the open), never root's;
+  * the relay's socket carries its signals, one byte each, into the
+    supervisor, and its hang-up (the caller died, even of SIGKILL) kills the
+    job (supervisor.Signals);
+  * the job's cgroups nest in the caller's own, which must be root's all the
+    way up (cgroups: Backend.check_trusted_parents).
+"""
+
+import os
+
+from starter.errors import StarterError
+
+
+class Caller:
+    __slots__ = ("uid", "gid", "groups", "fd")
+
+    def __init__(self, uid, gid, groups, fd=None):
+        self.uid, self.gid, self.groups, self.fd = uid, gid, tuple(groups), fd
+
+    def __repr__(self):
+        return f"Caller(uid={self.uid}, gid={self.gid}, groups={self.groups})"
+
+    def rights(self, why="to open the caller's files"):
+        """A context: effective ids of the caller inside it."""
+        from starter.paths import as_user
+
+        return as_user((self.uid, self.gid, self.groups), why)
+
+    def is_self(self, what, value):
+        """Does --user/--group `value` name the caller itself?"""
+        value = str(value)
+        if value.isascii() and value.isdigit():
+            return int(value) == (self.uid if what == "user" else self.gid)
+        try:
+            if what == "user":
+                import pwd
+
+                return pwd.getpwnam(value).pw_uid == self.uid
+            import grp
+
+            return grp.getgrnam(value).gr_gid == self.gid
+        except (KeyError, ValueError, UnicodeError):
+            return False
+
+
+def from_environ(environ=os.environ):
+    """The Caller the launcher named, or None (a root caller).  Removes the
+    variables, so nothing the starter starts inherits them."""
+    who = environ.pop("STARTER_CALLER", None)
+    fd = environ.pop("STARTER_CALLER_FD", None)
+    if who is None or os.getuid() != 0:
+        return None
+    try:
+        uid, gid, groups = who.split(":")
+        uid, gid = int(uid), int(gid)
+        groups = tuple(int(g) for g in groups.split(",") if g)
+        fd = int(fd) if fd is not None else None
+    except ValueError:
+        raise StarterError(f"unusable $STARTER_CALLER {who!r}",
+                           "it is set by the set-user-ID `starter` launcher only") from None
+    if uid == 0:
+        return None
+    if fd is not None:
+        try:
+            os.set_inheritable(fd, False)
+            os.set_blocking(fd, False)
+        except OSError:
+            fd = None
+    return Caller(uid, gid, groups, fd)
