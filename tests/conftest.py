@@ -64,6 +64,56 @@ def starter(state_root):
     return run
 
 
+POLICY = "/etc/starter/starter.toml"
+# Callers that are not root (tests/test_callers.py, tests/test_slurm.py): nobody.
+UID = GID = 65534
+
+
+@pytest.fixture
+def policy(state_root):
+    """write(text): the node policy for this test (its state_dir the tests'
+    own); whatever was there before is put back after."""
+    made_dir = not os.path.isdir("/etc/starter")
+    saved = None
+    if os.path.exists(POLICY):
+        with open(POLICY, "rb") as f:
+            saved = f.read()
+
+    def write(text="", defaults=""):
+        os.makedirs("/etc/starter", mode=0o755, exist_ok=True)
+        with open(POLICY, "w") as f:
+            f.write(f'[defaults]\nstate_dir = "{state_root}"\n{defaults}\n{text}\n')
+        os.chmod(POLICY, 0o644)
+        return POLICY
+
+    write()
+    yield write
+    if saved is not None:
+        with open(POLICY, "wb") as f:
+            f.write(saved)
+    else:
+        os.unlink(POLICY)
+        if made_dir:
+            os.rmdir("/etc/starter")
+
+
+@pytest.fixture
+def home(tmp_path):
+    """A directory of the caller's own, reachable by it (pytest's are root's 0700)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="starter-caller-", dir="/tmp")
+    os.chown(d, UID, GID)
+    os.chmod(d, 0o755)
+    yield d
+    subprocess.run(["rm", "-rf", "--one-file-system", d], check=True)
+
+
+def caller_argv(*args):
+    """argv: the real `starter` (set-user-ID) run by the test caller."""
+    return ["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", STARTER, *args]
+
+
 # Under software emulation (scripts/vm-test runs qemu TCG, ~7x slower) time
 # bounds that state a promise ("dead within a second") stretch by this much.
 SLOWDOWN = 7.0 if os.environ.get("STARTER_VM") else 1.0
