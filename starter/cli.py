@@ -224,7 +224,7 @@ def cmd_config(argv):
     from starter import values as V
 
     path = V.host_path("config", argv[1]) if len(argv) > 1 else policy.PATH
-    pol = policy.load(path)
+    pol = policy.load(path, cached=False)
     if argv[0] == "check":
         sys.stdout.write(f"{path}: ok\n" if pol.path else f"{path}: no such file; the built-in policy applies\n")
     else:

@@ -250,13 +250,24 @@ def _norm(path):
 
 
 def _under(path, d):
+    """Is `path` (normalised) `d` or below it?  A '..' anywhere: never."""
+    if ".." in path.split("/"):
+        return False
     return path == d or path.startswith(d.rstrip("/") + "/")
 
 
 # ---------------------------------------------------------------- loading
 
-def load(path=PATH):
-    """The policy in `path`; the built-in one if there is no such file."""
+# The parsed policy of the last file read, keyed by its identity: every
+# start reads the policy, and tomllib costs ~12 ms to import here (it pulls
+# in `re`), as much as the rest of a `starter run`.  marshal is built in and
+# loads the cache in microseconds.  Root's alone, in root's /run.
+CACHE = "/run/starter.policy-cache"
+
+
+def load(path=PATH, cached=True):
+    """The policy in `path`; the built-in one if there is no such file.
+    cached=False: parse the file even if the cache has it (config check)."""
     from starter import paths
 
     try:
@@ -267,6 +278,11 @@ def load(path=PATH):
         raise PolicyError(e.args[0], e.hint) from None
     try:
         _check_trusted(fd, path)
+        st = os.fstat(fd)
+        key = (path, st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+        pol = _cache_get(key) if cached else None
+        if pol is not None:
+            return pol
         from starter.fileio import read_limited
 
         data = read_limited(fd, MAX_SIZE)
@@ -274,7 +290,49 @@ def load(path=PATH):
         raise PolicyError(f"node policy {path}: cannot read it: {e.strerror}") from None
     finally:
         os.close(fd)
-    return parse(data, path)
+    pol = parse(data, path)
+    _cache_put(key, pol)
+    return pol
+
+
+def _cache_get(key):
+    import marshal
+
+    try:
+        fd = os.open(CACHE, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except OSError:
+        return None
+    try:
+        st = os.fstat(fd)
+        if st.st_uid != 0 or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode) or st.st_size > MAX_SIZE:
+            return None
+        got = marshal.loads(os.read(fd, MAX_SIZE))
+        if not isinstance(got, tuple) or len(got) != 4 or got[0] != key:
+            return None
+        return Policy(key[0], got[1], got[2], got[3])
+    except (OSError, ValueError, EOFError, TypeError):
+        return None
+    finally:
+        os.close(fd)
+
+
+def _cache_put(key, pol):
+    """Best effort: a node where /run is not writable parses every time."""
+    import marshal
+
+    tmp = f"{CACHE}.{os.getpid()}"
+    try:
+        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+        try:
+            os.write(fd, marshal.dumps((key, pol.defaults, pol.callers, pol.lines)))
+        finally:
+            os.close(fd)
+        os.replace(tmp, CACHE)
+    except (OSError, ValueError):
+        try:
+            os.unlink(tmp)
+        except OSError:
+            pass
 
 
 def _check_trusted(fd, path):
@@ -389,6 +447,17 @@ def _check(kind, key, val):
         for p in items:
             S._seccomp_choice(V.string(key, p))
         return items[0] if kind == "profile" else tuple(items)
+    if kind == "rlimits":
+        if not isinstance(val, dict):
+            raise SpecError(key, 'must be a table of NAME = "SOFT[:HARD]"')
+        items = []
+        for k, v in val.items():
+            if isinstance(v, bool) or not isinstance(v, (int, str)):
+                raise SpecError(f"{key}.{k}", 'must be "SOFT[:HARD]" or a number')
+            item = f"{V.string(key, k)}={v}"
+            S.parse_rlimit(key + "." + k, item)
+            items.append(item)
+        return items
     if isinstance(val, bool) or not isinstance(val, (int, float, str)):
         raise SpecError(key, "must be a number or a string")
     if kind == "size":
@@ -401,15 +470,6 @@ def _check(kind, key, val):
         V.number(key, val, 0 if key == "callers.max_jobs" else 1, S.MAX_PIDS, integer=True)
     elif kind == "duration":
         V.duration(key, val, 0, S.MAX_WALL)
-    elif kind == "rlimits":
-        if not isinstance(val, dict):
-            raise SpecError(key, 'must be a table of NAME = "SOFT[:HARD]"')
-        items = []
-        for k, v in val.items():
-            item = f"{V.string(key, k)}={v if isinstance(v, str) else V.number(key + '.' + k, v, 0, 1 << 63, integer=True)}"
-            S.parse_rlimit(key + "." + k, item)
-            items.append(item)
-        return items
     return val
 
 
