@@ -54,6 +54,8 @@
 
 #include "launcher-paths.h"
 
+extern char **environ;
+
 /* The tasks file of our own cgroup in a v1 hierarchy of a resource
  * controller, opened for writing; -1 if there is none (pure cgroup v2). */
 static int v1_tasks(void)
@@ -345,6 +347,16 @@ static int caller_run(int argc, char **argv)
 	pid_t p;
 
 	check_install();
+	/* The starter's own variables are root's to set: said, not silently
+	 * dropped, so a user who sets one learns it does nothing here. */
+	for (char **e = environ; *e; e++)
+		if (!strncmp(*e, "STARTER_", 8)) {
+			int len = (int)strcspn(*e, "=");
+
+			fprintf(stderr, "starter: %.*s is set: the starter's variables are for root callers only; "
+				"unset it (exit 125)\n", len > 64 ? 64 : len, *e);
+			_exit(125);
+		}
 	groups = malloc(sizeof(gid_t) * (size_t)(ngroups > 0 ? ngroups : 1));
 	if (ngroups < 0 || !groups || (ngroups = getgroups(ngroups, groups)) < 0)
 		die("cannot read the caller's groups");

@@ -215,6 +215,14 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         job_state.update(scratch=path, scratch_parent=os.path.dirname(path), keep_scratch=spec.keep_scratch,
                          scratch_kind="scratch" if spec.scratch else "execute-dir")
         fault("scratch-record")
+        if rights is not _Root:
+            # A caller's execute directory (one of the policy's) must be one
+            # it can reach itself: walked with its rights before root makes
+            # anything there.
+            from starter import paths
+
+            with rights():
+                os.close(paths.open_dir(os.path.dirname(path), "execute directory"))
         if spec.scratch:
             sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id, groups=spec.groups)
         else:

@@ -109,9 +109,11 @@ def home(tmp_path):
     subprocess.run(["rm", "-rf", "--one-file-system", d], check=True)
 
 
-def caller_argv(*args):
-    """argv: the real `starter` (set-user-ID) run by the test caller."""
-    return ["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", STARTER, *args]
+def caller_argv(*args, keep_env=False):
+    """argv: the real `starter` (set-user-ID) run by the test caller, without
+    the tests' own STARTER_* variables (a caller's are refused) unless keep_env."""
+    unset = [] if keep_env else [a for k in os.environ if k.startswith("STARTER_") for a in ("-u", k)]
+    return ["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "env", *unset, STARTER, *args]
 
 
 # Under software emulation (scripts/vm-test runs qemu TCG, ~7x slower) time

@@ -20,7 +20,7 @@ import pytest
 from conftest import GID, POLICY, PYTHON, SLOWDOWN, STARTER, UID, caller_argv
 
 def as_caller(*args, cwd=None, timeout=60, check=None, env=None, **kw):
-    p = subprocess.run(caller_argv(*args), capture_output=True, text=True, timeout=timeout * SLOWDOWN,
+    p = subprocess.run(caller_argv(*args, keep_env=env is not None), capture_output=True, text=True, timeout=timeout * SLOWDOWN,
                        cwd=cwd or "/", env=env, **kw)
     if check is not None:
         assert p.returncode == check, (p.returncode, p.stdout, p.stderr)
@@ -58,13 +58,19 @@ def test_caller_report_and_events_are_the_callers(policy, home):
 
 
 def test_caller_environment_does_not_reach_root(policy, home, state_root):
-    """STARTER_* of the caller's: ignored by the root starter (the launcher
-    empties its environment); a fault point would fail the start."""
-    env = {"PATH": "/usr/bin:/bin", "STARTER_FAULT": "state-entry:fail", "STARTER_STATE_DIR": f"{home}/state",
-           "STARTER_KILL_TIMEOUT": "0.1", "STARTER_POLICY": f"{home}/p.toml", "PYTHONPATH": home,
-           "LD_PRELOAD": f"{home}/x.so"}
-    p = as_caller("run", "--", "true", cwd=home, env=env, check=0)
-    assert not os.path.exists(f"{home}/state"), p.stderr
+    """The caller's environment never reaches the root starter (the launcher
+    empties it): PYTHONPATH, LD_PRELOAD do nothing, and the starter's own
+    variables are refused, each in one line."""
+    base = {"PATH": "/usr/bin:/bin", "PYTHONPATH": home, "LD_PRELOAD": f"{home}/x.so", "PYTHONSTARTUP": home}
+    with open(f"{home}/starter.py", "w") as f:      # would shadow the package on a PYTHONPATH
+        f.write("raise SystemExit(99)\n")
+    as_caller("run", "--", "true", cwd=home, env=base, check=0)
+    for var, value in (("STARTER_FAULT", "state-entry"), ("STARTER_STATE_DIR", f"{home}/state"),
+                       ("STARTER_KILL_TIMEOUT", "0.1"), ("STARTER_POLICY", f"{home}/p.toml"),
+                       ("STARTER_CALLER", "0:0:"), ("STARTER_DEBUG", "1")):
+        env = {k: v for k, v in base.items() if k != "LD_PRELOAD"}    # ld.so warns for setpriv itself
+        refused(as_caller("run", "--", "true", cwd=home, env={**env, var: value}), var, "root callers only")
+    assert not os.path.exists(f"{home}/state")
 
 
 def test_caller_hostile_context(policy, home):
@@ -229,6 +235,9 @@ def test_caller_sigkill_leaves_nothing(policy, home, state_root):
     proc.kill()
     proc.wait(10)
     _job_gone(state_root, 10)
+    deadline = time.monotonic() + 10 * SLOWDOWN     # the report follows the teardown
+    while not os.path.exists(f"{home}/r.json") and time.monotonic() < deadline:
+        time.sleep(0.05)
     r = json.loads(open(f"{home}/r.json").read())
     assert r["reason"] == "caller_gone"
 
@@ -397,3 +406,23 @@ def test_policy_cache_follows_the_file(policy, home):
     refused(as_caller("run", "--", "true", cwd=home), "callers.max_jobs")
     policy("[callers]\nmax_jobs = 5\n")
     as_caller("run", "--", "true", cwd=home, check=0)
+
+
+def test_caller_scratch_in_the_policys_execute_dir(policy, home):
+    """defaults.execute_dir gives a caller's job a fresh scratch there,
+    owned by the caller and gone after; one the caller cannot reach is refused."""
+    import tempfile
+
+    ex = tempfile.mkdtemp(prefix="starter-exec-", dir="/tmp")
+    os.chmod(ex, 0o755)
+    try:
+        policy(defaults=f'execute_dir = "{ex}"\n')
+        p = as_caller("run", "--", "sh", "-c", "pwd; stat -c %u .; touch made", cwd=home, check=0)
+        cwd, owner = p.stdout.split()
+        assert os.path.dirname(cwd) == ex and owner == str(UID)
+        assert os.listdir(ex) == []
+        os.chmod(ex, 0o700)
+        refused(as_caller("run", "--", "true", cwd=home), "execute directory")
+        assert os.listdir(ex) == []
+    finally:
+        os.rmdir(ex)
