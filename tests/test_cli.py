@@ -422,7 +422,7 @@ def dry_run(monkeypatch, capsys, tmp_path):
     """cli.main with job.run stubbed: -> (rc, stdout, stderr)."""
     import starter.job
 
-    monkeypatch.setattr(starter.job, "run", lambda spec: 0)
+    monkeypatch.setattr(starter.job, "run", lambda spec, *a: 0)
     monkeypatch.chdir(tmp_path)
 
     def call(argv):
@@ -475,6 +475,32 @@ def test_fuzz_run_options(dry_run):
         _check(rc, err, argv)
         seen[rc] += 1
     assert seen[0] > 20 and seen[125] > 500, seen
+
+
+def test_fuzz_run_options_as_a_caller(dry_run, monkeypatch):
+    """The same hostile options from a caller that is not root (the
+    launcher's variables set by hand, policy checks and its rights in
+    force): 0 or one line, and the test process is root again after each."""
+    rng = random.Random(9)
+    opts = [o for o in cli.RUN_OPTIONS if o != "--job"]
+    seen = {0: 0, 125: 0}
+    for i in range(600):
+        argv = ["run"]
+        for _ in range(rng.randrange(0, 3)):
+            o = rng.choice(opts)
+            if cli.RUN_OPTIONS[o][1] == "flag":
+                argv.append(o)
+            else:
+                argv += [o, rng.choice(HOSTILE + [str(n) for n in NUMBERS])]
+        argv += ["--", "true"]
+        argv = [a.replace("\0", "") for a in argv]
+        monkeypatch.setenv("STARTER_CALLER", "65534:65534:65534")
+        monkeypatch.setenv("STARTER_POLICY", "/nonexistent/starter.toml")
+        rc, _, err = dry_run(argv)
+        assert (os.geteuid(), os.getegid()) == (0, 0)
+        _check(rc, err, argv)
+        seen[rc] += 1
+    assert seen[0] > 20 and seen[125] > 200, seen
 
 
 def test_fuzz_admin_commands(dry_run, tmp_path, state_dir):
