@@ -164,3 +164,49 @@ def test_netd_refuses_a_root_job_and_still_serves_the_starter(starter, site, sta
     netd.send_signal(signal.SIGTERM)
     netd.wait(30)
     assert "refused peer" in netd.stderr.read()
+
+
+@pytest.mark.net
+def test_caller_nat_job_counts_and_caller_death_leaves_no_veth(site, policy, home, state_dir, netd):
+    """A caller that is not root runs a NAT job the node policy allows: the
+    network's shape comes from the policy's defaults (a caller may not set
+    it), the bytes are counted in the caller's own report; a SIGKILL of the
+    caller of a running NAT job leaves no veth or entry within 10 s."""
+    from conftest import caller_argv
+
+    policy(f'[callers]\nnet = ["none", "nat"]\nro_bind = ["{home}"]\n',
+           defaults=f'pool = "{POOL}"\nlan = ["{site.lan_cidr}"]\nuplink = ["{site.uplink}"]\n')
+    K = 300_000
+    server = site.serve("lan", "recv", 0)
+    with open(f"{home}/client.py", "w") as f:
+        f.write(nethosts.CLIENT)
+    p = subprocess.run(caller_argv("run", "--net", "nat", "--report", f"{home}/r.json", "--ro-bind", home, "--",
+                                   "/usr/bin/python3", f"{home}/client.py", "send", site.lan_addr,
+                                   str(server.port), str(K), "", "20"),
+                       capture_output=True, text=True, timeout=120 * SLOWDOWN, cwd=home)
+    assert p.returncode == 0, p.stderr
+    retrans = [int(l.split()[1]) for l in p.stderr.splitlines() if l.startswith("retrans ")]
+    server.result()
+    net = json.loads(open(f"{home}/r.json").read())["network"]
+    payload = net["lan_out"]["bytes"] - 52 * net["lan_out"]["packets"]
+    assert abs(payload - (K + sum(retrans))) <= 0.02 * K, net
+    p = subprocess.run(caller_argv("run", "--net", "nat", "--uplink", "lo", "--", "true"),
+                       capture_output=True, text=True, timeout=60, cwd=home)
+    assert p.returncode == 125 and "only root" in p.stderr, p.stderr
+
+    def veths():
+        return {l.split(":")[1].strip().split("@")[0] for l in subprocess.run(
+            ["ip", "-o", "link", "show", "type", "veth"], capture_output=True, text=True).stdout.splitlines()}
+
+    before = veths()
+    proc = subprocess.Popen(caller_argv("run", "--net", "nat", "--", "sh", "-c", "echo up; exec sleep 300"),
+                            stdout=subprocess.PIPE, text=True, cwd=home)
+    assert proc.stdout.readline().strip() == "up"
+    assert veths() - before
+    proc.kill()
+    proc.wait(10)
+    deadline = time.monotonic() + 10 * SLOWDOWN
+    while (veths() - before or any(n.endswith(".lock") for n in os.listdir(state_dir))) \
+            and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not veths() - before and not any(n.endswith(".lock") for n in os.listdir(state_dir))
