@@ -165,8 +165,13 @@ int shim_clone3_supported(void);
 /* Tests: force the clone() fallback (1) or go back to probing clone3 (0). */
 void shim_test_no_clone3(int on);
 /* Tests: bind sources given as fds are mounted by path and checked (1), as
- * on kernels without open_tree, or cloned with open_tree again (0). */
+ * on kernels without open_tree (nor fsopen, mount_setattr), or cloned with
+ * open_tree again (0). */
 void shim_test_no_open_tree(int on);
+/* Tests: as on 5.2..5.11 (open_tree and fsopen, no mount_setattr): a
+ * read-only bind is pinned and mounted by fd, a tree made a slave once
+ * attached, by its own fd (1), or as this kernel is (0). */
+void shim_test_no_mount_setattr(int on);
 
 /* native/seccomp.c: profile -> BPF, in the parent (libseccomp). */
 #define SHIM_CMP_NE 1

@@ -55,6 +55,8 @@ _NS_SLOTS = {"ipc": lib.SHIM_NS_IPC, "uts": lib.SHIM_NS_UTS, "net": lib.SHIM_NS_
              "pid": lib.SHIM_NS_PID, "cgroup": lib.SHIM_NS_CGROUP, "mnt": lib.SHIM_NS_MNT}
 
 _REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
+# fail_link() in shim.c: a mount destination with a link on it
+_LINK_STEP, _LINK_END = "mount destination ", " is a symlink (not followed)"
 
 
 class ChildSpec:
@@ -574,6 +576,10 @@ def _spawn_error(data, spec):
                             "see the kernel log (dmesg) for a killed process")
     err, _code, raw = _REPORT.unpack(data)
     step = raw.split(b"\0", 1)[0].decode(errors="replace")
+    if step.startswith(_LINK_STEP) and step.endswith(_LINK_END):
+        # The shim's walk of a mount destination met a link: the step is the
+        # whole message ("mount destination /a/b/c: /a/b is a symlink (not followed)").
+        return SpawnError(step, err, _step_hint(step, err, spec), message=step)
     return SpawnError(step, err, _step_hint(step, err, spec))
 
 
@@ -646,6 +652,10 @@ def _step_hint(step, err, spec):
         return None
     if step.startswith("chdir"):
         return f"the working directory must exist in the job's view and be searchable by uid {uid}"
+    if step.startswith(_LINK_STEP) and err == E.ELOOP:
+        return ("mount destinations are resolved in the job's view without following links, "
+                "the last component included: give the path the link leads to; a link a job or "
+                "user made is refused on purpose")
     if step.startswith("bind source") and err == E.ENOENT:
         return "the source of the bind does not exist on the host"
     if step.startswith(_mounts.KINDS + ("mkdir",)):
