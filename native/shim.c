@@ -13,7 +13,8 @@
  *   ----------------                         --------------
  *   bind trees: open_tree(src_fd) (detached copies; the caller resolved
  *               each source to an O_PATH fd without following links)
- *   pipes: sync, err (+status in init mode), all O_CLOEXEC
+ *   pipes: sync, err (+status in init mode), all O_CLOEXEC; with
+ *     --userns-root err is a SOCK_SEQPACKET pair (SO_PASSCRED)
  *   block all signals
  *   clone3(NEWPID|NEWNET|NEWNS|NEWIPC  ───► signals to SIG_DFL
  *          [|NEWUTS], PIDFD, INTO_CGROUP)    PR_SET_PDEATHSIG(SIGKILL)
@@ -37,12 +38,18 @@
  *                                            setresgid, setgroups,
  *                                            cap bounding drop, setresuid,
  *                                            new session keyring,
- *                                            capset(0), NO_NEW_PRIVS, close fds,
- *                                            [--userns-root: unshare(USER),
- *                                            maps "0 uid 1", setresuid(0)],
+ *                                            capset(0), NO_NEW_PRIVS (not
+ *                                            dumpable from the uid change on),
+ *                                            close fds,
+ *   wait_started(): read(err)                [--userns-root: unshare(USER),
+ *     {0, 0, "map user namespace"} ◄──err─── ask for the maps,
+ *       its pid: SCM_CREDENTIALS             read(sync) ........ blocks
+ *       /proc/PID/setgroups "deny",          :   EOF -> _exit(125)
+ *       gid_map, uid_map "0 id 1"            :
+ *       write(sync, 1 byte) ─────sync──────► setresgid, setresuid(0)],
  *                                            re-arm PDEATHSIG, chdir,
  *                                            seccomp filter (compiled by the starter)
- *   wait_started(): read(err) ◄────err────── on failure: {errno, exit, step}
+ *     read(err) ◄─────────────────err─────── on failure: {errno, exit, step}
  *     EOF, 0 bytes  -> job runs               then _exit(125|126|127)
  *     a report      -> reap, SpawnError      execve (CLOEXEC closes err: EOF)
  *   close(sync) after EOF on err
@@ -53,7 +60,8 @@
  * forwards every signal but SIGCHLD to the job, reaps everything, writes the
  * job's raw wait status on the status pipe and exits 128+N / the job's code.
  * With --userns-root only the job enters the user namespace; the init keeps
- * the job's host uid.
+ * the job's host uid.  The job asks for the maps itself, over its copy of
+ * err: the starter learns the job's pid from that message's credentials.
  *
  * shim_enter: a short-lived helper (fork) setns()es into the job's
  * namespaces (all but the cgroup one; by the fds the starter opened and
@@ -159,6 +167,10 @@ struct cap_header {
 struct cap_data {
     uint32_t effective, permitted, inheritable;
 };
+
+/* --userns-root: the step of the report that asks the starter for the maps
+ * (exit code 0: not a failure); starter/ns.py knows it by this name. */
+#define SHIM_STEP_USERNS "map user namespace"
 
 #define EXIT_STARTER 125
 #define EXIT_NOEXEC 126
@@ -905,6 +917,11 @@ static void drop_privileges(const struct child_ctx *c)
         fail(c, "PR_CAP_AMBIENT_CLEAR_ALL", NULL);
     if (syscall(SYS_setresuid, s->uid, s->uid, s->uid) < 0)
         fail(c, "setresuid", NULL);
+    /* The uid change made this process non-dumpable unless fs.suid_dumpable
+     * is 1: either way it stays so until execve (which decides for the job),
+     * so no process of the job's uid can ptrace the rest of the setup. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        fail(c, "PR_SET_DUMPABLE", "0");
     /* A fresh, empty session keyring owned by the job's user: the starter's
      * (or the batch daemon's) session keyring is not the job's to possess,
      * and without one the kernel falls back to the per-uid user-session
@@ -935,34 +952,33 @@ static void write_proc_self(const struct child_ctx *c, const char *path, const c
 
 /* --userns-root, after the drop to the job's uid/gid: a new user namespace
  * in which 0 maps to that uid/gid and nothing else is mapped, so root inside
- * owns exactly what the job's host uid owns.  Made unprivileged (the process
- * maps only its own ids), like `unshare -r`.  The job keeps the full
+ * owns exactly what the job's host uid owns.  The job keeps the full
  * capability set the kernel gives the creator of a user namespace, but only
  * *in* it: the job's PID, net, mount namespaces and every host object belong
- * to the host's user namespace, where it has none.  NO_NEW_PRIVS stays. */
+ * to the host's user namespace, where it has none.  NO_NEW_PRIVS stays.
+ *
+ * The maps are written by the starter, as newuidmap and runc do, not by this
+ * process: writing its own /proc/self/uid_map would need it dumpable, and a
+ * dumpable process of the job's uid can be ptraced by any process of that
+ * uid, here before the job's seccomp filter and holding the job's fds.  So
+ * it asks over err (a report with exit code 0, SHIM_STEP_USERNS; the kernel
+ * adds its pid as the starter sees it, which an init's job cannot know) and
+ * waits for a byte on sync; EOF there: the starter is gone. */
 static void enter_userns_root(const struct child_ctx *c)
 {
-    const struct shim_spec *s = c->s;
-    char map[40];
+    struct shim_report r;
+    char *p = (char *)&r;
+    for (size_t i = 0; i < sizeof r; i++)
+        p[i] = 0;
+    s_cat(r.step, 0, sizeof r.step, SHIM_STEP_USERNS);
     if (unshare(CLONE_NEWUSER) < 0)
         fail(c, "unshare", "user namespace");
-    /* The uid change made us non-dumpable, which hands our /proc/self files
-     * to root; writing our own maps needs them back.  Only fds meant for the
-     * job are open by now, and the uid change below clears it again. */
-    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0)
-        fail(c, "PR_SET_DUMPABLE", NULL);
-    /* An unprivileged gid_map needs setgroups denied first. */
-    write_proc_self(c, "/proc/self/setgroups", "deny");
-    s_cat(map, s_uint(map, s_cat(map, 0, sizeof map, "0 "), sizeof map, s->uid), sizeof map, " 1\n");
-    write_proc_self(c, "/proc/self/uid_map", map);
-    s_cat(map, s_uint(map, s_cat(map, 0, sizeof map, "0 "), sizeof map, s->gid), sizeof map, " 1\n");
-    write_proc_self(c, "/proc/self/gid_map", map);
+    write_all(c->err_wr, &r, sizeof r);
+    wait_release(c);
     if (syscall(SYS_setresgid, 0, 0, 0) < 0)
         fail(c, "setresgid", "0 in the user namespace");
     if (syscall(SYS_setresuid, 0, 0, 0) < 0)
         fail(c, "setresuid", "0 in the user namespace");
-    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
-        fail(c, "PR_SET_DUMPABLE", NULL);
 }
 
 /* ---- inherited attributes ------------------------------------------------ */
@@ -1267,7 +1283,7 @@ static _Noreturn void become_job(const struct child_ctx *c, int creds)
     if (creds && s->drop_privileges)
         drop_privileges(c);
     close_fds(c);
-    if (s->userns_root) /* after close_fds: it is dumpable for a moment */
+    if (s->userns_root)
         enter_userns_root(c);
     /* A credential change clears PDEATHSIG: arm it (again) now. */
     arm_pdeathsig(c);
@@ -1410,11 +1426,40 @@ static int pipe_hi(int p[2])
     return 0;
 }
 
-static int open_pipes(struct pipes *p, int status)
+/* --userns-root: err is a SOCK_SEQPACKET pair instead of a pipe (the same
+ * messages, the same EOF at exec), with SO_PASSCRED on the starter's end: the
+ * request for the maps then carries the pid of the process that asks, in the
+ * starter's PID namespace (SCM_CREDENTIALS), which with --init is the job's,
+ * a pid neither the init nor the job knows. */
+static int socket_hi(int p[2])
+{
+    int one = 1;
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, p) < 0)
+        return -errno;
+    for (int i = 0; i < 2; i++)
+        if (p[i] < 3) {
+            int n = fcntl(p[i], F_DUPFD_CLOEXEC, 3);
+            if (n < 0) {
+                int e = errno;
+                close_pair(p);
+                return -e;
+            }
+            close(p[i]);
+            p[i] = n;
+        }
+    if (setsockopt(p[0], SOL_SOCKET, SO_PASSCRED, &one, sizeof one) < 0) {
+        int e = errno;
+        close_pair(p);
+        return -e;
+    }
+    return 0;
+}
+
+static int open_pipes(struct pipes *p, int status, int userns)
 {
     int r;
     p->sync[0] = p->sync[1] = p->err[0] = p->err[1] = p->status[0] = p->status[1] = -1;
-    if ((r = pipe_hi(p->sync)) < 0 || (r = pipe_hi(p->err)) < 0 ||
+    if ((r = pipe_hi(p->sync)) < 0 || (r = (userns ? socket_hi : pipe_hi)(p->err)) < 0 ||
         (status && (r = pipe_hi(p->status)) < 0)) {
         close_pair(p->sync);
         close_pair(p->err);
@@ -1565,7 +1610,7 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
         close_trees(s, trees);
         return -EOPNOTSUPP;
     }
-    r = open_pipes(&p, s->init);
+    r = open_pipes(&p, s->init, s->userns_root);
     if (r < 0) {
         close_trees(s, trees);
         return r;
@@ -1665,7 +1710,7 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
 {
     struct pipes p;
     int pidpipe[2];
-    int r = open_pipes(&p, 0);
+    int r = open_pipes(&p, 0, 0);
     if (r < 0)
         return r;
     if ((r = pipe_hi(pidpipe)) < 0) {

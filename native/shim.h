@@ -43,7 +43,10 @@
 #define SHIM_NNS 6
 
 /* What the child writes on the error pipe when a step fails: 256 bytes,
- * less than PIPE_BUF, so it arrives whole or not at all. */
+ * less than PIPE_BUF, so it arrives whole or not at all.  With --userns-root
+ * also the request for the user namespace's maps: err 0, exit_code 0, step
+ * "map user namespace" (shim.c, enter_userns_root); the starter answers
+ * with a byte on sync. */
 struct shim_report {
     int err;                  /* errno of the failed step */
     int exit_code;            /* what the child _exit()s with: 125/126/127 */
