@@ -13,7 +13,8 @@
  *   ----------------                         --------------
  *   bind trees: open_tree(src_fd) (detached copies; the caller resolved
  *               each source to an O_PATH fd without following links)
- *   pipes: sync, err (+status in init mode), all O_CLOEXEC
+ *   pipes: sync, err (+status in init mode), all O_CLOEXEC; with
+ *     --userns-root err is a SOCK_SEQPACKET pair (SO_PASSCRED)
  *   block all signals
  *   clone3(NEWPID|NEWNET|NEWNS|NEWIPC  ───► signals to SIG_DFL
  *          [|NEWUTS], PIDFD, INTO_CGROUP)    PR_SET_PDEATHSIG(SIGKILL)
@@ -28,19 +29,27 @@
  *                                              plan in order (cgroup views,
  *                                              /dev/shm, ..., binds (each
  *                                              made a slave), state dir
- *                                              hidden), stdio,
+ *                                              hidden), each destination
+ *                                              walked once without links
+ *                                              and mounted onto by fd, stdio,
  *                                            setsid, reset inherited attrs
  *                                            (rlimits, oom_score_adj, nice,
  *                                            sched, affinity, umask, ...),
  *                                            setresgid, setgroups,
  *                                            cap bounding drop, setresuid,
  *                                            new session keyring,
- *                                            capset(0), NO_NEW_PRIVS, close fds,
- *                                            [--userns-root: unshare(USER),
- *                                            maps "0 uid 1", setresuid(0)],
+ *                                            capset(0), NO_NEW_PRIVS (not
+ *                                            dumpable from the uid change on),
+ *                                            close fds,
+ *   wait_started(): read(err)                [--userns-root: unshare(USER),
+ *     {0, 0, "map user namespace"} ◄──err─── ask for the maps,
+ *       its pid: SCM_CREDENTIALS             read(sync) ........ blocks
+ *       /proc/PID/setgroups "deny",          :   EOF -> _exit(125)
+ *       gid_map, uid_map "0 id 1"            :
+ *       write(sync, 1 byte) ─────sync──────► setresgid, setresuid(0)],
  *                                            re-arm PDEATHSIG, chdir,
  *                                            seccomp filter (compiled by the starter)
- *   wait_started(): read(err) ◄────err────── on failure: {errno, exit, step}
+ *     read(err) ◄─────────────────err─────── on failure: {errno, exit, step}
  *     EOF, 0 bytes  -> job runs               then _exit(125|126|127)
  *     a report      -> reap, SpawnError      execve (CLOEXEC closes err: EOF)
  *   close(sync) after EOF on err
@@ -51,7 +60,8 @@
  * forwards every signal but SIGCHLD to the job, reaps everything, writes the
  * job's raw wait status on the status pipe and exits 128+N / the job's code.
  * With --userns-root only the job enters the user namespace; the init keeps
- * the job's host uid.
+ * the job's host uid.  The job asks for the maps itself, over its copy of
+ * err: the starter learns the job's pid from that message's credentials.
  *
  * shim_enter: a short-lived helper (fork) setns()es into the job's
  * namespaces (all but the cgroup one; by the fds the starter opened and
@@ -121,6 +131,9 @@
 #ifndef MOVE_MOUNT_F_EMPTY_PATH
 #define MOVE_MOUNT_F_EMPTY_PATH 0x00000004
 #endif
+#ifndef MOVE_MOUNT_T_EMPTY_PATH
+#define MOVE_MOUNT_T_EMPTY_PATH 0x00000040
+#endif
 #ifndef AT_RECURSIVE
 #define AT_RECURSIVE 0x8000
 #endif
@@ -154,6 +167,10 @@ struct cap_header {
 struct cap_data {
     uint32_t effective, permitted, inheritable;
 };
+
+/* --userns-root: the step of the report that asks the starter for the maps
+ * (exit code 0: not a failure); starter/ns.py knows it by this name. */
+#define SHIM_STEP_USERNS "map user namespace"
 
 #define EXIT_STARTER 125
 #define EXIT_NOEXEC 126
@@ -309,25 +326,41 @@ static void wait_release(const struct child_ctx *c)
 
 /* ---- mounts ------------------------------------------------------------ */
 
+/* Tests: behave as on a kernel without mount_setattr (5.2..5.11). */
+static int no_mount_setattr = 0;
+
+static long sys_mount_setattr(int dfd, const char *path, unsigned int flags,
+                              struct mount_attr_v0 *attr)
+{
+    if (no_mount_setattr) {
+        errno = ENOSYS;
+        return -1;
+    }
+    return syscall(SYS_mount_setattr, dfd, path, flags, attr, sizeof *attr);
+}
+
+static unsigned long st_keep_flags(const struct statfs *st)
+{
+    unsigned long f = 0;
+    if (st->f_flags & ST_NOSUID)
+        f |= MS_NOSUID;
+    if (st->f_flags & ST_NODEV)
+        f |= MS_NODEV;
+    if (st->f_flags & ST_NOEXEC)
+        f |= MS_NOEXEC;
+    if (st->f_flags & ST_NOATIME)
+        f |= MS_NOATIME;
+    if (st->f_flags & ST_NODIRATIME)
+        f |= MS_NODIRATIME;
+    if (st->f_flags & ST_RELATIME)
+        f |= MS_RELATIME;
+    return f;
+}
+
 static unsigned long keep_flags(const char *path)
 {
     struct statfs st;
-    unsigned long f = 0;
-    if (statfs(path, &st) < 0)
-        return 0;
-    if (st.f_flags & ST_NOSUID)
-        f |= MS_NOSUID;
-    if (st.f_flags & ST_NODEV)
-        f |= MS_NODEV;
-    if (st.f_flags & ST_NOEXEC)
-        f |= MS_NOEXEC;
-    if (st.f_flags & ST_NOATIME)
-        f |= MS_NOATIME;
-    if (st.f_flags & ST_NODIRATIME)
-        f |= MS_NODIRATIME;
-    if (st.f_flags & ST_RELATIME)
-        f |= MS_RELATIME;
-    return f;
+    return statfs(path, &st) < 0 ? 0 : st_keep_flags(&st);
 }
 
 /* Read-only for the whole subtree (mount_setattr, 5.12+); else the top mount
@@ -335,11 +368,29 @@ static unsigned long keep_flags(const char *path)
 static int make_readonly(const char *path)
 {
     struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
-    if (syscall(SYS_mount_setattr, AT_FDCWD, path, AT_RECURSIVE, &attr, sizeof attr) == 0)
+    if (sys_mount_setattr(AT_FDCWD, path, AT_RECURSIVE, &attr) == 0)
         return 0;
     if (errno != ENOSYS)
         return -1;
     return mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | keep_flags(path), NULL);
+}
+
+/* The same for the mount whose root `fd` is (an fd of the new mount, never
+ * its path).  The remount goes through fd_name(), see there. */
+static const char *fd_name(char buf[16], int fd);
+static int make_readonly_fd(int fd)
+{
+    struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+    struct statfs st;
+    char name[16];
+    if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr) == 0)
+        return 0;
+    if (errno != ENOSYS)
+        return -1;
+    if (fstatfs(fd, &st) < 0)
+        return -1;
+    return mount(NULL, fd_name(name, fd), NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | st_keep_flags(&st),
+                 NULL);
 }
 
 /* mkdir -p for a mount point inside a tmpfs this child mounted (a fresh /tmp
@@ -365,50 +416,242 @@ static int is_tmpfs(const struct shim_mount *m)
     return *t == 0 && *w == 0;
 }
 
-static int make_mountpoint(const struct child_ctx *c, const struct shim_mount *m, int tree)
+/* May missing components of m->dst be made?  Only inside a tmpfs this plan
+ * mounted before it (the private /tmp, an earlier tmpfs entry). */
+static int ours(const struct child_ctx *c, const struct shim_mount *m)
 {
     const struct shim_spec *s = c->s;
-    struct stat st;
-    int ours = 0;
-    if (stat(m->dst, &st) == 0 || errno != ENOENT)
-        return 0;
     if (s->private_tmp && under(m->dst, "/tmp"))
-        ours = 1;
-    for (int i = 0; i < s->nmounts && !ours; i++) {
+        return 1;
+    for (int i = 0; i < s->nmounts; i++) {
         const struct shim_mount *o = &s->mounts[i];
         if (o == m)
             break;
         if ((o->kind == SHIM_MOUNT_TMPFS || (o->kind == SHIM_MOUNT_FS && is_tmpfs(o))) &&
             under(m->dst, o->dst))
-            ours = 1;
-    }
-    if (!ours)
-        return 0; /* let mount() say ENOENT */
-    char buf[4096];
-    size_t n = s_len(m->dst);
-    if (n >= sizeof buf)
-        return 0;
-    for (size_t i = 0; i <= n; i++) {
-        buf[i] = m->dst[i];
-        if (i > 0 && (m->dst[i] == '/' || m->dst[i] == 0)) {
-            buf[i] = 0;
-            int last = m->dst[i] == 0;
-            int file = 0;
-            if (last && (m->kind == SHIM_MOUNT_BIND || m->kind == SHIM_MOUNT_RO_BIND) &&
-                (tree >= 0 ? fstat(tree, &st) : m->src_fd >= 0 ? fstat(m->src_fd, &st) : stat(m->src, &st)) == 0 &&
-                !S_ISDIR(st.st_mode))
-                file = 1;
-            if (file) {
-                int fd = open(buf, O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0644);
-                if (fd >= 0)
-                    close(fd);
-            } else if (mkdir(buf, 0755) < 0 && errno != EEXIST) {
-                return -1;
-            }
-            buf[i] = m->dst[i];
-        }
+            return 1;
     }
     return 0;
+}
+
+/* ---- mount destinations --------------------------------------------------
+ *
+ * A destination is resolved once, in the job's namespace after the mounts
+ * before it: from "/" one component at a time with O_PATH|O_NOFOLLOW, so no
+ * link is followed, the last component included.  The job's user may own a
+ * directory on the way (a host directory, a bind source of its own): a link
+ * planted there would carry the mount anywhere (over /usr/bin), and one
+ * swapped in between two lookups of the same path would split them (runc's
+ * CVE-2021-30465).  So the mount goes onto the fd the walk ended on, and what
+ * is done to the new mount after (slave, read-only) is done through an fd of
+ * that mount, never by the path again.  A plain walk, not openat2's
+ * RESOLVE_NO_SYMLINKS: the refusal names the link, and missing components
+ * are made on the way. */
+
+/* mount(2) takes paths only.  The ones this child gives it are fd numbers
+ * looked up in its own /proc/self/fd, opened before the first mount of the
+ * plan and made the cwd for the plan (fd_dir): a plan entry over /proc or
+ * /proc/1 cannot redirect them. */
+static const char *fd_name(char buf[16], int fd)
+{
+    s_int(buf, 16, fd);
+    return buf;
+}
+
+/* "mount destination DST: PREFIX is a symlink (not followed)": the whole
+ * message (ns.py shows it as is), PREFIX being the first `upto` bytes of
+ * DST. */
+static _Noreturn void fail_link(const struct child_ctx *c, const char *dst, size_t upto)
+{
+    char msg[SHIM_STEP_MAX], prefix[SHIM_STEP_MAX];
+    size_t i;
+    for (i = 0; i < upto && i + 1 < sizeof prefix; i++)
+        prefix[i] = dst[i];
+    prefix[i] = 0;
+    size_t at = s_cat(msg, 0, sizeof msg, "mount destination ");
+    at = s_cat(msg, at, sizeof msg, dst);
+    at = s_cat(msg, at, sizeof msg, ": ");
+    at = s_cat(msg, at, sizeof msg, prefix);
+    s_cat(msg, at, sizeof msg, " is a symlink (not followed)");
+    fail_err(c, ELOOP, EXIT_STARTER, msg, NULL);
+}
+
+struct dest {
+    int fd;     /* the destination: O_PATH, or O_RDONLY for a file made here */
+    int parent; /* its directory (O_PATH), -1 where the destination is "/" */
+    char name[256]; /* its last component, "" for "/" */
+};
+
+static void close_dest(struct dest *d)
+{
+    if (d->fd >= 0)
+        close(d->fd);
+    if (d->parent >= 0)
+        close(d->parent);
+    d->fd = d->parent = -1;
+}
+
+/* Walk m->dst (see above) into *d.  A missing component is made where
+ * ours() allows it (mkdirat, or a file for a bind of a file, by the held
+ * parent fd); a link anywhere fails the child.  -1 with errno ENOENT where a
+ * component is missing and may not be made: the caller says what that
+ * means.  Other failures fail the child as `what` DST ("mkdir" DST for a
+ * directory that could not be made). */
+static int walk_dest(const struct child_ctx *c, const struct shim_mount *m, const char *what,
+                     int file, int create, struct dest *d)
+{
+    const char *dst = m->dst, *p = dst;
+    d->parent = -1;
+    d->name[0] = 0;
+    d->fd = open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (d->fd < 0)
+        fail(c, what, dst);
+    for (;;) {
+        while (*p == '/')
+            p++;
+        if (!*p)
+            return 0;
+        const char *e = p;
+        while (*e && *e != '/')
+            e++;
+        size_t len = (size_t)(e - p);
+        const char *rest = e;
+        while (*rest == '/')
+            rest++;
+        int last = *rest == 0;
+        if (len == 1 && p[0] == '.') {
+            p = e;
+            continue;
+        }
+        if (len >= sizeof d->name)
+            fail_err(c, ENAMETOOLONG, EXIT_STARTER, what, dst);
+        if (len == 2 && p[0] == '.' && p[1] == '.')
+            fail_err(c, EINVAL, EXIT_STARTER, what, dst); /* the starter refuses '..' */
+        if (d->parent >= 0)
+            close(d->parent);
+        d->parent = d->fd;
+        d->fd = -1;
+        for (size_t i = 0; i < len; i++)
+            d->name[i] = p[i];
+        d->name[len] = 0;
+        p = e;
+        int fd = openat(d->parent, d->name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+        if (fd < 0 && errno == ENOENT && create) {
+            if (last && file) {
+                /* O_EXCL: never through a link; a link there is refused below */
+                fd = openat(d->parent, d->name, O_RDONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, 0644);
+                if (fd < 0 && errno != EEXIST)
+                    fail(c, "mkdir", dst);
+            } else if (mkdirat(d->parent, d->name, 0755) < 0 && errno != EEXIST) {
+                fail(c, "mkdir", dst);
+            }
+            if (fd < 0)
+                fd = openat(d->parent, d->name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+        }
+        if (fd < 0) {
+            if (errno == ENOENT) {
+                close_dest(d);
+                errno = ENOENT;
+                return -1;
+            }
+            fail(c, what, dst);
+        }
+        d->fd = fd;
+        struct stat st;
+        if (fstat(fd, &st) < 0)
+            fail(c, what, dst);
+        if (S_ISLNK(st.st_mode))
+            fail_link(c, dst, (size_t)(e - dst));
+        if (!last && !S_ISDIR(st.st_mode))
+            fail_err(c, ENOTDIR, EXIT_STARTER, what, dst);
+    }
+}
+
+/* fsopen/fsconfig/fsmount (5.2+): a tmpfs made detached, nosuid and nodev,
+ * with `data` split into options as mount(2) would split it (a comma before
+ * a digit continues mpol's node list).  -1 with errno ENOSYS on older
+ * kernels: mount(2) then. */
+#ifndef SYS_fsopen
+#define SYS_fsopen 430
+#define SYS_fsconfig 431
+#define SYS_fsmount 432
+#endif
+#define FSOPEN_CLOEXEC_ 1
+#define FSCONFIG_SET_FLAG_ 0
+#define FSCONFIG_SET_STRING_ 1
+#define FSCONFIG_CMD_CREATE_ 6
+#define FSMOUNT_CLOEXEC_ 1
+#define MOUNT_ATTR_NOSUID_ 0x2
+#define MOUNT_ATTR_NODEV_ 0x4
+
+static int no_fsopen = 0; /* tests: with no_open_tree, as before 5.2 */
+
+static int new_tmpfs(const char *data)
+{
+    char opts[4096];
+    if (no_fsopen) {
+        errno = ENOSYS;
+        return -1;
+    }
+    int fs = (int)syscall(SYS_fsopen, "tmpfs", FSOPEN_CLOEXEC_);
+    if (fs < 0)
+        return -1;
+    size_t n = data ? s_len(data) : 0;
+    if (n >= sizeof opts) {
+        close(fs);
+        errno = E2BIG;
+        return -1;
+    }
+    for (size_t i = 0; i <= n; i++)
+        opts[i] = data ? data[i] : 0;
+    /* "tmpfs" as the source in mountinfo, as mount(2) gives it */
+    if (syscall(SYS_fsconfig, fs, FSCONFIG_SET_STRING_, "source", "tmpfs", 0) < 0)
+        goto fail;
+    for (char *o = opts; o && *o;) {
+        char *next = o;
+        for (;;) {
+            while (*next && *next != ',')
+                next++;
+            if (!*next) {
+                next = NULL;
+                break;
+            }
+            if (next[1] < '0' || next[1] > '9') {
+                *next++ = 0;
+                break;
+            }
+            next++;
+        }
+        char *value = o;
+        while (*value && *value != '=')
+            value++;
+        if (*value)
+            *value++ = 0;
+        else
+            value = NULL;
+        if (*o && syscall(SYS_fsconfig, fs, value ? FSCONFIG_SET_STRING_ : FSCONFIG_SET_FLAG_, o, value, 0) < 0)
+            goto fail;
+        o = next;
+    }
+    if (syscall(SYS_fsconfig, fs, FSCONFIG_CMD_CREATE_, NULL, NULL, 0) < 0)
+        goto fail;
+    int mnt = (int)syscall(SYS_fsmount, fs, FSMOUNT_CLOEXEC_, MOUNT_ATTR_NOSUID_ | MOUNT_ATTR_NODEV_);
+    if (mnt < 0)
+        goto fail;
+    close(fs);
+    return mnt;
+fail:;
+    int e = errno;
+    close(fs);
+    errno = e;
+    return -1;
+}
+
+/* Attach the detached mount `tree` onto the walked destination. */
+static int attach(int tree, const struct dest *d)
+{
+    return (int)syscall(SYS_move_mount, tree, "", d->fd, "",
+                        MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH);
 }
 
 /* Bind sources are taken before anything is mounted (open_tree, 5.2+), so a
@@ -429,7 +672,7 @@ static int grab_source(const struct child_ctx *c, const struct shim_mount *m)
     }
     if (m->kind == SHIM_MOUNT_RO_BIND) {
         struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
-        if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) < 0) {
+        if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr) < 0) {
             if (errno != ENOSYS)
                 fail(c, "read-only", m->src);
             close(fd); /* 5.2..5.11: no mount_setattr; remount after mount(2) */
@@ -442,8 +685,8 @@ static int grab_source(const struct child_ctx *c, const struct shim_mount *m)
 /* No open_tree (before 5.2): open the source by path in our own namespace,
  * before anything covers it (the private /tmp), and check it is the inode the
  * starter resolved without links (else a link was swapped in).  It is then
- * mounted from /proc/self/fd/N: the starter's fd itself would not do, as
- * mount(2) binds only mounts of the caller's namespace. */
+ * mounted from our /proc/self/fd/N (fd_name): the starter's fd itself would
+ * not do, as mount(2) binds only mounts of the caller's namespace. */
 static int pin_source(const struct child_ctx *c, const struct shim_mount *m)
 {
     struct stat want, got;
@@ -457,52 +700,98 @@ static int pin_source(const struct child_ctx *c, const struct shim_mount *m)
     return fd;
 }
 
+/* After a mount(2) bind onto d (no open_tree): an fd of the new mount, by
+ * the last component in the held parent, checked to be the root of the
+ * bind (the inode of `src`), so no other path is ever made read-only. */
+static int new_bind_fd(const struct child_ctx *c, const struct shim_mount *m, const struct dest *d,
+                       int src)
+{
+    struct stat want, got;
+    int fd = d->parent >= 0 ? openat(d->parent, d->name, O_PATH | O_NOFOLLOW | O_CLOEXEC)
+                            : open("/", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fd < 0)
+        fail(c, "remount read-only", m->dst);
+    if ((src >= 0 ? fstat(src, &want) : stat(m->src, &want)) < 0 || fstat(fd, &got) < 0)
+        fail(c, "remount read-only", m->dst);
+    if (want.st_dev != got.st_dev || want.st_ino != got.st_ino)
+        fail_err(c, ELOOP, EXIT_STARTER, "mount destination changed while mounting", m->dst);
+    return fd;
+}
+
 static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree, int pinned)
 {
-    struct stat st;
-    if (m->kind == SHIM_MOUNT_FS && m->optional && stat(m->dst, &st) < 0 && errno == ENOENT)
-        return; /* e.g. a hidden path under the private /tmp: nothing to hide */
     const char *what = m->kind == SHIM_MOUNT_BIND      ? "bind"
                        : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind"
                        : m->kind == SHIM_MOUNT_TMPFS   ? "tmpfs"
                                                        : "mount";
-    char fdpath[48];
-    if (make_mountpoint(c, m, tree) < 0)
-        fail(c, "mkdir", m->dst);
+    int bind = m->kind == SHIM_MOUNT_BIND || m->kind == SHIM_MOUNT_RO_BIND;
+    int optional = m->kind == SHIM_MOUNT_FS && m->optional;
+    int create = !optional && ours(c, m);
+    int file = 0;
+    char name[16], from[16];
+    struct stat st;
+    struct dest d;
+    if (create && bind &&
+        (tree >= 0     ? fstat(tree, &st)
+         : pinned >= 0 ? fstat(pinned, &st)
+         : m->src_fd >= 0 ? fstat(m->src_fd, &st) : stat(m->src, &st)) == 0 &&
+        !S_ISDIR(st.st_mode))
+        file = 1; /* a bind of a file gets a file to cover */
+    if (walk_dest(c, m, what, file, create, &d) < 0) {
+        if (optional)
+            return; /* e.g. a hidden path under the private /tmp: nothing to hide */
+        fail(c, what, m->dst);
+    }
     if (tree >= 0) {
-        if (syscall(SYS_move_mount, tree, "", AT_FDCWD, m->dst, MOVE_MOUNT_F_EMPTY_PATH) < 0)
-            fail(c, what, m->dst);
-        close(tree);
         /* A tree cloned in the starter's namespace is a peer of its source
-         * (shared, on systemd hosts): nothing may propagate back. */
-        if (mount(NULL, m->dst, NULL, MS_REC | MS_SLAVE, NULL) < 0)
+         * (shared, on systemd hosts): nothing may propagate back.  A slave
+         * while still detached (5.12+), else once attached, through the
+         * tree's own fd, which is the new mount. */
+        struct mount_attr_v0 attr = {.propagation = MS_SLAVE};
+        int slave = sys_mount_setattr(tree, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr) == 0;
+        if (!slave && errno != ENOSYS)
             fail(c, "make slave", m->dst);
+        if (attach(tree, &d) < 0)
+            fail(c, what, m->dst);
+        if (!slave && mount(NULL, fd_name(name, tree), NULL, MS_REC | MS_SLAVE, NULL) < 0)
+            fail(c, "make slave", m->dst);
+        close(tree);
+        close_dest(&d);
         return;
     }
     switch (m->kind) {
     case SHIM_MOUNT_BIND:
     case SHIM_MOUNT_RO_BIND:
-        if (pinned >= 0) {
-            char num[16];
-            s_int(num, sizeof num, pinned);
-            s_cat(fdpath, s_cat(fdpath, 0, sizeof fdpath, "/proc/self/fd/"), sizeof fdpath, num);
+        if (mount(pinned >= 0 ? fd_name(from, pinned) : m->src, fd_name(name, d.fd), NULL,
+                  MS_BIND | MS_REC, NULL) < 0)
+            fail(c, what, m->dst);
+        if (m->kind == SHIM_MOUNT_RO_BIND) {
+            int top = new_bind_fd(c, m, &d, pinned);
+            if (make_readonly_fd(top) < 0)
+                fail(c, "remount read-only", m->dst);
+            close(top);
         }
-        if (mount(pinned >= 0 ? fdpath : m->src, m->dst, NULL, MS_BIND | MS_REC, NULL) < 0)
-            fail(c, what, m->dst);
-        if (m->kind == SHIM_MOUNT_RO_BIND && make_readonly(m->dst) < 0)
-            fail(c, "remount read-only", m->dst);
         break;
-    case SHIM_MOUNT_TMPFS:
-        if (mount("tmpfs", m->dst, "tmpfs", MS_NOSUID | MS_NODEV, m->data) < 0)
+    case SHIM_MOUNT_TMPFS: {
+        int mnt = new_tmpfs(m->data);
+        if (mnt >= 0) {
+            if (attach(mnt, &d) < 0)
+                fail(c, what, m->dst);
+            close(mnt);
+        } else if (errno != ENOSYS ||
+                   mount("tmpfs", fd_name(name, d.fd), "tmpfs", MS_NOSUID | MS_NODEV, m->data) < 0) {
             fail(c, what, m->dst);
+        }
         break;
+    }
     case SHIM_MOUNT_FS: /* the plan's own mounts: /dev/shm, cgroup views, hiding */
-        if (mount(m->src ? m->src : m->fstype, m->dst, m->fstype, m->flags, m->data) < 0)
+        if (mount(m->src ? m->src : m->fstype, fd_name(name, d.fd), m->fstype, m->flags, m->data) < 0)
             fail(c, what, m->dst);
         break;
     default:
         fail_err(c, EINVAL, EXIT_STARTER, "mount kind", m->dst);
     }
+    close_dest(&d);
 }
 
 /* A fresh sysfs shows the job's own network namespace.  Its /sys/fs/cgroup
@@ -594,8 +883,21 @@ static void setup_namespaces(const struct child_ctx *c)
     if ((ns & SHIM_NEWNS) && s->private_tmp &&
         mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, "mode=1777") < 0)
         fail(c, "mount", "/tmp");
+    if (s->nmounts <= 0)
+        return;
+    /* See fd_name(): mount(2) gets fd numbers in our own /proc/self/fd,
+     * opened now, before any mount of the plan, and made the cwd for it. */
+    int fd_dir = open("/proc/self/fd", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    int cwd = open(".", O_PATH | O_DIRECTORY | O_CLOEXEC);
+    if (fd_dir < 0 || fchdir(fd_dir) < 0)
+        fail(c, "open", "/proc/self/fd");
     for (int i = 0; i < s->nmounts && i < SHIM_MAX_MOUNTS; i++)
         do_mount(c, &s->mounts[i], trees[i], pinned[i]);
+    if (cwd >= 0 ? fchdir(cwd) < 0 : chdir("/") < 0)
+        fail(c, "chdir", "back from /proc/self/fd");
+    close(fd_dir);
+    if (cwd >= 0)
+        close(cwd);
 }
 
 /* ---- credentials -------------------------------------------------------- */
@@ -615,6 +917,11 @@ static void drop_privileges(const struct child_ctx *c)
         fail(c, "PR_CAP_AMBIENT_CLEAR_ALL", NULL);
     if (syscall(SYS_setresuid, s->uid, s->uid, s->uid) < 0)
         fail(c, "setresuid", NULL);
+    /* The uid change made this process non-dumpable unless fs.suid_dumpable
+     * is 1: either way it stays so until execve (which decides for the job),
+     * so no process of the job's uid can ptrace the rest of the setup. */
+    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
+        fail(c, "PR_SET_DUMPABLE", "0");
     /* A fresh, empty session keyring owned by the job's user: the starter's
      * (or the batch daemon's) session keyring is not the job's to possess,
      * and without one the kernel falls back to the per-uid user-session
@@ -645,34 +952,33 @@ static void write_proc_self(const struct child_ctx *c, const char *path, const c
 
 /* --userns-root, after the drop to the job's uid/gid: a new user namespace
  * in which 0 maps to that uid/gid and nothing else is mapped, so root inside
- * owns exactly what the job's host uid owns.  Made unprivileged (the process
- * maps only its own ids), like `unshare -r`.  The job keeps the full
+ * owns exactly what the job's host uid owns.  The job keeps the full
  * capability set the kernel gives the creator of a user namespace, but only
  * *in* it: the job's PID, net, mount namespaces and every host object belong
- * to the host's user namespace, where it has none.  NO_NEW_PRIVS stays. */
+ * to the host's user namespace, where it has none.  NO_NEW_PRIVS stays.
+ *
+ * The maps are written by the starter, as newuidmap and runc do, not by this
+ * process: writing its own /proc/self/uid_map would need it dumpable, and a
+ * dumpable process of the job's uid can be ptraced by any process of that
+ * uid, here before the job's seccomp filter and holding the job's fds.  So
+ * it asks over err (a report with exit code 0, SHIM_STEP_USERNS; the kernel
+ * adds its pid as the starter sees it, which an init's job cannot know) and
+ * waits for a byte on sync; EOF there: the starter is gone. */
 static void enter_userns_root(const struct child_ctx *c)
 {
-    const struct shim_spec *s = c->s;
-    char map[40];
+    struct shim_report r;
+    char *p = (char *)&r;
+    for (size_t i = 0; i < sizeof r; i++)
+        p[i] = 0;
+    s_cat(r.step, 0, sizeof r.step, SHIM_STEP_USERNS);
     if (unshare(CLONE_NEWUSER) < 0)
         fail(c, "unshare", "user namespace");
-    /* The uid change made us non-dumpable, which hands our /proc/self files
-     * to root; writing our own maps needs them back.  Only fds meant for the
-     * job are open by now, and the uid change below clears it again. */
-    if (prctl(PR_SET_DUMPABLE, 1, 0, 0, 0) < 0)
-        fail(c, "PR_SET_DUMPABLE", NULL);
-    /* An unprivileged gid_map needs setgroups denied first. */
-    write_proc_self(c, "/proc/self/setgroups", "deny");
-    s_cat(map, s_uint(map, s_cat(map, 0, sizeof map, "0 "), sizeof map, s->uid), sizeof map, " 1\n");
-    write_proc_self(c, "/proc/self/uid_map", map);
-    s_cat(map, s_uint(map, s_cat(map, 0, sizeof map, "0 "), sizeof map, s->gid), sizeof map, " 1\n");
-    write_proc_self(c, "/proc/self/gid_map", map);
+    write_all(c->err_wr, &r, sizeof r);
+    wait_release(c);
     if (syscall(SYS_setresgid, 0, 0, 0) < 0)
         fail(c, "setresgid", "0 in the user namespace");
     if (syscall(SYS_setresuid, 0, 0, 0) < 0)
         fail(c, "setresuid", "0 in the user namespace");
-    if (prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) < 0)
-        fail(c, "PR_SET_DUMPABLE", NULL);
 }
 
 /* ---- inherited attributes ------------------------------------------------ */
@@ -977,7 +1283,7 @@ static _Noreturn void become_job(const struct child_ctx *c, int creds)
     if (creds && s->drop_privileges)
         drop_privileges(c);
     close_fds(c);
-    if (s->userns_root) /* after close_fds: it is dumpable for a moment */
+    if (s->userns_root)
         enter_userns_root(c);
     /* A credential change clears PDEATHSIG: arm it (again) now. */
     arm_pdeathsig(c);
@@ -1120,11 +1426,40 @@ static int pipe_hi(int p[2])
     return 0;
 }
 
-static int open_pipes(struct pipes *p, int status)
+/* --userns-root: err is a SOCK_SEQPACKET pair instead of a pipe (the same
+ * messages, the same EOF at exec), with SO_PASSCRED on the starter's end: the
+ * request for the maps then carries the pid of the process that asks, in the
+ * starter's PID namespace (SCM_CREDENTIALS), which with --init is the job's,
+ * a pid neither the init nor the job knows. */
+static int socket_hi(int p[2])
+{
+    int one = 1;
+    if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, p) < 0)
+        return -errno;
+    for (int i = 0; i < 2; i++)
+        if (p[i] < 3) {
+            int n = fcntl(p[i], F_DUPFD_CLOEXEC, 3);
+            if (n < 0) {
+                int e = errno;
+                close_pair(p);
+                return -e;
+            }
+            close(p[i]);
+            p[i] = n;
+        }
+    if (setsockopt(p[0], SOL_SOCKET, SO_PASSCRED, &one, sizeof one) < 0) {
+        int e = errno;
+        close_pair(p);
+        return -e;
+    }
+    return 0;
+}
+
+static int open_pipes(struct pipes *p, int status, int userns)
 {
     int r;
     p->sync[0] = p->sync[1] = p->err[0] = p->err[1] = p->status[0] = p->status[1] = -1;
-    if ((r = pipe_hi(p->sync)) < 0 || (r = pipe_hi(p->err)) < 0 ||
+    if ((r = pipe_hi(p->sync)) < 0 || (r = (userns ? socket_hi : pipe_hi)(p->err)) < 0 ||
         (status && (r = pipe_hi(p->status)) < 0)) {
         close_pair(p->sync);
         close_pair(p->err);
@@ -1210,6 +1545,13 @@ static int no_open_tree = 0; /* tests: as on a kernel without open_tree */
 void shim_test_no_open_tree(int on)
 {
     no_open_tree = on;
+    no_fsopen = on; /* both 5.2 */
+    no_mount_setattr = on;
+}
+
+void shim_test_no_mount_setattr(int on)
+{
+    no_mount_setattr = on;
 }
 
 /* Bind sources given as fds are cloned here, in the starter, before clone():
@@ -1238,7 +1580,7 @@ static int take_trees(const struct shim_spec *s, int *trees)
         }
         if (m->kind == SHIM_MOUNT_RO_BIND) {
             struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
-            if (syscall(SYS_mount_setattr, fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr, sizeof attr) < 0) {
+            if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr) < 0) {
                 int e = errno;
                 close(fd);
                 if (e == ENOSYS)
@@ -1268,7 +1610,7 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
         close_trees(s, trees);
         return -EOPNOTSUPP;
     }
-    r = open_pipes(&p, s->init);
+    r = open_pipes(&p, s->init, s->userns_root);
     if (r < 0) {
         close_trees(s, trees);
         return r;
@@ -1368,7 +1710,7 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
 {
     struct pipes p;
     int pidpipe[2];
-    int r = open_pipes(&p, 0);
+    int r = open_pipes(&p, 0, 0);
     if (r < 0)
         return r;
     if ((r = pipe_hi(pidpipe)) < 0) {

@@ -43,7 +43,10 @@
 #define SHIM_NNS 6
 
 /* What the child writes on the error pipe when a step fails: 256 bytes,
- * less than PIPE_BUF, so it arrives whole or not at all. */
+ * less than PIPE_BUF, so it arrives whole or not at all.  With --userns-root
+ * also the request for the user namespace's maps: err 0, exit_code 0, step
+ * "map user namespace" (shim.c, enter_userns_root); the starter answers
+ * with a byte on sync. */
 struct shim_report {
     int err;                  /* errno of the failed step */
     int exit_code;            /* what the child _exit()s with: 125/126/127 */
@@ -165,8 +168,13 @@ int shim_clone3_supported(void);
 /* Tests: force the clone() fallback (1) or go back to probing clone3 (0). */
 void shim_test_no_clone3(int on);
 /* Tests: bind sources given as fds are mounted by path and checked (1), as
- * on kernels without open_tree, or cloned with open_tree again (0). */
+ * on kernels without open_tree (nor fsopen, mount_setattr), or cloned with
+ * open_tree again (0). */
 void shim_test_no_open_tree(int on);
+/* Tests: as on 5.2..5.11 (open_tree and fsopen, no mount_setattr): a
+ * read-only bind is pinned and mounted by fd, a tree made a slave once
+ * attached, by its own fd (1), or as this kernel is (0). */
+void shim_test_no_mount_setattr(int on);
 
 /* native/seccomp.c: profile -> BPF, in the parent (libseccomp). */
 #define SHIM_CMP_NE 1

@@ -42,13 +42,14 @@ class SpawnError(StarterError):
     failures map to 126/127 like docker and crun do.
     """
 
-    def __init__(self, step, errno_, hint=None):
+    def __init__(self, step, errno_, hint=None, message=None):
         import os
 
         self.step = step
         self.errno = errno_
         name = _errno_name(errno_)
-        super().__init__(f"{step} failed: {name} ({os.strerror(errno_)})", hint)
+        # `message`: a step that says itself what went wrong ("...: /x is a symlink")
+        super().__init__(message or f"{step} failed: {name} ({os.strerror(errno_)})", hint)
         if step.startswith("execve"):
             import errno as E
 

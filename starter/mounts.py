@@ -4,7 +4,11 @@ Applied in the child in this order, after / was made a slave mount (so
 nothing propagates back to the host): fresh /proc (pid ns), fresh /sys (net
 ns), a private /tmp, then these mounts in the order given.  A mount point must
 exist, except inside a tmpfs this plan mounted (the private /tmp or an earlier
-tmpfs entry), where the shim creates it.
+tmpfs entry), where the shim creates it.  The shim walks each destination
+once, in the job's view, without following links: a link anywhere on it, the
+last component included, fails the job (a job's user may own a directory on
+the way).  So the plan's own entries give their destinations with the host's
+links resolved (a site's /var/run/starter is /run/starter).
 
 A job's plan (job.py) is, in order:
 
@@ -201,16 +205,17 @@ def private_dirs(uid, gid, shm_bytes=None):
     pages are charged to the job's memory cgroup (the job faults them in)
     and go away with the job's mount namespace."""
     size = shm_bytes if shm_bytes is not None else SHM_SIZE_DEFAULT
+    real = os.path.realpath  # the host's own links (an old /dev/shm -> /run/shm)
     out = []
     if os.path.isdir("/dev/shm"):
-        out.append(Mount.fs("tmpfs", "/dev/shm", "mode=1777" + (f",size={size}" if size else ""),
+        out.append(Mount.fs("tmpfs", real("/dev/shm"), "mode=1777" + (f",size={size}" if size else ""),
                             ("nosuid", "nodev")))
     for d in PRIVATE_TMP_DIRS:
         if os.path.isdir(d):
-            out.append(Mount.fs("tmpfs", d, "mode=1777", ("nosuid", "nodev")))
+            out.append(Mount.fs("tmpfs", real(d), "mode=1777", ("nosuid", "nodev")))
     run_user = f"/run/user/{uid}"
     if os.path.isdir(run_user):
-        out.append(Mount.fs("tmpfs", run_user, f"mode=700,uid={uid},gid={gid}", ("nosuid", "nodev")))
+        out.append(Mount.fs("tmpfs", real(run_user), f"mode=700,uid={uid},gid={gid}", ("nosuid", "nodev")))
     if os.path.ismount("/dev/mqueue"):
         out.append(Mount.fs("mqueue", "/dev/mqueue", "", _SAFE))
     return out
@@ -229,7 +234,9 @@ def hide(paths, files=MASKED_FILES):
     job's view has no such path (a state directory under the private /tmp).
     /dev/null, read-only, over each of `files`."""
     out = [Mount("ro-bind", f, "/dev/null") for f in files if os.path.exists(f)]
-    for p in dict.fromkeys(os.path.normpath(p) for p in paths if p):
+    # The host's links resolved (a state directory given as /var/run/starter):
+    # the shim follows none on a destination.
+    for p in dict.fromkeys(os.path.realpath(p) for p in paths if p):
         if os.path.isdir(p):
             out.append(Mount.fs("tmpfs", p, "mode=000,size=4k,nr_inodes=2", _SAFE + ("ro",),
                                 optional=True))

@@ -8,6 +8,10 @@ runs in the child).  The protocol, in short (the full picture is in shim.c):
     (cgroups, network from the caller)
     release(): 1 byte ───── sync ──────►   mounts, setsid, creds, fds, exec
     wait_started(): ◄────── err ────────   EOF = exec'd; else {errno, step}
+      --userns-root, before that:
+      ◄── err: "map user namespace" ────   after unshare(USER); its pid comes
+      writes /proc/PID/*_map                 with the message (SCM_CREDENTIALS)
+      1 byte ─────── sync ──────────────►  setresuid(0) in it, goes on
     wait()/poll(): pidfd                   init mode: ◄── status ── raw status
 
 PID 1.  By default the job itself is PID 1 of its namespace.  The kernel
@@ -24,6 +28,7 @@ called spawn() exits: call spawn() from the main thread (or one that lives as
 long as the job).
 """
 
+import errno
 import os
 import _signal  # not `signal`: it builds enums at import (~3 ms per job)
 import struct
@@ -55,6 +60,10 @@ _NS_SLOTS = {"ipc": lib.SHIM_NS_IPC, "uts": lib.SHIM_NS_UTS, "net": lib.SHIM_NS_
              "pid": lib.SHIM_NS_PID, "cgroup": lib.SHIM_NS_CGROUP, "mnt": lib.SHIM_NS_MNT}
 
 _REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
+_CREDS = struct.Struct("iII")  # struct ucred
+_USERNS_STEP = b"map user namespace"  # SHIM_STEP_USERNS in shim.c: a request, not a failure
+# fail_link() in shim.c: a mount destination with a link on it
+_LINK_STEP, _LINK_END = "mount destination ", " is a symlink (not followed)"
 
 
 class ChildSpec:
@@ -154,7 +163,10 @@ class Child:
             return
         if not self._released:
             raise StarterError("wait_started() before release(): the child would wait forever")
-        data = _read_report(self._err)
+        if self._spec is not None and self._spec.userns_root:
+            data = self._serve_userns()
+        else:
+            data = _read_report(self._err)
         _close(self._err)
         self._err = -1
         if data:
@@ -165,6 +177,57 @@ class Child:
         _close(self._sync)
         self._sync = -1
         self._started = True
+
+    def _serve_userns(self):
+        """--userns-root: the job's process asks for its user namespace's
+        maps (a report with exit code 0 on err, a SOCK_SEQPACKET socket with
+        SO_PASSCRED, so the kernel says which pid asks); write them, let it go
+        on with a byte on sync, and return what comes next: b"" at exec, or
+        the report of a failure.  The maps are written here, as root in the
+        parent user namespace, so the child never makes itself dumpable."""
+        while True:
+            data, pid, uid = _recv_report(self._err)
+            if len(data) != _REPORT.size:
+                return data
+            err, code, raw = _REPORT.unpack(data)
+            if code != 0 or raw.split(b"\0", 1)[0] != _USERNS_STEP:
+                return data
+            try:
+                self._write_maps(pid, uid)
+            except OSError as e:
+                _close(self._sync)  # EOF: it exits 125 instead of waiting for us
+                self._sync = -1
+                return _REPORT.pack(e.errno, 125, _USERNS_STEP)
+            try:
+                os.write(self._sync, b"\1")
+            except BrokenPipeError:
+                pass  # it died: EOF on err next, and wait() says how
+
+    def _write_maps(self, pid, uid):
+        """setgroups "deny", gid_map and uid_map "0 ID 1" of `pid`'s user
+        namespace, through one /proc/PID directory fd.  `pid` must be the
+        child (or, with --init, a process of its PID namespace: the init's
+        job; nothing else can be there yet, and a pid reused after the job
+        died is not), and it must run as the job's uid."""
+        spec = self._spec
+        if pid is None or uid != spec.uid:
+            raise OSError(errno.EPERM, "the request is not from the job's process")
+        dfd = os.open(f"/proc/{pid}", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        try:
+            if pid != self.pid:
+                mine = os.stat(f"/proc/{self.pid}/ns/pid")
+                theirs = os.stat("ns/pid", dir_fd=dfd)
+                if not self._init or (theirs.st_dev, theirs.st_ino) != (mine.st_dev, mine.st_ino):
+                    raise OSError(errno.EPERM, "the request is not from the job's process")
+            for name, text in (("setgroups", "deny"), ("gid_map", f"0 {spec.gid} 1\n"),
+                               ("uid_map", f"0 {spec.uid} 1\n")):
+                fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=dfd)
+                try:
+                    os.write(fd, text.encode())
+                finally:
+                    os.close(fd)
+        finally:
+            os.close(dfd)
 
     def send_signal(self, sig):
         """pidfd_send_signal; a child that is already gone is not an error."""
@@ -568,12 +631,35 @@ def _read_report(fd):
     return buf
 
 
+def _recv_report(fd):
+    """One message from a --userns-root child's err socket, and the pid and
+    uid the kernel attached (SCM_CREDENTIALS; pid in our PID namespace), or
+    (b"", None, None) at EOF.  _socket, not socket: the latter builds enums
+    at import."""
+    import _socket
+
+    s = _socket.socket(fileno=fd)
+    try:
+        data, anc, _flags, _addr = s.recvmsg(_REPORT.size, _socket.CMSG_SPACE(_CREDS.size))
+    finally:
+        s.detach()
+    pid = uid = None
+    for level, kind, cdata in anc:
+        if level == _socket.SOL_SOCKET and kind == _socket.SCM_CREDENTIALS and len(cdata) >= _CREDS.size:
+            pid, uid, _gid = _CREDS.unpack_from(cdata)
+    return data, pid, uid
+
+
 def _spawn_error(data, spec):
     if len(data) < _REPORT.size:
         return StarterError("the child died during setup without a report",
                             "see the kernel log (dmesg) for a killed process")
     err, _code, raw = _REPORT.unpack(data)
     step = raw.split(b"\0", 1)[0].decode(errors="replace")
+    if step.startswith(_LINK_STEP) and step.endswith(_LINK_END):
+        # The shim's walk of a mount destination met a link: the step is the
+        # whole message ("mount destination /a/b/c: /a/b is a symlink (not followed)").
+        return SpawnError(step, err, _step_hint(step, err, spec), message=step)
     return SpawnError(step, err, _step_hint(step, err, spec))
 
 
@@ -646,6 +732,10 @@ def _step_hint(step, err, spec):
         return None
     if step.startswith("chdir"):
         return f"the working directory must exist in the job's view and be searchable by uid {uid}"
+    if step.startswith(_LINK_STEP) and err == E.ELOOP:
+        return ("mount destinations are resolved in the job's view without following links, "
+                "the last component included: give the path the link leads to; a link a job or "
+                "user made is refused on purpose")
     if step.startswith("bind source") and err == E.ENOENT:
         return "the source of the bind does not exist on the host"
     if step.startswith(_mounts.KINDS + ("mkdir",)):

@@ -436,6 +436,92 @@ def test_userns_root_from_job_file(starter, tmp_path):
     _one_line_error(starter("run", "--job", str(job)), "userns")
 
 
+@pytest.mark.parametrize("init", [False, True], ids=["no-init", "init"])
+def test_userns_root_child_never_makes_itself_dumpable(tmp_path, who, init):
+    """The maps are written by the starter, as newuidmap does: the child
+    (with --init, the job) never makes itself dumpable, which would let any
+    process of the job's uid ptrace it before its seccomp filter, and never
+    opens its own /proc/self/uid_map.  strace -f sees every prctl and open of
+    the whole start."""
+    import shutil
+
+    strace = shutil.which("strace")
+    if strace is None:
+        pytest.skip("strace is not installed (scripts/setup --test installs it)")
+    opts, _uid, _gid = who
+    trace = tmp_path / "trace"
+    p = subprocess.run([strace, "-f", "-qq", "-e", "trace=prctl,unshare,open,openat", "-o", str(trace),
+                        STARTER, "run", *opts, "--userns-root", *(["--init"] if init else []),
+                        "--", "id", "-u"], capture_output=True, text=True, timeout=120)
+    assert (p.returncode, p.stdout) == (0, "0\n"), (p.returncode, p.stdout, p.stderr)
+    lines = trace.read_text().splitlines()
+    starter_pid = lines[0].split()[0]
+    assert any("unshare(CLONE_NEWUSER)" in l for l in lines), lines   # the trace saw the setup
+    assert not [l for l in lines if "SUID_DUMP_USER" in l], [l for l in lines if "DUMPABLE" in l]
+    assert not [l for l in lines if "/proc/self/uid_map" in l or "/proc/self/setgroups" in l]
+    writers = {l.split()[0] for l in lines if '"uid_map"' in l or '"gid_map"' in l}
+    assert writers == {starter_pid}, [l for l in lines if "_map" in l]
+
+
+def _spawn_userns(init):
+    from starter import ns
+
+    r, w = os.pipe()
+    try:
+        child = ns.spawn(ns.ChildSpec(["id", "-u"], {"PATH": "/usr/bin:/bin"}, uid=65534, gid=65534,
+                                      userns_root=True, init=init, stdio=(None, w, None)))
+    finally:
+        os.close(w)
+    try:
+        with child:
+            child.release()
+            child.wait_started()
+            out = os.read(r, 100)
+            return child.wait(), out
+    finally:
+        os.close(r)
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["no-init", "init"])
+def test_userns_root_maps_are_written_while_the_child_waits_not_dumpable(monkeypatch, init):
+    """When the starter writes the maps, the process asking is already in
+    its new user namespace, as the job's uid, and not dumpable (the files in
+    its /proc/PID belong to root: the kernel's sign of it); with --init it is the job, not
+    the init, and the starter learnt its pid from the message."""
+    from starter import ns
+
+    seen = []
+    real = ns.Child._write_maps
+
+    def spy(self, pid, uid):
+        # a non-dumpable process's /proc/PID files (not the directory) are root's
+        seen.append((pid, self.pid, os.stat(f"/proc/{pid}/status").st_uid,
+                     os.readlink(f"/proc/{pid}/ns/user"), uid))
+        return real(self, pid, uid)
+
+    monkeypatch.setattr(ns.Child, "_write_maps", spy)
+    status, out = _spawn_userns(init)
+    assert (status, out) == (0, b"0\n")
+    [(pid, child_pid, owner, userns, uid)] = seen
+    assert owner == 0 and uid == 65534, seen
+    assert userns != os.readlink("/proc/self/ns/user"), seen
+    assert (pid != child_pid) == init, seen
+
+
+@pytest.mark.parametrize("init", [False, True], ids=["no-init", "init"])
+def test_userns_root_maps_that_cannot_be_written_fail_the_start(monkeypatch, init):
+    from starter import ns
+    from starter.errors import SpawnError
+
+    def refuse(self, pid, uid):
+        raise OSError(1, "planted")
+
+    monkeypatch.setattr(ns.Child, "_write_maps", refuse)
+    with pytest.raises(SpawnError) as e:
+        _spawn_userns(init)
+    assert e.value.step == "map user namespace" and e.value.exit_code == 125, e.value
+
+
 # ---------------------------------------------------------------- inherited attributes
 
 _libc = ctypes.CDLL(None, use_errno=True)
