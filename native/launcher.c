@@ -39,6 +39,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <grp.h>
+#include <limits.h>
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
@@ -318,23 +319,45 @@ static int relay(pid_t starter, int sock, uid_t uid, gid_t gid)
 	return 125;
 }
 
-/* Root runs the interpreter and the code below this launcher's directory:
- * every directory on the way must be root's and writable by no one else,
- * else whoever could write one would choose what root runs. */
-static void check_install(void)
+/* Every directory on `path`'s way (following links with stat(), so a
+ * link's target counts) must be root's and writable by no one else. */
+static void check_dirs(const char *path)
 {
-	char path[] = STARTER_PYTHON;
+	char buf[PATH_MAX];
 	struct stat st;
 
-	for (char *slash = path; (slash = strchr(slash + 1, '/')) != NULL; ) {
+	if (snprintf(buf, sizeof buf, "%s", path) >= (int)sizeof buf)
+		_exit(125);
+	for (char *slash = buf; (slash = strchr(slash + 1, '/')) != NULL; ) {
 		*slash = 0;
-		if (lstat(path, &st) < 0 || !S_ISDIR(st.st_mode) || st.st_uid != 0 || (st.st_mode & 022)) {
+		if (stat(buf, &st) < 0 || !S_ISDIR(st.st_mode) || st.st_uid != 0 || (st.st_mode & 022)) {
 			fprintf(stderr, "starter: %s is not a directory of root's that only root may write: "
-				"this installation cannot serve users (exit 125)\n", path);
+				"this installation cannot serve users (exit 125)\n", buf);
 			_exit(125);
 		}
 		*slash = '/';
 	}
+}
+
+/* Root runs the interpreter and the code below this launcher's directory:
+ * every directory on the way must be root's and writable by no one else,
+ * else whoever could write one would choose what root runs.  Both the path
+ * as given and as resolved (a venv may be a link to /opt/venv: the link
+ * itself sits in a checked directory, its target's way is checked too). */
+static void check_install(void)
+{
+	char real[PATH_MAX], dir[] = STARTER_PYTHON;
+	char *slash = strrchr(dir, '/');
+
+	check_dirs(STARTER_PYTHON);
+	if (slash)
+		*slash = 0;
+	if (!realpath(dir, real)) {
+		fprintf(stderr, "starter: cannot resolve %s: %s (exit 125)\n", dir, strerror(errno));
+		_exit(125);
+	}
+	strncat(real, "/x", sizeof real - strlen(real) - 1);
+	check_dirs(real);
 }
 
 /* `starter run` for a caller that is not root (the picture above). */
