@@ -166,6 +166,36 @@ def test_caller_cannot_read_root_files(policy, home, root_only):
     refused(as_caller("run", "--ro-bind", f"{root_only}:/tmp/x", "--", "true", cwd=home), "Permission denied")
 
 
+def test_caller_manifest_input_read_with_its_rights(policy, home):
+    """A manifest the caller may read, listing an input it may not (root's,
+    0600, in the caller's own directory): refused before the job runs, no
+    scratch left; the same input made readable is staged and run."""
+    import hashlib
+    import tempfile
+
+    ex = tempfile.mkdtemp(prefix="starter-exec-", dir="/tmp")
+    os.chmod(ex, 0o755)
+    try:
+        policy(f'[callers]\nexecute_dirs = ["{ex}"]\n')
+        secret = f"{home}/input.sh"
+        with open(secret, "w") as f:
+            f.write("#!/bin/sh\necho staged\n")
+        os.chmod(secret, 0o600)                       # root's, in the caller's directory
+        digest = hashlib.sha256(open(secret, "rb").read()).hexdigest()
+        with open(f"{home}/sig.sha256", "w") as f:
+            f.write(f"{digest} xinput.sh\n")
+        os.chown(f"{home}/sig.sha256", UID, GID)
+        sig = hashlib.sha256(open(f"{home}/sig.sha256", "rb").read()).hexdigest()
+        args = ("run", "--execute-dir", ex, "--manifest", f"{home}/sig.sha256", "--manifest-digest", sig,
+                "--", "./input.sh")
+        refused(as_caller(*args, cwd=home))
+        assert os.listdir(ex) == []
+        os.chmod(secret, 0o644)
+        assert as_caller(*args, cwd=home, check=0).stdout == "staged\n"
+    finally:
+        subprocess.run(["rm", "-rf", ex], check=True)
+
+
 def test_job_cannot_start_a_job(policy, home, starter, state_root):
     """Inside a job no_new_privs is set: the set-user-ID bit does nothing,
     so a job's process (of the caller's or of root's starting) cannot start one."""
