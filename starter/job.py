@@ -221,8 +221,15 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
             # anything there.
             from starter import paths
 
+            parent = os.path.dirname(path)
             with rights():
-                os.close(paths.open_dir(os.path.dirname(path), "execute directory"))
+                fd = paths.open_dir(parent, "execute directory")
+                try:    # O_PATH reached it; may the caller enter it?
+                    if not os.access(f"/proc/self/fd/{fd}", os.X_OK, effective_ids=True):
+                        raise paths.LinkError(f"execute directory {parent}: the caller may not enter it",
+                                              "use an execute directory the job's user can reach")
+                finally:
+                    os.close(fd)
         if spec.scratch:
             sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id, groups=spec.groups)
         else:
