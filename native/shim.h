@@ -164,6 +164,9 @@ int shim_spawn(const struct shim_spec *spec, struct shim_child *out);
 int shim_enter(const struct shim_spec *spec, struct shim_child *out);
 int shim_setns(int fd, int nstype);
 int shim_pidfd_open(int pid);
+/* native/uidkill.c: is a process of `uid` alive (1) or not (0), and with
+ * sig != 0 kill(-1, sig) as that uid; -errno on failure. */
+int shim_uid_kill(unsigned int uid, int sig);
 int shim_clone3_supported(void);
 /* Tests: force the clone() fallback (1) or go back to probing clone3 (0). */
 void shim_test_no_clone3(int on);

@@ -129,6 +129,21 @@ def run(spec, caller=None, policy=None):
             # and not a job's (a process inside a job cannot start one).
             backend.check_caller_parents()
             count_lock = _caller_slot(spec.state_dir, caller, policy)
+        # The job's uid: its own (leased before the entry, which records it;
+        # the lease names the job, so gc finds it even if we die between),
+        # or a named one.  Its end, after the cgroup is gone (pushed first,
+        # runs last): processes of the uid outside the cgroup are escapes.
+        since = [None]          # the job's start time, once it runs
+        if spec.transient is not None:
+            from starter import uids
+
+            uid = uids.acquire(spec.state_dir, spec.id, *spec.transient)
+            undo.push(_end_transient, spec.state_dir, uid, spec.id, spec.escape, report, label="uid")
+            spec = spec.replace(uid=uid, gid=uid if spec.gid is None else spec.gid, user=str(uid))
+            fault("uid")
+        elif spec.uid != 0:
+            undo.push(_end_named, spec.uid, since, spec.escape, report, label="escapes")
+        report["uid"] = spec.uid
         job_state = JobState(spec.state_dir, spec.id).create(
             reclaim=reclaim.reclaim_for_start,
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
@@ -136,13 +151,14 @@ def run(spec, caller=None, policy=None):
             argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
             cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
             cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent, delegate=spec.delegate,
-            caller=caller.uid if caller is not None else 0)
+            caller=caller.uid if caller is not None else 0, transient=spec.transient is not None,
+            escape=spec.escape)
         if count_lock is not None:      # the entry counts from here on
             os.close(count_lock)
         fault("state-entry")
         events.emit("starting", argv=spec.argv, user=spec.uid)
         trace.mark("state")
-        code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter, rights)
+        code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter, rights, since)
     except StarterError as e:
         sys.stderr.write(f"starter: {one_line(e)}\n")
         report.update(error=str(e), exit_code=e.exit_code)
@@ -197,7 +213,7 @@ def run(spec, caller=None, policy=None):
     return code
 
 
-def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_Root):
+def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_Root, since=None):
     from starter import cgroups, ns
     from starter.mounts import Mount
     from starter.spec import rlimit_table
@@ -316,6 +332,10 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     # job with a user namespace of its own can later unshare its PID 1 into
     # namespaces of its own making; enter refuses those.
     job_namespaces = ns.made_for(child.pid, child_spec)
+    if since is not None:
+        from starter.state import process_start_time
+
+        since[0] = process_start_time(child.pid)
     trace.mark("clone")
     # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
     cg.add_pid(child.pid, cloned=child_spec.cgroup_fd is not None)
@@ -409,6 +429,47 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     if undo.holds("net", "scratch"):
         job_state.update(state="exited")
     return code
+
+
+def _end_transient(state_dir, uid, job_id, action, report):
+    """The job's own uid, at its end: every process of it left (outside the
+    emptied cgroup) has escaped; killed (the default) or reported; the uid
+    is given back only once none is left."""
+    from starter import escapes, uids
+
+    found = escapes.find(uid)
+    report["escaped"] = found
+    if found:
+        _say_escaped(job_id, found, action)
+        report["escaped_action"] = "killed" if action == "kill" else "reported"
+        if action != "kill":
+            return          # the lease stays until they are gone (`starter gc`)
+        if escapes.kill_all(uid):
+            raise StarterError(f"processes of the job's uid {uid} outlived the kill; the uid stays leased",
+                               "`starter gc` gives it back once they are gone")
+    uids.release(state_dir, uid, job_id)
+
+
+def _end_named(uid, since, action, report):
+    """A named user's processes started during the job, outside every job's
+    cgroup: escaped (a same-uid host daemon started them for the job)."""
+    if since[0] is None:
+        return              # the job never ran
+    from starter import escapes
+
+    found = escapes.find(uid, since=since[0], skip_jobs=True)
+    report["escaped"] = found
+    if found:
+        _say_escaped(report.get("job_id"), found, action)
+        report["escaped_action"] = "killed" if action == "kill" else "reported"
+        if action == "kill":
+            escapes.kill_found(found)
+
+
+def _say_escaped(job_id, found, action):
+    shown = ", ".join(f"{p['pid']} ({p['comm']})" for p in found[:10]) + (" ..." if len(found) > 10 else "")
+    sys.stderr.write(f"starter: job {job_id}: {len(found)} process(es) of its uid outside its cgroup "
+                     f"(escaped): {shown}; {'killed' if action == 'kill' else 'reported'}\n")
 
 
 def _caller_slot(state_dir, caller, policy):

@@ -41,6 +41,10 @@ DEFAULT_KEYS = {
     "rlimits": ("rlimit", "rlimits"), "seccomp": ("seccomp", "profile"),
     "grace": ("grace", "duration"),
     "state_dir": ("state-dir", "dir"),
+    "user": ("user", "user"),
+    "job_uids": ("job-uids", "uids"),
+    "escape_transient": ("escape-transient", "escape"),
+    "escape_named": ("escape-named", "escape"),
 }
 # Options whose defaults only make sense for a NAT job (spec refuses them otherwise).
 NET_OPTIONS = ("uplink", "lan", "pool", "pool6", "ipv6", "resolver", "allow-host-port")
@@ -408,6 +412,21 @@ def _check(kind, key, val):
             raise SpecError(key, "must be a list of strings")
         return v
 
+    if kind == "user":
+        val = str(val) if type(val) is int else V.string(key, val)
+        V.user_or_id(key, val)
+        return val
+    if kind == "uids":
+        if val == "none":
+            return val
+        from starter import uids
+
+        uids.parse_range(key, V.string(key, val))
+        return val
+    if kind == "escape":
+        if val not in ("kill", "report"):
+            raise SpecError(key, "must be kill or report")
+        return val
     if kind == "bool":
         if not isinstance(val, bool):
             raise SpecError(key, "must be true or false")

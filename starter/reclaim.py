@@ -72,6 +72,9 @@ def gc(state_dir, cgroup_parent=None):
         if held:
             ok = False
             lines += [f"job {job_id}: still held: {h}" for h in held]
+    more, held = _reclaim_uids(state_dir)
+    lines += more
+    ok = ok and not held
     for name in S.stray_names(state_dir):
         ok = False
         lines.append(f"{os.path.join(state_dir, name)}: not an entry of this state directory; left alone")
@@ -97,6 +100,39 @@ def gc(state_dir, cgroup_parent=None):
     except StarterError as e:
         lines.append(f"cgroups: parents not pruned ({e})")
     return lines, ok
+
+
+def _reclaim_uids(state_dir):
+    """Transient uids whose job is over (its starter dead, or it ended with
+    processes of the uid left): killed what is left of the uid (unless the
+    job's entry says its escapes are only reported), then the lease given
+    back.  -> (lines, held)."""
+    from starter import escapes, uids
+
+    lines, held = [], False
+    for uid, job_id in sorted(uids.leases(state_dir).items()):
+        if job_id and S.is_live(state_dir, job_id):
+            continue
+        try:
+            if escapes.any_process(uid):
+                entry = S.load(state_dir, job_id) if job_id else {}
+                if entry.get("escape") == "report":
+                    held = True
+                    lines.append(f"uid {uid} (job {job_id}): processes of it still run (escapes are only "
+                                 "reported on this node); still held")
+                    continue
+                if escapes.kill_all(uid):
+                    held = True
+                    lines.append(f"uid {uid} (job {job_id}): processes of it survived the kill; still held")
+                    continue
+                lines.append(f"uid {uid} (job {job_id}): processes of it killed")
+        except OSError as e:
+            held = True
+            lines.append(f"uid {uid} (job {job_id}): {e}; still held")
+            continue
+        if uids.release(state_dir, uid, job_id):
+            lines.append(f"uid {uid} (job {job_id}): lease given back")
+    return lines, held
 
 
 def reclaim_for_start(state_dir, job_id, st):

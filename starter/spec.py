@@ -99,14 +99,14 @@ class JobSpec(Spec):
         "scratch", "execute_dir", "keep_scratch", "manifest",
         "manifest_digest", "inputs",
         "seccomp", "allow_userns", "userns_root", "rlimits",
-        "oom_policy", "kill_timeout", "delegate",
+        "oom_policy", "kill_timeout", "delegate", "transient", "escape",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
         "on_signal": (), "keep_scratch": False, "report_format": "json",
         "seccomp": "default", "allow_userns": False, "userns_root": False, "rlimits": (),
         "oom_policy": "kill", "kill_timeout": KILL_TIMEOUT,
-        "delegate": False,
+        "delegate": False, "transient": None, "escape": "report",
     }
 
 
@@ -446,11 +446,23 @@ def _make(raw, caller=None):
         V.user_or_id("user", user)
     if group is not None:
         V.user_or_id("group", group)
+    transient = None
     if caller is not None:
         # As the caller itself, with the groups the kernel gave it (a batch
         # system may have set them), never from --user or the job account.
         uid, gid, groups, home, uname = caller_user(caller)
         user = uname or str(uid)
+    elif user is None and raw.get("job-uids") != "none":
+        # No user named: a uid (and gid) of the job's own, leased when the
+        # job starts (starter/uids.py), from the policy's range.
+        from starter import uids
+
+        transient = uids.parse_range("job_uids", raw.get("job-uids") or
+                                     f"{uids.DEFAULT_FIRST}-{uids.DEFAULT_FIRST + uids.DEFAULT_COUNT - 1}")
+        uid = gid = None
+        groups, home, uname = (), "/", None
+        if group is not None:
+            gid = resolve_user("0", group)[1]
     else:
         uid, gid, groups, home, uname = resolve_user(user, group)
     if user is None:
@@ -528,7 +540,7 @@ def _make(raw, caller=None):
     if report_format not in REPORT_FORMATS:
         raise SpecError("report-format", f"{V.show(report_format)} is not one of {', '.join(REPORT_FORMATS)}")
     userns_root = _bool("userns-root", raw.get("userns-root", False))
-    if userns_root and uid == 0:
+    if userns_root and uid == 0 and transient is None:
         raise SpecError("userns-root", "maps root inside to the job's host uid, which is 0 here",
                         "give an unprivileged --user (or none: the default account)")
     rlimits = {}
@@ -570,6 +582,10 @@ def _make(raw, caller=None):
         rlimits=tuple(rlimits.values()),
         oom_policy=oom_policy,
         delegate=_bool("delegate", raw.get("delegate", False)),
+        transient=transient,
+        # What happens to the job's processes found outside its cgroup at the
+        # end (starter/escapes.py): the policy's choice, per kind of uid.
+        escape=raw.get("escape-transient" if transient else "escape-named") or ("kill" if transient else "report"),
         kill_timeout=V.number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
                                   0.1, MAX_GRACE),
     )

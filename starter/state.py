@@ -96,9 +96,9 @@ QUICK_BUDGET_S = 0.003
 _FAULT = os.environ.get("STARTER_FAULT") or None
 FAULT_STEPS = (
     "state-entry", "scratch-record", "scratch-create", "cgroup-create", "clone",
-    "net-lease", "net-veth", "net-nft", "net-setup", "release", "running",
+    "uid", "net-lease", "net-veth", "net-nft", "net-setup", "release", "running",
     "teardown-net", "teardown-child", "teardown-cgroup", "teardown-scratch",
-    "teardown-resolv", "teardown-entry",
+    "teardown-resolv", "teardown-entry", "teardown-uid",
 )
 
 
@@ -437,7 +437,7 @@ def stray_names(state_dir):
     ids = {n[:-5] for n in names if n.endswith(".lock")}
     out = []
     for n in names:
-        if n in ("net", "netd.sock") or n.endswith(".lock"):
+        if n in ("net", "netd.sock", "uids") or n.endswith(".lock"):
             continue
         if not any(n.endswith(s) and n[:-len(s)] in ids for s in ENTRY_SUFFIXES):
             out.append(n)

@@ -41,6 +41,9 @@ def pytest_configure(config):
 def state_root(tmp_path_factory):
     d = tmp_path_factory.mktemp("state")
     os.environ["STARTER_STATE_DIR"] = str(d / "run")
+    # Root's starts read no node policy but the one a test writes (the
+    # `policy` fixture): a policy of this machine's must not change them.
+    os.environ["STARTER_POLICY"] = str(d / "no-policy.toml")
     yield str(d / "run")
 
 
@@ -87,14 +90,18 @@ def policy(state_root):
         return POLICY
 
     write()
+    os.environ["STARTER_POLICY"] = POLICY       # root's starts read it too (a caller's always do)
     yield write
+    os.environ["STARTER_POLICY"] = os.path.join(os.path.dirname(state_root), "no-policy.toml")
     if saved is not None:
         with open(POLICY, "wb") as f:
             f.write(saved)
     else:
-        os.unlink(POLICY)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(POLICY)
         if made_dir:
-            os.rmdir("/etc/starter")
+            with contextlib.suppress(OSError):
+                os.rmdir("/etc/starter")
 
 
 @pytest.fixture
@@ -210,8 +217,10 @@ def _state_entries():
     found = set()
     for base in filter(None, (d, "/run/starter")):
         try:
-            found |= {os.path.join(base, n) for n in os.listdir(base)}
-        except FileNotFoundError:
+            found |= {os.path.join(base, n) for n in os.listdir(base) if n != "uids"}
+            # transient uid leases (starter/uids.py): the directory stays, a lease must not
+            found |= {os.path.join(base, "uids", n) for n in os.listdir(os.path.join(base, "uids"))}
+        except (FileNotFoundError, NotADirectoryError):
             pass
     return found
 

@@ -26,13 +26,18 @@ from conftest import REPO, STARTER
 
 USERS = {"default": [], "nobody": ["--user", "nobody"]}
 JOB_ACCOUNT = "starter-job"
+# The default job's own (transient) uid, pinned by a one-uid range in the
+# node policy so that a test knows it in advance (starter/uids.py).
+TRANSIENT_UID = 1879048192 + 4242
 
 
 @pytest.fixture(params=sorted(USERS))
 def who(request):
     """(options, host uid, host gid) of the job's user."""
-    name = JOB_ACCOUNT if request.param == "default" else request.param
-    pw = pwd.getpwnam(name)
+    if request.param == "default":
+        request.getfixturevalue("policy")(defaults=f'job_uids = "{TRANSIENT_UID}-{TRANSIENT_UID}"\n')
+        return USERS["default"], TRANSIENT_UID, TRANSIENT_UID
+    pw = pwd.getpwnam(request.param)
     return USERS[request.param], pw.pw_uid, pw.pw_gid
 
 
@@ -144,7 +149,23 @@ def _enter_when_running(starter, state_dir, job_id, *argv):
     return starter("enter", job_id, "--", *argv)
 
 
-def test_default_user_is_the_job_account(starter, state_dir):
+def test_default_user_is_a_transient_uid(starter, state_dir):
+    """No --user: a uid and gid of the job's own from the default range, no
+    account, no supplementary groups, HOME /; given back at the end."""
+    out, entry, err = _running("priv-default", [], "id -u; id -g; id -G; echo $HOME ${USER-unset}", state_dir,
+                               starter, probe=lambda entry: entry)
+    uid = int(out[0])
+    assert 0x70000000 <= uid < 0x70010000, out
+    assert out[1:] == [str(uid), str(uid), "/ unset"], (out, err)
+    assert (entry["uid"], entry["gid"], entry["transient"]) == (uid, uid, True)
+    with pytest.raises(KeyError):
+        pwd.getpwuid(uid)
+    assert not os.listdir(os.path.join(state_dir, "uids"))
+
+
+def test_default_user_can_be_the_job_account(starter, state_dir, policy):
+    """job_uids = "none" in the node policy: the shared starter-job account, as before."""
+    policy(defaults='job_uids = "none"\n')
     pw = pwd.getpwnam(JOB_ACCOUNT)
     assert pw.pw_uid != 0 and pw.pw_gid != 0 and pw.pw_shell.endswith("nologin")
     assert pw.pw_dir == "/nonexistent" and not os.path.exists(pw.pw_dir)
@@ -154,7 +175,8 @@ def test_default_user_is_the_job_account(starter, state_dir):
     assert (entry["user"], entry["uid"], entry["gid"]) == (JOB_ACCOUNT, pw.pw_uid, pw.pw_gid)
 
 
-def test_missing_job_account_is_one_clear_error(tmp_path, state_dir):
+def test_missing_job_account_is_one_clear_error(tmp_path, state_dir, policy):
+    policy(defaults='job_uids = "none"\n')
     # A private mount namespace whose /etc/passwd and /etc/group lack the
     # account: the node's own files stay as they are.
     for name in ("passwd", "group"):
