@@ -85,7 +85,7 @@ RUN_OPTIONS = {
     "--resolver": ("resolver", "value", "IP  name server (IPv4 or IPv6) written to the job's /etc/resolv.conf"),
     "--scratch": ("scratch", "value", "DIR  fresh private working directory, removed at the end"),
     "--execute-dir": ("execute-dir", "value", "DIR  make the scratch directory as DIR/job-ID"),
-    "--keep-scratch": ("keep-scratch", "flag", "do not remove the scratch directory"),
+    "--keep-scratch": ("keep-scratch", "flag", "keep the scratch directory of a job that ran"),
     "--manifest": ("manifest", "value", "FILE  signature file listing the inputs (sha256sum format)"),
     "--manifest-digest": ("manifest-digest", "value", "SHA256  trusted digest of the signature file"),
     "--inputs": ("inputs", "value", "DIR  where the manifest's files are read from"),

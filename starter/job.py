@@ -180,20 +180,21 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     cwd = spec.cwd
     mounts = list(spec.mounts)
     argv = list(spec.argv)
+    sc = None
     if spec.scratch or spec.execute_dir:
         from starter import scratch
 
         # Recorded before it exists, so a crash at any point leaves gc a record.
         path = os.path.abspath(spec.scratch or os.path.join(spec.execute_dir, f"job-{spec.id}"))
-        job_state.update(scratch=path, scratch_parent=os.path.dirname(path), keep_scratch=spec.keep_scratch,
+        job_state.update(scratch=path, scratch_parent=os.path.dirname(path),
                          scratch_kind="scratch" if spec.scratch else "execute-dir")
         fault("scratch-record")
         if spec.scratch:
             sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id, groups=spec.groups)
         else:
             sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid, groups=spec.groups)
-        sc.keep = spec.keep_scratch
-        undo.push(_release_scratch, sc, report, label="scratch")   # removes it, or with --keep-scratch only closes its fd
+        # Removed unless the job runs: --keep-scratch counts from its exec on (below).
+        undo.push(_release_scratch, sc, report, label="scratch")   # removes it, or when kept only closes its fd
         fault("scratch-create")
         job_state.update(scratch_id=[sc.dev, sc.ino])
         cwd = cwd or sc.path
@@ -309,7 +310,13 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         report.update(error=str(e), exit_code=e.exit_code)
         raise
     trace.mark("exec")
-    job_state.update(state="running", pid=child.pid, namespaces=job_namespaces)
+    # The job runs: only now is its scratch what --keep-scratch keeps (a
+    # start that failed, exit 125, 126 or 127, leaves nothing).
+    if sc is not None and spec.keep_scratch:
+        sc.keep = True
+        job_state.update(state="running", pid=child.pid, namespaces=job_namespaces, keep_scratch=True)
+    else:
+        job_state.update(state="running", pid=child.pid, namespaces=job_namespaces)
     fault("running")
     events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None,
                 address6=lease.address6 if lease else None)
