@@ -176,13 +176,18 @@ def cmd_run(argv):
 
         warm_up()
         trace.mark("warm-up")
-    from starter import spec as S
+    from starter import deadline, spec as S
 
-    job_file = S.load_job_file(values.pop("job")) if "job" in values else None
-    if command:
-        values["command"] = command
-    need_root("starter run")
-    js = S.build(values, job_file)
+    deadline.start()   # setup's deadline and signals, from here until the job runs
+    try:
+        job_file = S.load_job_file(values.pop("job")) if "job" in values else None
+        if command:
+            values["command"] = command
+        need_root("starter run")
+        js = S.build(values, job_file)
+    except BaseException:
+        deadline.claim()   # this failure is the one said (the watchdog stays out)
+        raise
     trace.mark("spec")
     from starter.job import run
 

@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from starter import trace
+from starter import deadline, trace
 from starter.errors import EXIT_STARTER_FAILED, StarterError, from_oserror, one_line
 from starter.fileio import unlink_quiet
 from starter.state import JobState, fault, write_atomic
@@ -84,6 +84,47 @@ def run(spec):
               "signal": None, "started_at": round(t0, 6)}
     report_dest = None
     job_state = None
+
+    def end(in_main=True):
+        trace.mark("measure")
+        err = undo.run()
+        if job_state is not None:
+            # The entry lives until everything it names is gone: a failed
+            # teardown keeps it, "reclaiming", for `starter gc`.
+            try:
+                if undo.failed:
+                    job_state.keep(undo.failed)
+                else:
+                    job_state.remove()
+            except OSError as e:
+                sys.stderr.write(f"starter: teardown state entry failed: {one_line(e)}\n")
+                job_state.keep([f"state entry: {e}"])
+                err = err or e
+        if err is not None and report.get("reason") != "starter_error":
+            report["teardown_error"] = str(err)
+        trace.mark("teardown")
+        report["ended_at"] = round(time.time(), 6)
+        if report_dest is not None:
+            try:
+                write_report(report_dest, report, spec.report_format)
+            except OSError as e:
+                sys.stderr.write(f"starter: cannot write report {spec.report}: {e.strerror}\n")
+            report_dest.close()
+        events.emit("exited", report=report)
+        events.close()
+        if in_main:
+            signals.close()
+        trace.mark("report")
+        trace.report()
+
+    def taken_over(msg):
+        # Setup's watchdog (deadline.py), while this thread waits in the
+        # kernel on a path: the same end, then the watchdog exits 125.
+        sys.stderr.write(f"starter: {one_line(msg)}\n")
+        report.update(error=msg, exit_code=EXIT_STARTER_FAILED)
+        end(in_main=False)
+
+    deadline.on_takeover(taken_over)
     try:
         # The syscall filter first: a bad profile must create nothing.
         from starter import seccomp
@@ -114,6 +155,7 @@ def run(spec):
             cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
             cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent, delegate=spec.delegate)
         fault("state-entry")
+        deadline.check()
         events.emit("starting", argv=spec.argv, user=spec.uid)
         trace.mark("state")
         code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter)
@@ -138,35 +180,8 @@ def run(spec):
         report.update(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
         code = EXIT_STARTER_FAILED
     finally:
-        trace.mark("measure")
-        err = undo.run()
-        if job_state is not None:
-            # The entry lives until everything it names is gone: a failed
-            # teardown keeps it, "reclaiming", for `starter gc`.
-            try:
-                if undo.failed:
-                    job_state.keep(undo.failed)
-                else:
-                    job_state.remove()
-            except OSError as e:
-                sys.stderr.write(f"starter: teardown state entry failed: {one_line(e)}\n")
-                job_state.keep([f"state entry: {e}"])
-                err = err or e
-        if err is not None and report.get("reason") != "starter_error":
-            report["teardown_error"] = str(err)
-        trace.mark("teardown")
-        report["ended_at"] = round(time.time(), 6)
-        if report_dest is not None:
-            try:
-                write_report(report_dest, report, spec.report_format)
-            except OSError as e:
-                sys.stderr.write(f"starter: cannot write report {spec.report}: {e.strerror}\n")
-            report_dest.close()
-        events.emit("exited", report=report)
-        events.close()
-        signals.close()
-        trace.mark("report")
-        trace.report()
+        deadline.claim()    # the watchdog stays out: this thread unwinds
+        end()
     return code
 
 
@@ -215,6 +230,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         raise StarterError("--manifest needs a scratch directory to stage into",
                            "add --scratch DIR or --execute-dir DIR")
 
+    deadline.check()
     # The cgroup, with its limits, before anything runs in it.
     # The job's own cgroup tree, /dev/shm and temp dirs first (the spec's
     # mounts may stack on them); the state directory and /proc/keys hidden
@@ -300,15 +316,19 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                          address6=lease.address6)
         trace.mark("net")
 
+    deadline.check()    # the last moment a start can fail without the job running
     child.release()
     fault("release")
     # While the job execs: the files its end reads, opened now (not after it).
     cg.keep_open()
     try:
-        child.wait_started()
+        # The child's chdir and exec may wait on a path too.
+        with deadline.region(f"the job's working directory {cwd or '(default)'} or command {argv[0]}"):
+            child.wait_started()
     except StarterError as e:
         report.update(error=str(e), exit_code=e.exit_code)
         raise
+    deadline.finish(signals.w)   # the job runs: signals are the supervisor's now
     trace.mark("exec")
     # The job runs: only now is its scratch what --keep-scratch keeps (a
     # start that failed, exit 125, 126 or 127, leaves nothing).

@@ -30,7 +30,7 @@ import hmac
 import os
 import stat
 
-from starter import values
+from starter import deadline, values
 from starter.errors import SpecError, StagingError
 from starter.fileio import NoRoom, TooLarge, copy_hashing, read_limited, sized_to_fit, unlink_best_effort, unlink_quiet
 
@@ -144,7 +144,8 @@ def verify_and_stage(sigfile, trusted_digest, src_dir, dest_dir, uid, gid):
 
 def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+        with deadline.region(f"manifest: input {name} in {src_dir}"):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
     except OSError as e:
         why = "is a symlink (not followed)" if e.errno == errno.ELOOP else e.strerror
         raise StagingError(f"manifest: {name}: {why} in {src_dir}") from None
@@ -161,7 +162,8 @@ def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
                                hint="free space there, or check the input") from None
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         try:
-            got = copy_hashing(fd, out, ("sha256",), limit=size)["sha256"]
+            with deadline.region(f"manifest: input {name} in {src_dir}"):
+                got = copy_hashing(fd, out, ("sha256",), limit=size)["sha256"]
         except OSError as e:
             raise StagingError(f"manifest: {name}: {e.strerror} (in {src_dir})") from None
         if not hmac.compare_digest(got, digest):
