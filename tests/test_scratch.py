@@ -321,20 +321,6 @@ def test_remove_tree_missing_is_fine(parent):
 # not run either).
 
 
-@pytest.fixture
-def execute_dir():
-    """A root-owned 0755 execute directory the job's user can reach (pytest's
-    tmp directories are 0700)."""
-    import tempfile
-
-    d = tempfile.mkdtemp(prefix="starter-exec-", dir="/var/lib")
-    os.chmod(d, 0o755)
-    try:
-        yield d
-    finally:
-        subprocess.run(["rm", "-rf", d], check=True)
-
-
 @pytest.mark.parametrize("args, code, msg", [
     (["--cwd", "/nonexistent", "--", "true"], 125, "chdir"),
     (["--", "/nonexistent/command"], 127, "execve"),

@@ -51,16 +51,6 @@ def hung_fuse():
         subprocess.run(["rm", "-rf", base], check=True)
 
 
-@pytest.fixture
-def execute_dir():
-    d = tempfile.mkdtemp(prefix="starter-exec-", dir="/var/lib")
-    os.chmod(d, 0o755)
-    try:
-        yield d
-    finally:
-        subprocess.run(["rm", "-rf", d], check=True)
-
-
 def _start(args, timeout=None):
     env = dict(os.environ)
     env.pop("STARTER_SETUP_TIMEOUT", None)
