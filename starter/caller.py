@@ -15,9 +15,12 @@ What it means here:
     (spec.py), under the node policy's [callers] table (policy.py);
   * every path the caller names is opened with the caller's rights
     (Caller.rights(): effective ids switched around the open), never root's;
-  * the relay's socket carries its signals, one byte each, into the
-    supervisor, and its hang-up (the caller died, even of SIGKILL) kills the
-    job (supervisor.Signals);
+  * the relay's socket carries its signals, one byte each; a thread reads
+    them and sends each to this process (relay()), so they take the same
+    way as a root caller's: the setup's watchdog (deadline.py) before the
+    job runs, the supervisor's pipe after; the hang-up (the caller died,
+    even of SIGKILL) becomes supervisor.CALLER_GONE: the start fails, or
+    the job is killed, reason "caller_gone";
   * the job's cgroups nest in the caller's own, which must be root's all the
     way up (cgroups: Backend.check_trusted_parents).
 """
@@ -59,6 +62,42 @@ class Caller:
             return False
 
 
+def relay(fd):
+    """Start the thread that turns the relay's bytes into signals to this
+    process (a blocked thread: it never holds the GIL while it waits)."""
+    import _thread
+
+    _thread.start_new_thread(_relay, (fd,))
+
+
+def _relay(fd):
+    import _signal
+
+    from starter.deadline import ENDING
+    from starter.supervisor import CALLER_GONE
+
+    me = os.getpid()
+    while True:
+        try:
+            data = os.read(fd, 64)
+        except InterruptedError:
+            continue
+        except OSError:
+            data = b""
+        if not data:
+            os.kill(me, CALLER_GONE)
+            return
+        for sig in data:
+            if not 0 < sig < _signal.NSIG or sig in (_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD):
+                continue
+            # Before the starter routes it (supervisor.Signals), a signal
+            # with its default action would kill the root starter mid-setup:
+            # only setup's own (deadline.ENDING, blocked, for the watchdog).
+            if sig not in ENDING and _signal.getsignal(sig) in (_signal.SIG_DFL, None):
+                continue
+            os.kill(me, sig)
+
+
 def from_environ(environ=os.environ):
     """The Caller the launcher named, or None (a root caller).  Removes the
     variables, so nothing the starter starts inherits them."""
@@ -79,7 +118,6 @@ def from_environ(environ=os.environ):
     if fd is not None:
         try:
             os.set_inheritable(fd, False)
-            os.set_blocking(fd, False)
         except OSError:
             fd = None
     return Caller(uid, gid, groups, fd)

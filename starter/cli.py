@@ -86,7 +86,7 @@ RUN_OPTIONS = {
     "--resolver": ("resolver", "value", "IP  name server (IPv4 or IPv6) written to the job's /etc/resolv.conf"),
     "--scratch": ("scratch", "value", "DIR  fresh private working directory, removed at the end"),
     "--execute-dir": ("execute-dir", "value", "DIR  make the scratch directory as DIR/job-ID"),
-    "--keep-scratch": ("keep-scratch", "flag", "do not remove the scratch directory"),
+    "--keep-scratch": ("keep-scratch", "flag", "keep the scratch directory of a job that ran"),
     "--manifest": ("manifest", "value", "FILE  signature file listing the inputs (sha256sum format)"),
     "--manifest-digest": ("manifest-digest", "value", "SHA256  trusted digest of the signature file"),
     "--inputs": ("inputs", "value", "DIR  where the manifest's files are read from"),
@@ -187,26 +187,35 @@ def cmd_run(argv):
             from starter.caller import from_environ
 
             caller = from_environ()
-    from starter import spec as S
+    from starter import deadline, spec as S
 
     need_root("starter run")
     from starter import policy
 
-    # A root caller may name another policy file (tests, a trial); a caller
-    # that is not root has an empty environment here (the launcher's doing).
-    pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
-    if caller is None:
-        job_file = S.load_job_file(values.pop("job")) if "job" in values else None
-        if command:
-            values["command"] = command
-        js = S.build(values, job_file, pol)
-    else:
-        # Every path the caller names is looked at with its rights, not root's.
-        with caller.rights():
+    deadline.start()   # setup's deadline and signals, from here until the job runs
+    if caller is not None and caller.fd is not None:
+        from starter.caller import relay
+
+        relay(caller.fd)    # the caller's signals, as signals to us, from now on (caller.py)
+    try:
+        # A root caller may name another policy file (tests, a trial); a caller
+        # that is not root has an empty environment here (the launcher's doing).
+        pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
+        if caller is None:
             job_file = S.load_job_file(values.pop("job")) if "job" in values else None
             if command:
                 values["command"] = command
-            js = S.build(values, job_file, pol, caller)
+            js = S.build(values, job_file, pol)
+        else:
+            # Every path the caller names is looked at with its rights, not root's.
+            with caller.rights():
+                job_file = S.load_job_file(values.pop("job")) if "job" in values else None
+                if command:
+                    values["command"] = command
+                js = S.build(values, job_file, pol, caller)
+    except BaseException:
+        deadline.claim()   # this failure is the one said (the watchdog stays out)
+        raise
     trace.mark("spec")
     from starter.job import run
 

@@ -36,7 +36,12 @@ class NotRegular(OSError):
 
 
 class TooLarge(OSError):
-    """read_regular(): the file holds more than the limit."""
+    """read_regular(): the file holds more than the limit; copy_hashing():
+    the file grew past the size it had when it was opened."""
+
+
+class NoRoom(OSError):
+    """sized_to_fit(): the file is larger than the room left for users."""
 
 
 def read_regular(path, limit, dir_fd=None):
@@ -65,6 +70,21 @@ def read_limited(fd, limit):
             raise TooLarge(errno.EFBIG, f"larger than {limit} bytes")
 
 
+def sized_to_fit(src_fd, dir_fd):
+    """The size of the open file `src_fd`, which root is about to copy into
+    the directory `dir_fd`: neither quotas nor the blocks reserved for root
+    would stop that copy, so a file larger than what an ordinary user could
+    still write on that file system raises NoRoom before a byte is copied (a
+    sparse 100 TB file included).  Pass the size on as copy_hashing()'s
+    `limit`: a file that grows past it fails there."""
+    size = os.fstat(src_fd).st_size
+    vfs = os.fstatvfs(dir_fd)
+    room = vfs.f_bavail * vfs.f_frsize
+    if size > room:
+        raise NoRoom(errno.ENOSPC, f"{size} bytes, more than the {room} bytes free for users")
+    return size
+
+
 def copy_hashing(src_fd, dst_fd, algorithms, limit=None):
     """Read `src_fd` to its end once, writing every byte to `dst_fd` (None:
     only hash) and hashing it with each of `algorithms` (hashlib names) on
@@ -72,19 +92,29 @@ def copy_hashing(src_fd, dst_fd, algorithms, limit=None):
     written: a source that changes during the copy cannot pass a check made
     on an earlier read.  `limit`: the size the source had when it was
     opened; a source still growing past it (root copying a user's file that
-    never ends) raises TooLarge instead of filling the disk."""
+    never ends) raises TooLarge instead of filling the disk; the copy may
+    then hold one byte more, so the caller removes it.  With no algorithms
+    the kernel copies (sendfile), and {} comes back."""
     import hashlib
 
     hs = {a: hashlib.new(a) for a in algorithms}
     left = limit
     while True:
-        buf = os.read(src_fd, CHUNK if left is None else max(1, min(CHUNK, left)))
-        if not buf:
+        want = CHUNK if left is None else max(1, min(CHUNK, left))
+        if dst_fd is not None and not hs:
+            n = os.sendfile(dst_fd, src_fd, None, want)
+            buf = None
+        else:
+            buf = os.read(src_fd, want)
+            n = len(buf)
+        if not n:
             break
         if left is not None:
-            left -= len(buf)
+            left -= n
             if left < 0:
                 raise TooLarge(errno.EFBIG, "the file grew while it was copied")
+        if buf is None:
+            continue
         for h in hs.values():
             h.update(buf)
         if dst_fd is not None:

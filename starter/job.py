@@ -19,7 +19,7 @@ import os
 import sys
 import time
 
-from starter import trace
+from starter import deadline, trace
 from starter.errors import EXIT_STARTER_FAILED, StarterError, from_oserror, one_line
 from starter.fileio import unlink_quiet
 from starter.state import JobState, fault, write_atomic
@@ -92,12 +92,55 @@ def run(spec, caller=None, policy=None):
     rights = caller.rights if caller is not None else _Root
     # Closed at the very end, after the report: a SIGTERM during teardown
     # must not kill the starter before it reports (Signals.close).
-    signals = Signals(spec.on_signal, caller.fd if caller is not None else None)
+    signals = Signals(spec.on_signal)
     events = Events(None, spec.id)
     report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
               "signal": None, "started_at": round(t0, 6)}
     report_dest = None
     job_state = None
+
+    def end(in_main=True):
+        trace.mark("measure")
+        err = undo.run()
+        if job_state is not None:
+            # The entry lives until everything it names is gone: a failed
+            # teardown keeps it, "reclaiming", for `starter gc`.
+            try:
+                if undo.failed:
+                    job_state.keep(undo.failed)
+                else:
+                    job_state.remove()
+            except OSError as e:
+                sys.stderr.write(f"starter: teardown state entry failed: {one_line(e)}\n")
+                job_state.keep([f"state entry: {e}"])
+                err = err or e
+        if err is not None and report.get("reason") != "starter_error":
+            report["teardown_error"] = str(err)
+        trace.mark("teardown")
+        report["ended_at"] = round(time.time(), 6)
+        if report_dest is not None:
+            try:
+                with rights():      # the caller's file, made with its rights
+                    write_report(report_dest, report, spec.report_format)
+            except (OSError, StarterError) as e:
+                sys.stderr.write(f"starter: cannot write report {spec.report}: "
+                                 f"{getattr(e, 'strerror', None) or one_line(e)}\n")
+            report_dest.close()
+        events.emit("exited", report=report)
+        events.close()
+        if in_main:
+            signals.close()
+        trace.mark("report")
+        trace.report()
+
+    def taken_over(msg):
+        # Setup's watchdog (deadline.py), while this thread waits in the
+        # kernel on a path: the same end, then the watchdog exits 125.
+        sys.stderr.write(f"starter: {one_line(msg)}\n")
+        report.update(error=msg, exit_code=EXIT_STARTER_FAILED)
+        end(in_main=False)
+
+    deadline.on_takeover(taken_over)
     try:
         # The syscall filter first: a bad profile must create nothing.
         from starter import seccomp
@@ -156,6 +199,7 @@ def run(spec, caller=None, policy=None):
         if count_lock is not None:      # the entry counts from here on
             os.close(count_lock)
         fault("state-entry")
+        deadline.check()
         events.emit("starting", argv=spec.argv, user=spec.uid)
         trace.mark("state")
         code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter, rights, since)
@@ -180,36 +224,8 @@ def run(spec, caller=None, policy=None):
         report.update(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
         code = EXIT_STARTER_FAILED
     finally:
-        trace.mark("measure")
-        err = undo.run()
-        if job_state is not None:
-            # The entry lives until everything it names is gone: a failed
-            # teardown keeps it, "reclaiming", for `starter gc`.
-            try:
-                if undo.failed:
-                    job_state.keep(undo.failed)
-                else:
-                    job_state.remove()
-            except OSError as e:
-                sys.stderr.write(f"starter: teardown state entry failed: {one_line(e)}\n")
-                job_state.keep([f"state entry: {e}"])
-                err = err or e
-        if err is not None and report.get("reason") != "starter_error":
-            report["teardown_error"] = str(err)
-        trace.mark("teardown")
-        report["ended_at"] = round(time.time(), 6)
-        if report_dest is not None:
-            try:
-                with rights():      # the caller's file, made with its rights
-                    write_report(report_dest, report, spec.report_format)
-            except (OSError, StarterError) as e:
-                sys.stderr.write(f"starter: cannot write report {spec.report}: {getattr(e, 'strerror', None) or one_line(e)}\n")
-            report_dest.close()
-        events.emit("exited", report=report)
-        events.close()
-        signals.close()
-        trace.mark("report")
-        trace.report()
+        deadline.claim()    # the watchdog stays out: this thread unwinds
+        end()
     return code
 
 
@@ -223,12 +239,13 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     cwd = spec.cwd
     mounts = list(spec.mounts)
     argv = list(spec.argv)
+    sc = None
     if spec.scratch or spec.execute_dir:
         from starter import scratch
 
         # Recorded before it exists, so a crash at any point leaves gc a record.
         path = os.path.abspath(spec.scratch or os.path.join(spec.execute_dir, f"job-{spec.id}"))
-        job_state.update(scratch=path, scratch_parent=os.path.dirname(path), keep_scratch=spec.keep_scratch,
+        job_state.update(scratch=path, scratch_parent=os.path.dirname(path),
                          scratch_kind="scratch" if spec.scratch else "execute-dir")
         fault("scratch-record")
         if rights is not _Root:
@@ -250,8 +267,8 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
             sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id, groups=spec.groups)
         else:
             sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid, groups=spec.groups)
-        sc.keep = spec.keep_scratch
-        undo.push(_release_scratch, sc, report, label="scratch")   # removes it, or with --keep-scratch only closes its fd
+        # Removed unless the job runs: --keep-scratch counts from its exec on (below).
+        undo.push(_release_scratch, sc, report, label="scratch")   # removes it, or when kept only closes its fd
         fault("scratch-create")
         job_state.update(scratch_id=[sc.dev, sc.ino])
         cwd = cwd or sc.path
@@ -273,6 +290,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         raise StarterError("--manifest needs a scratch directory to stage into",
                            "add --scratch DIR or --execute-dir DIR")
 
+    deadline.check()
     # The cgroup, with its limits, before anything runs in it.
     # The job's own cgroup tree, /dev/shm and temp dirs first (the spec's
     # mounts may stack on them); the state directory and /proc/keys hidden
@@ -362,17 +380,27 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                          address6=lease.address6)
         trace.mark("net")
 
+    deadline.check()    # the last moment a start can fail without the job running
     child.release()
     fault("release")
     # While the job execs: the files its end reads, opened now (not after it).
     cg.keep_open()
     try:
-        child.wait_started()
+        # The child's chdir and exec may wait on a path too.
+        with deadline.region(f"the job's working directory {cwd or '(default)'} or command {argv[0]}"):
+            child.wait_started()
     except StarterError as e:
         report.update(error=str(e), exit_code=e.exit_code)
         raise
+    deadline.finish(signals.w)   # the job runs: signals are the supervisor's now
     trace.mark("exec")
-    job_state.update(state="running", pid=child.pid, namespaces=job_namespaces)
+    # The job runs: only now is its scratch what --keep-scratch keeps (a
+    # start that failed, exit 125, 126 or 127, leaves nothing).
+    if sc is not None and spec.keep_scratch:
+        sc.keep = True
+        job_state.update(state="running", pid=child.pid, namespaces=job_namespaces, keep_scratch=True)
+    else:
+        job_state.update(state="running", pid=child.pid, namespaces=job_namespaces)
     fault("running")
     events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None,
                 address6=lease.address6 if lease else None)

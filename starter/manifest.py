@@ -30,9 +30,9 @@ import hmac
 import os
 import stat
 
-from starter import values
+from starter import deadline, values
 from starter.errors import SpecError, StagingError
-from starter.fileio import TooLarge, copy_hashing, read_limited, unlink_best_effort, unlink_quiet
+from starter.fileio import NoRoom, TooLarge, copy_hashing, read_limited, sized_to_fit, unlink_best_effort, unlink_quiet
 
 MAX_SIGFILE = 4 << 20
 
@@ -144,7 +144,8 @@ def verify_and_stage(sigfile, trusted_digest, src_dir, dest_dir, uid, gid):
 
 def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
     try:
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
+        with deadline.region(f"manifest: input {name} in {src_dir}"):
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
     except OSError as e:
         why = "is a symlink (not followed)" if e.errno == errno.ELOOP else e.strerror
         raise StagingError(f"manifest: {name}: {why} in {src_dir}") from None
@@ -154,10 +155,15 @@ def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
         st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             raise StagingError(f"manifest: {name}: not a regular file in {src_dir}")
-        _check_room(dfd, name, st.st_size)
+        try:  # the input is not verified yet: root copies it only within bounds
+            size = sized_to_fit(fd, dfd)
+        except NoRoom as e:
+            raise StagingError(f"manifest: {name}: {e.strerror} where the job's scratch is",
+                               hint="free space there, or check the input") from None
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         try:
-            got = copy_hashing(fd, out, ("sha256",), limit=st.st_size)["sha256"]
+            with deadline.region(f"manifest: input {name} in {src_dir}"):
+                got = copy_hashing(fd, out, ("sha256",), limit=size)["sha256"]
         except OSError as e:
             raise StagingError(f"manifest: {name}: {e.strerror} (in {src_dir})") from None
         if not hmac.compare_digest(got, digest):
@@ -180,13 +186,3 @@ def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
             os.close(out)
         unlink_quiet(tmp, dfd)
 
-
-def _check_room(dfd, name, size):
-    """Root stages the input, so neither quotas nor the blocks reserved for
-    root stop it: an input (not verified yet) larger than what an ordinary
-    user could still write there is refused before a byte is copied."""
-    vfs = os.fstatvfs(dfd)
-    room = vfs.f_bavail * vfs.f_frsize
-    if size > room:
-        raise StagingError(f"manifest: {name}: {size} bytes, more than the {room} bytes free for users "
-                           "where the job's scratch is", hint="free space there, or check the input")

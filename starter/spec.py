@@ -168,7 +168,7 @@ def parse_mount(field, kind, value):
         from starter import paths
 
         try:
-            os.close(paths.open_path(m.src, "source")[0])
+            os.close(paths.open_path(m.src, "bind source")[0])
         except paths.LinkError as e:
             raise SpecError(field, e.args[0], e.hint) from None
         except FileNotFoundError:
@@ -516,7 +516,12 @@ def _make(raw, caller=None):
 
     def opt_path(key, must_exist=False):
         v = raw.get(key)
-        return V.host_path(key, v, must_exist) if v is not None else None
+        if v is None:
+            return None
+        from starter import deadline
+
+        with deadline.region(f"--{key} {v}"):   # a stat, maybe on a hung mount
+            return V.host_path(key, v, must_exist)
 
     def dest(key):
         v = raw.get(key)

@@ -39,6 +39,12 @@ reopened from its O_PATH fd with the uid, gid and groups of the local account
 named by `owner`; an owner with no local account gets only a file everyone may
 read (o+r).  So root copies nothing into a job that its user could not have
 copied there.
+
+Root's copies are bounded like the manifest's (fileio.sized_to_fit): a file
+larger than the room left for ordinary users where it would be copied (the
+spool, or the job's directory for a private copy) is refused before a byte
+is read, and one that grows past the size it had when it was opened fails
+the copy, which is removed.
 """
 
 import errno
@@ -50,7 +56,7 @@ import stat
 
 from starter import paths, values
 from starter.errors import SpecError, StagingError
-from starter.fileio import CHUNK, copy_hashing, unlink_best_effort, unlink_quiet
+from starter.fileio import NoRoom, TooLarge, copy_hashing, sized_to_fit, unlink_best_effort, unlink_quiet
 
 log = logging.getLogger("starter.spool")
 
@@ -315,18 +321,27 @@ def stat_dest(dest):
 
 class _Source:
     """A source given as a path (opened on first use, as `owner` could) or as
-    an fd the caller owns; every use reads it from the start."""
+    an fd the caller owns; every use reads it from the start, and at most
+    the `size` it had at the first."""
 
     def __init__(self, src, owner):
         self.src, self.owner = src, owner
         self.fd = src if isinstance(src, int) else None
         self.own = self.fd is None
+        self.size = None
 
     def open(self):
         if self.fd is None:
             self.fd = _open_src(self.src, self.owner)
         else:
             os.lseek(self.fd, 0, os.SEEK_SET)
+        if self.size is None:
+            self.size = os.fstat(self.fd).st_size
+        return self.fd
+
+    def fit(self, dir_fd, where):
+        """Open it, refused (before a byte is read) unless it fits where `dir_fd` is."""
+        _fit(self.open(), dir_fd, self.src, where)
         return self.fd
 
     def close(self):
@@ -442,7 +457,7 @@ class Spool:
     def _store(self, owner, cmdhash, path, source, verify, target):
         if path is None:
             if target is not None:
-                _copy_file(source.open(), target)
+                _copy_file(source.open(), target, source.src)
             return "send", None
         name = os.path.basename(path)
         if target is None and self.lookup(owner, cmdhash):
@@ -473,9 +488,9 @@ class Spool:
         raise AssertionError("unreachable")
 
     def _write_verified(self, source, pairs, algs):
-        sfd = source.open()
+        sfd = source.fit(self._dfd, "in the spool")
         mode = 0o555 if os.fstat(sfd).st_mode & 0o111 else 0o444
-        tmp, digests = self._write_temp(sfd, algs, mode)
+        tmp, digests = self._write_temp(source, algs, mode)
         for k, v in pairs:
             alg = HASH_ATTRS.get(k)
             if alg in digests and not hmac.compare_digest(digests[alg], v.lower()):
@@ -486,11 +501,11 @@ class Spool:
                 )
         return tmp
 
-    def _write_temp(self, sfd, algs, mode):
+    def _write_temp(self, source, algs, mode):
         tmp = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=self._dfd)
         try:
-            digests = copy_hashing(sfd, fd, algs, limit=os.fstat(sfd).st_size)
+            digests = _copy(source.fd, fd, algs, source.size, source.src)
             os.fchmod(fd, mode)
             os.fsync(fd)
         except BaseException:
@@ -512,8 +527,13 @@ class Spool:
         target = _dest(dest) if dest is not None else None
         source = _Source(file, owner)
         try:
-            # Opened once: what is stored is read from the inode that was hashed (and is checked again).
-            cmdhash = compute_cmdhash(source.open(), attrs) if attrs else INVALID
+            # Opened once: what is stored is read from the inode that was hashed (and is
+            # checked again), and bounded before it is hashed: one too large to store is not read.
+            cmdhash = INVALID
+            if attrs:
+                sfd = source.fit(self._dfd, "in the spool")
+                digests = _copy(sfd, None, {HASH_ATTRS[a] for a in attrs}, source.size, source.src)
+                cmdhash = encode_cmdhash((a, digests[HASH_ATTRS[a]]) for a in attrs)
             answer, path = self._store(owner, cmdhash, self.path_of(owner, cmdhash), source, True, target)
         finally:
             source.close()
@@ -561,7 +581,7 @@ class Spool:
                 return
         sfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._dfd)
         try:
-            _copy_file(sfd, target)
+            _copy_file(sfd, target, path)
         finally:
             os.close(sfd)
 
@@ -747,18 +767,37 @@ class _Flock:
         self.fd = None
 
 
-def _copy_file(sfd, target):
-    """A private read-only copy of the open file `sfd` at `target` (a _Target:
-    created O_EXCL in its held directory, never through a link)."""
+def _fit(sfd, dir_fd, shown, where):
+    """fileio.sized_to_fit, its refusal a StagingError naming the file -> the size."""
+    try:
+        return sized_to_fit(sfd, dir_fd)
+    except NoRoom as e:
+        raise StagingError(f"spool: {shown}: {e.strerror} {where}, so it is not copied",
+                           hint="free space there, or check the file") from None
+
+
+def _copy(sfd, dst_fd, algorithms, limit, shown):
+    """fileio.copy_hashing, a file that grows past `limit` a StagingError."""
+    try:
+        return copy_hashing(sfd, dst_fd, algorithms, limit)
+    except TooLarge:
+        raise StagingError(f"spool: {shown}: grew past the {limit} bytes it had when it was opened, "
+                           "so it is not copied", hint="add the file once it is complete") from None
+
+
+def _copy_file(sfd, target, shown):
+    """A private read-only copy of the open file `sfd` (`shown` in messages)
+    at `target` (a _Target: created O_EXCL in its held directory, never
+    through a link), bounded like every copy root makes here."""
     mode = 0o555 if os.fstat(sfd).st_mode & 0o111 else 0o444
+    size = _fit(sfd, target.dfd, shown, "where DEST is")
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
     try:
         fd = os.open(target.name, flags, 0o600, dir_fd=target.dfd)
     except OSError as e:
         raise StagingError(f"spool: cannot create {target.path}: {e.strerror}") from None
     try:
-        while os.sendfile(fd, sfd, None, CHUNK):
-            pass
+        _copy(sfd, fd, (), size, shown)
         os.fchmod(fd, mode)
         os.fsync(fd)
     except BaseException:

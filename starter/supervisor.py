@@ -5,10 +5,11 @@ One poll() over these, no busy loop, no /proc walking:
     pidfd             readable when the job's main process exits
     signal pipe       control signals (vacate/suspend/resume/kill), written
                       by the interpreter's wakeup fd, one byte per signal
-    caller socket     a caller that is not root: its relay's signals, one
-                      byte each, mapped as the starter's own; its hang-up
-                      (the caller died, even of SIGKILL) kills the job,
-                      reason "caller_gone" (starter/caller.py)
+                      (a caller that is not root: its relay's signals come
+                      as bytes on a socket, which a thread turns into the
+                      same signals to this process, its hang-up into
+                      CALLER_GONE: the job is killed, reason "caller_gone";
+                      starter/caller.py)
     OOM watch         --oom-policy kill where the kernel cannot end the job
                       by itself (cgroup v1 memory: an eventfd); see below
     (timeout)         wall-clock limit, end of a vacate's grace period,
@@ -52,7 +53,8 @@ SIGRTMIN = _signal.SIGRTMIN
 # Internal signals of the `starter vacate|suspend|resume|kill JOB` commands:
 # fixed, so a site's --on-signal mapping can never change what a command does.
 COMMAND_SIGNALS = {SIGRTMIN + 1: "vacate", SIGRTMIN + 2: "suspend",
-                   SIGRTMIN + 3: "resume", SIGRTMIN + 4: "kill"}
+                   SIGRTMIN + 3: "resume", SIGRTMIN + 4: "kill", SIGRTMIN + 5: "caller_gone"}
+CALLER_GONE = SIGRTMIN + 5     # a caller's relay hung up (caller.py's reader thread)
 ACTION_SIGNALS = {v: k for k, v in COMMAND_SIGNALS.items()}
 DEFAULT_ACTIONS = {
     _signal.SIGTERM: "vacate", _signal.SIGINT: "vacate", _signal.SIGHUP: "vacate",
@@ -69,11 +71,9 @@ def _ignore(signum, frame):
 
 
 class Signals:
-    """Route control signals into a pipe the loop polls; with `caller_fd`
-    (the relay's socket, see starter/caller.py) the caller's too."""
+    """Route control signals into a pipe the loop polls."""
 
-    def __init__(self, on_signal=(), caller_fd=None):
-        self.caller = caller_fd
+    def __init__(self, on_signal=()):
         self.actions = dict(DEFAULT_ACTIONS)
         self.actions.update(on_signal)
         self.actions.update(COMMAND_SIGNALS)
@@ -91,25 +91,6 @@ class Signals:
             return []
         return [self.actions[s] for s in data if s in self.actions]
 
-    def read_caller(self):
-        """The caller's relayed signals as actions; its hang-up as "caller_gone"
-        (then self.caller is None: nothing more comes)."""
-        out = []
-        while self.caller is not None:
-            try:
-                data = os.read(self.caller, 64)
-            except BlockingIOError:
-                break
-            except OSError:
-                data = b""
-            if not data:
-                os.close(self.caller)
-                self.caller = None
-                out.append("caller_gone")
-                break
-            out.extend(self.actions[s] for s in data if s in self.actions)
-        return out
-
     def close(self):
         """Stop routing.  The handlers stay, ignoring: the starter exits
         right after its report, and a signal (the batch system repeating
@@ -117,9 +98,6 @@ class Signals:
         _signal.set_wakeup_fd(-1)
         os.close(self.r)
         os.close(self.w)
-        if self.caller is not None:
-            os.close(self.caller)
-            self.caller = None
 
 
 class Outcome:
@@ -155,9 +133,6 @@ class Supervisor:
         poller = select.poll()
         poller.register(self.child.pidfd, select.POLLIN)
         poller.register(self.signals.r, select.POLLIN)
-        caller_fd = self.signals.caller
-        if caller_fd is not None:
-            poller.register(caller_fd, select.POLLIN)
         oom_fd = self.oom.fd if self.oom is not None else None
         if oom_fd is not None:
             poller.register(oom_fd, self.oom.mask)
@@ -168,13 +143,6 @@ class Supervisor:
             # job still ended because it was vacated.
             if self.signals.r in ready:
                 for action in self.signals.read():
-                    self.act(action)
-            if caller_fd is not None and caller_fd in ready:
-                actions = self.signals.read_caller()
-                if self.signals.caller is None:
-                    poller.unregister(caller_fd)
-                    caller_fd = None
-                for action in actions:
                     self.act(action)
             if self.child.pidfd in ready:
                 self.out.status = self.child.poll()

@@ -237,6 +237,20 @@ def snapshot():
     }
 
 
+@pytest.fixture
+def execute_dir():
+    """A root-owned 0755 execute directory (--execute-dir) the job's user can
+    reach: pytest's tmp directories are 0700."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="starter-exec-", dir="/var/lib")
+    os.chmod(d, 0o755)
+    try:
+        yield d
+    finally:
+        subprocess.run(["rm", "-rf", d], check=True)
+
+
 # STARTER_TEST_SHARED_NODE=1: other test runs share this node (parallel
 # branches on one machine), so what the whole node holds (veths, netns, nft
 # tables, job cgroups) cannot be blamed on this test; only what is this

@@ -311,3 +311,36 @@ def test_remove_tree_missing_is_fine(parent):
         assert scratch.remove_tree(pfd, "nothing-here").complete
     finally:
         os.close(pfd)
+
+
+# ---------------------------------------------------------------- --keep-scratch through the CLI
+#
+# --keep-scratch keeps the scratch of a job that ran (it exec'd).  A start that
+# fails before that leaves nothing: exit 125 (the starter's failure, e.g. a bad
+# --cwd) and 126/127 (the command could not be executed or found: the job did
+# not run either).
+
+
+@pytest.mark.parametrize("args, code, msg", [
+    (["--cwd", "/nonexistent", "--", "true"], 125, "chdir"),
+    (["--", "/nonexistent/command"], 127, "execve"),
+    (["--", "/etc/passwd"], 126, "execve"),
+], ids=["bad-cwd", "not-found", "not-executable"])
+def test_keep_scratch_keeps_nothing_of_a_start_that_failed(starter, execute_dir, args, code, msg):
+    p = starter("run", "--user", "nobody", "--execute-dir", execute_dir, "--keep-scratch", "--id", "ks1", *args,
+                cwd="/")
+    assert p.returncode == code, (p.stdout, p.stderr)
+    assert p.stderr.count("\n") == 1 and msg in p.stderr, p.stderr
+    assert os.listdir(execute_dir) == []
+
+
+def test_keep_scratch_keeps_the_scratch_of_a_job_that_ran(starter, execute_dir):
+    p = starter("run", "--user", "nobody", "--execute-dir", execute_dir, "--keep-scratch", "--id", "ks2", "--",
+                "sh", "-c", "echo out > result; exit 3", cwd="/")
+    assert p.returncode == 3, (p.stdout, p.stderr)
+    kept = os.path.join(execute_dir, "job-ks2")
+    with open(os.path.join(kept, "result")) as f:
+        assert f.read() == "out\n"
+    # and without --keep-scratch, a job that ran leaves nothing either
+    starter("run", "--user", "nobody", "--execute-dir", execute_dir, "--id", "ks3", "--", "true", cwd="/", check=0)
+    assert os.listdir(execute_dir) == ["job-ks2"]

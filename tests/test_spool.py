@@ -8,6 +8,7 @@ import queue
 import random
 import stat
 import subprocess
+import sys
 import time
 
 import pytest
@@ -673,3 +674,78 @@ def test_cli_refusals_are_one_line_exit_125(tmp_path, starter):
         assert "Traceback" not in p.stderr
     assert os.listdir(job) == []
     assert not [n for n in os.listdir(d) if n.startswith(("exe-", sp.TMP_PREFIX))]
+
+
+# ---------------------------------------------------------------- bounded copies
+#
+# Root copies a file the job's user controls: neither quotas nor root's
+# reserved blocks would stop it.  The same bounds as the manifest's
+# (fileio.sized_to_fit + copy_hashing's limit): larger than the room left for
+# users where it goes -> refused before a byte is read; growing during the
+# copy -> the copy fails and is removed.
+
+
+def _nothing_copied(spool_dir, job):
+    assert not [n for n in os.listdir(spool_dir) if n.startswith(("exe-", sp.TMP_PREFIX))]
+    assert os.listdir(job) == []
+
+
+def test_cli_refuses_a_file_larger_than_the_room_before_reading_it(tmp_path, other_fs, starter):
+    d = str(tmp_path / "spool")
+    big = other_fs / "big"               # on a tmpfs: ext4 ends at 16 TiB
+    big.touch()
+    big.chmod(0o644)
+    os.truncate(big, 100 << 40)          # 100 TB, sparse: hashing it alone would take hours
+    job = tmp_path / "job"
+    job.mkdir()
+    runs = [
+        ["add", "--owner", "root", str(big)],
+        ["add", "--owner", "root", "--hash", "none", str(big), "--dest", str(job / "a")],
+        ["store", "--owner", "root", "--cmdhash", f"CmdHashSHA256-{'0' * 64}", str(big)],
+        ["link", "--owner", "root", "--cmdhash", "invalid", "--src", str(big), str(job / "b")],
+    ]
+    for args in runs:
+        t0 = time.monotonic()
+        p = starter("spool", "--spool", d, *args, timeout=30)
+        took = time.monotonic() - t0
+        assert p.returncode == 125, (args, p.stdout, p.stderr)
+        assert p.stdout == "" and p.stderr.count("\n") == 1, (args, p.stderr)
+        assert f"{100 << 40} bytes, more than the" in p.stderr and "free for users" in p.stderr, p.stderr
+        assert str(big) in p.stderr and "Traceback" not in p.stderr
+        assert took < 5, (args, took)       # refused, not read
+        _nothing_copied(d, job)
+
+
+_GROWER = """
+import os, sys, time
+fd = os.open(sys.argv[1], os.O_WRONLY | os.O_APPEND)
+chunk = b"g" * 65536
+os.write(1, b"ready\\n")
+for _ in range(5000):          # at most ~330 MB, ~30 MB/s: slower than any copy, never stops during one
+    os.write(fd, chunk)
+    time.sleep(0.002)
+"""
+
+
+def test_cli_a_file_that_grows_during_the_copy_fails(tmp_path, starter):
+    d = str(tmp_path / "spool")
+    job = tmp_path / "job"
+    job.mkdir()
+    for args in (["link", "--owner", "root", "--cmdhash", "invalid", "--src", "{f}", str(job / "copy")],
+                 ["add", "--owner", "root", "{f}"],
+                 ["add", "--owner", "root", "--hash", "none", "{f}", "--dest", str(job / "copy2")]):
+        f = tmp_path / "growing"
+        f.write_bytes(os.urandom(1 << 20) * 64)        # 64 MiB to start with
+        writer = subprocess.Popen([sys.executable, "-c", _GROWER, str(f)], stdout=subprocess.PIPE)
+        try:
+            assert writer.stdout.readline() == b"ready\n"
+            p = starter("spool", "--spool", d, *[a.format(f=f) for a in args], timeout=60)
+        finally:
+            writer.kill()
+            writer.wait()
+            writer.stdout.close()
+        assert p.returncode == 125, (args, p.stdout, p.stderr)
+        assert p.stdout == "" and p.stderr.count("\n") == 1, (args, p.stderr)
+        assert f"spool: {f}: grew past the" in p.stderr and "Traceback" not in p.stderr, p.stderr
+        _nothing_copied(d, job)
+        f.unlink()

@@ -28,7 +28,7 @@ RUN_IMPORTS = {
     # the starter's own run path
     "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
     "starter.cgroups", "starter.cgroups.base", "starter.cgroups.files",
-    "starter.cli", "starter.errors", "starter.fileio", "starter.job",
+    "starter.cli", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
     "starter.mounts", "starter.ns", "starter.paths", "starter.report", "starter.seccomp",
     "starter.spec", "starter.state", "starter.supervisor", "starter.trace", "starter.values",
 }

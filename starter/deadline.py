@@ -1,0 +1,262 @@
+"""Setup's deadline, and the control signals that arrive during setup.
+
+Setup is everything `starter run` does before the job runs: the spec (bind
+sources are opened), the state entry, the scratch and verified inputs, the
+cgroup, the clone, the network, and the child's own steps up to its exec
+(chdir, the command's lookup).  Any of them can wait on a path, and a path on
+a hung NFS server or FUSE daemon never answers.  The kernel waits for those
+in TASK_KILLABLE (a handled signal does not end the wait, SIGKILL does) or,
+once a FUSE daemon has read the request, uninterruptibly (D state: not even
+SIGKILL).  So neither SIGALRM nor a SIGTERM handler can get the main thread
+out; another thread has to act for it.
+
+    main thread                              watchdog thread (start())
+    -----------                              ---------------
+    blocks SIGTERM, SIGINT, SIGHUP, SIGQUIT  sigtimedwait(those, the deadline)
+      and vacate/kill's SIGRTMIN+1/+4
+    with region("bind source /x"):           a signal, or the deadline:
+        a call that may wait on a path         failing = "interrupted by SIGTERM
+    check() between steps                        during setup" / "bind source /x:
+                                                 no answer within 60 s ..."
+                                               main inside a region (waiting in
+                                               the kernel): take over at once
+                                               else: main fails at its next
+                                               check() or region
+
+Exactly one thread unwinds (claim()): main, when it fails (its StarterError,
+exit 125), or the watchdog, which then runs job.run's own end (Undo, the
+state entry, the report), writes the one line and exits 125 (os._exit:
+exit_group SIGKILLs the waiting main thread).  A main thread that wakes up
+inside a region after the watchdog took over only closes fds on its way to
+the region's end, where it waits for that exit; a region is only put around
+calls that make nothing the Undo stack would have to know of.
+
+What is guaranteed, and what is not:
+
+  * the start ends with exit 125 and one line, and nothing it made is left
+    (cgroup, state entry, scratch, network: the same Undo as any failure),
+    at the deadline ($STARTER_SETUP_TIMEOUT, default 60 s) or right after a
+    signal, when main is waiting in a region (every path the starter opens
+    as root, paths.py; a verified input's copy; the child's steps up to its
+    exec), or at main's next step otherwise;
+  * a wait in TASK_KILLABLE (NFS, a FUSE request no daemon has read) ends
+    with the exit.  A FUSE request a daemon has read and never answers is
+    D state: the starter's exit, and so its exit code, waits until the
+    daemon answers or dies, or the connection is aborted
+    (/sys/fs/fuse/connections/N/abort); what it made is gone already.
+
+Once the job runs (finish()), the signals are unblocked and go to the
+supervisor as before (vacate, kill ...), and one the watchdog took after
+that is passed on to the same pipe.
+"""
+
+import _signal
+import _thread
+import os
+import sys
+import time
+
+from starter.errors import StarterError, one_line
+
+DEFAULT_TIMEOUT = 60.0
+_RTMIN = _signal.SIGRTMIN
+# What ends a start: the signals whose default action is vacate or kill, and
+# the internal ones of `starter vacate` and `starter kill` (supervisor.py),
+# and a caller's hang-up (supervisor.CALLER_GONE, caller.py).
+ENDING = frozenset((_signal.SIGTERM, _signal.SIGINT, _signal.SIGHUP, _signal.SIGQUIT, _RTMIN + 1, _RTMIN + 4,
+                    _RTMIN + 5))
+_NAMES = {_signal.SIGTERM: "SIGTERM", _signal.SIGINT: "SIGINT", _signal.SIGHUP: "SIGHUP",
+          _signal.SIGQUIT: "SIGQUIT", _RTMIN + 1: "a vacate", _RTMIN + 4: "a kill",
+          _RTMIN + 5: "its caller's death"}
+
+_guard = None
+
+
+class SetupFailed(StarterError):
+    """The start was interrupted or ran out of time (exit 125)."""
+
+
+def start(timeout=None):
+    """Start watching this process's setup (once, in `starter run`)."""
+    global _guard
+    if timeout is None:
+        from starter import values
+
+        timeout = values.number("STARTER_SETUP_TIMEOUT",
+                                os.environ.get("STARTER_SETUP_TIMEOUT") or DEFAULT_TIMEOUT, 0.1, 86400)  # noqa: the cap: a day
+    _guard = _Guard(float(timeout))
+    return _guard
+
+
+def region(what):
+    """`with region("bind source /x"):` around a call that may wait on a
+    path; a no-op outside `starter run`."""
+    return _guard(what) if _guard is not None and not _guard.running else _NOOP
+
+
+def check():
+    """Between steps: raise SetupFailed if the start is to fail."""
+    if _guard is not None and _guard.failing is not None:
+        _guard.fail()
+
+
+def claim():
+    """Main begins to unwind: from now on the watchdog stays out (if it is
+    already unwinding, main waits here for its exit)."""
+    if _guard is not None:
+        _guard.claim()
+
+
+def finish(pipe_w):
+    """The job runs: setup is over.  Signals from now on go to the
+    supervisor's pipe `pipe_w`."""
+    if _guard is not None:
+        _guard.finish(pipe_w)
+
+
+def on_takeover(fn):
+    """fn(message): how the watchdog unwinds the start (job.run's end)."""
+    if _guard is not None:
+        _guard.end = fn
+
+
+class _NoRegion:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+_NOOP = _NoRegion()
+
+
+class _Guard:
+    def __init__(self, timeout):
+        self.timeout = timeout
+        self.deadline = time.monotonic() + timeout
+        self.lock = _thread.allocate_lock()
+        self.failing = None      # the one line, once the start is to fail
+        self.owner = None        # who unwinds: "main" or "watchdog"
+        self.running = False     # the job runs
+        self.current = None      # what main waits on, inside a region
+        self.depth = 0
+        self.pending = None      # the signal that set `failing`
+        self.pipe_w = None
+        self.end = None
+        self._what = None
+        _signal.pthread_sigmask(_signal.SIG_BLOCK, ENDING)
+        _thread.start_new_thread(self._watch, ())
+
+    # -- main thread
+
+    def __call__(self, what):
+        self._what = what
+        return self
+
+    def __enter__(self):
+        what, self._what = self._what, None
+        with self.lock:
+            if self.owner == "watchdog":
+                self._wait_for_exit()
+            if self.failing is not None and self.owner is None:
+                self.owner = "main"
+                raise SetupFailed(self.failing)
+            self.depth += 1
+            if self.depth == 1:
+                self.current = what
+        return self
+
+    def __exit__(self, *exc):
+        with self.lock:
+            self.depth -= 1
+            if self.depth == 0:
+                self.current = None
+            if self.owner == "watchdog":
+                self._wait_for_exit()
+            if self.failing is not None and self.owner is None and exc[0] is None:
+                self.owner = "main"
+                raise SetupFailed(self.failing)
+        return False
+
+    def fail(self):
+        with self.lock:
+            if self.owner == "watchdog":
+                self._wait_for_exit()
+            if self.owner is None and not self.running:
+                self.owner = "main"
+                raise SetupFailed(self.failing)
+
+    def claim(self):
+        with self.lock:
+            if self.owner == "watchdog":
+                self._wait_for_exit()
+            self.owner = "main"
+
+    def finish(self, pipe_w):
+        with self.lock:
+            if self.owner == "watchdog":
+                self._wait_for_exit()
+            self.running = True
+            self.pipe_w = pipe_w
+            sig, self.pending, self.failing = self.pending, None, None
+        # Too late to fail the start: the job runs.  A signal that came
+        # meanwhile is a control signal like any other (a vacate).
+        if sig is not None:
+            self._forward(sig)
+        _signal.pthread_sigmask(_signal.SIG_UNBLOCK, ENDING)
+
+    def _wait_for_exit(self):
+        """Called with the lock held: the watchdog unwinds and exits."""
+        self.lock.release()
+        never = _thread.allocate_lock()
+        never.acquire()
+        never.acquire()      # never returns: the watchdog's os._exit ends the process
+
+    # -- the watchdog thread
+
+    def _watch(self):
+        while True:
+            left = self.deadline - time.monotonic()
+            info = _signal.sigtimedwait(ENDING, max(left, 0)) if left > 0 else None
+            with self.lock:
+                if self.running:
+                    if info is None:
+                        return           # the deadline passed, the job runs: done
+                    self._forward(info.si_signo)
+                    continue
+                if self.owner is not None:
+                    return               # main unwinds (its signals stay blocked: ignored)
+                if self.failing is None:
+                    if info is None:
+                        self.failing = (f"{self.current}: no answer within {self.timeout:g} s (a hung NFS or "
+                                        "FUSE mount?)" if self.current else
+                                        f"setup did not finish within {self.timeout:g} s "
+                                        "($STARTER_SETUP_TIMEOUT)")
+                    else:
+                        self.pending = info.si_signo
+                        self.failing = f"interrupted by {_NAMES.get(info.si_signo, info.si_signo)} during setup"
+                if self.current is None:
+                    if info is None:
+                        return           # main fails at its next step
+                    continue             # (and a later deadline finds it in a region)
+                self.owner = "watchdog"
+            self._take_over()
+
+    def _take_over(self):
+        msg = self.failing
+        try:
+            if self.end is not None:
+                self.end(msg)
+            else:
+                sys.stderr.write(f"starter: {one_line(msg)}\n")
+                sys.stderr.flush()
+        finally:
+            os._exit(125)
+
+    def _forward(self, sig):
+        if self.pipe_w is not None:
+            try:
+                os.write(self.pipe_w, bytes((sig,)))
+            except OSError:
+                pass
