@@ -20,6 +20,15 @@ hybrid host). The node name is random per cluster, so those trees are ours alone
 refuse to start if they (or a bare <ctrl>/slurm) already exist, and remove them,
 deepest first, at stop, after killing by pid anything still inside.
 
+user=(UID, GID) makes an ordinary account the submitter: sbatch, srun and scancel run
+as it (through setpriv, groups cleared), as a user at a site would run them; scontrol
+(suspend, resume) stays root's, as at a site (an operator's command). The user must
+reach what its clients and its jobs read: the cluster then lives in a fresh
+/tmp/slurm-c-* of mode 0755 (pytest's tmp dirs are root's 0700), removed at stop,
+with the config, the batch scripts and the socket directory readable by all, and the
+jobs' output in `out/`, owned by the user (slurmstepd opens it with the user's rights).
+The munge key stays root's 0400. Slurm's cgroups are then .../uid_<UID>/job_N/step_M.
+
 Every wait is bounded: a Slurm that does not come up, or a job that does not end, fails
 with the daemon logs in the message instead of hanging the test run.
 """
@@ -132,15 +141,28 @@ def parse_exit_code(value):
 class SlurmCluster:
     """A private single-node Slurm; use as a context manager.
 
+    base_dir: where the cluster lives; None: a fresh /tmp/slurm-c-* (0755), removed at
+    stop (what a `user` cluster needs: the user must read the config).
     proctrack: "linuxproc", "pgid" or "cgroup".
     kill_wait: seconds between SIGTERM and SIGKILL on scancel/time limit (KillWait).
+    user: (uid, gid) of the account that submits (sbatch, srun, scancel); None: root.
     """
 
-    def __init__(self, base_dir, proctrack="linuxproc", cpus=None, real_memory_mb=1024,
-                 kill_wait=10, start_timeout=30.0, debug="info", constrain_cores=None):
+    def __init__(self, base_dir=None, proctrack="linuxproc", cpus=None, real_memory_mb=1024,
+                 kill_wait=10, start_timeout=30.0, debug="info", constrain_cores=None,
+                 constrain_ram=False, user=None):
         if proctrack not in ("linuxproc", "pgid", "cgroup"):
             raise ValueError("proctrack must be linuxproc, pgid or cgroup, not %r" % proctrack)
-        self.dir = os.path.abspath(os.fspath(base_dir))
+        self.user = tuple(user) if user is not None else None
+        self.uid = self.user[0] if self.user else 0
+        if base_dir is None:
+            self.dir = None       # made at start (a fresh /tmp/slurm-c-*), removed at stop
+        elif self.user is not None:
+            raise ValueError("a user cluster makes its own directory (base_dir=None): "
+                             "the user must reach its config")
+        else:
+            self.dir = os.path.abspath(os.fspath(base_dir))
+        self._own_dir = False
         self.proctrack = proctrack
         self.cpus = cpus or os.cpu_count() or 1
         self.real_memory_mb = real_memory_mb
@@ -148,12 +170,18 @@ class SlurmCluster:
         self.start_timeout = start_timeout
         self.debug = debug
         # task/cgroup with ConstrainCores puts each step in a cpuset cgroup too; it is
-        # the only task/cgroup constraint we turn on: memory/devices would move job
+        # the only task/cgroup constraint on by default: memory/devices would move job
         # processes out of the memory cgroup the test runner itself lives in.
         self.constrain_cores = (proctrack == "cgroup") if constrain_cores is None else constrain_cores
         if self.constrain_cores and proctrack != "cgroup":
             raise ValueError("constrain_cores needs proctrack='cgroup' (task/cgroup)")
-        self.conf = os.path.join(self.dir, "slurm.conf")
+        # ConstrainRAMSpace: the step in a memory cgroup of Slurm's too (its jobs then
+        # leave the runner's memory cgroup, and Slurm gives the step's directory to the
+        # job's user); off unless a test asks for it.
+        self.constrain_ram = constrain_ram
+        if constrain_ram and proctrack != "cgroup":
+            raise ValueError("constrain_ram needs proctrack='cgroup' (task/cgroup)")
+        self.conf = None
         self.sockdir = None        # short private dir for unix sockets, made at start
         self.munge_socket = None
         # Unique per cluster (and letters only, so hostlist syntax never splits it):
@@ -172,6 +200,11 @@ class SlurmCluster:
         if reason:
             raise SlurmError(reason)
         t0 = time.monotonic()
+        if self.dir is None:
+            self.dir = tempfile.mkdtemp(prefix="slurm-c-", dir="/tmp")
+            self._own_dir = True
+            os.chmod(self.dir, 0o755)
+        self.conf = os.path.join(self.dir, "slurm.conf")
         try:
             self._prepare_dirs()
             self._claim_cgroups()
@@ -199,7 +232,9 @@ class SlurmCluster:
             # Give running steps a chance to end through Slurm so slurmstepd cleans
             # its own cgroups; bounded, and harmless when nothing is queued.
             try:
-                self._run([_which("scancel"), "--full", "--user=root"], check=False, timeout=10)
+                for uid in sorted({0, self.uid}):
+                    self._run([_which("scancel"), "--full", "--user=%d" % uid], check=False,
+                              timeout=10)
                 self._wait_queue_empty(timeout=self.kill_wait + 15)
             except Exception:
                 pass
@@ -211,6 +246,9 @@ class SlurmCluster:
         if self.sockdir:
             shutil.rmtree(self.sockdir, ignore_errors=True)
             self.sockdir = None
+        if self._own_dir:
+            shutil.rmtree(self.dir, ignore_errors=True)
+            self._own_dir = False
 
     def _alive(self, name):
         p = self._procs.get(name)
@@ -293,14 +331,22 @@ class SlurmCluster:
     # ---- setup steps -----------------------------------------------------------
 
     def _prepare_dirs(self):
-        for sub in ("munge", "state", "log", "run", "tmp"):
+        for sub in ("munge", "state", "log", "run", "tmp", "out"):
             os.makedirs(os.path.join(self.dir, sub), exist_ok=True)
         os.chmod(os.path.join(self.dir, "munge"), 0o700)
+        if self.user is not None:
+            # The user's clients read the config and scripts; its jobs write their
+            # output (slurmstepd opens it as the user) and start in `out`.
+            for sub in ("tmp", "out"):
+                os.chmod(os.path.join(self.dir, sub), 0o755)
+            os.chown(os.path.join(self.dir, "out"), *self.user)
         # Unix socket paths are limited to 108 bytes; pytest's tmp paths can be long, so
         # munged's socket and slurmd's spool (which holds one socket per step) live in a
         # short private directory of their own, removed at stop.
         self.sockdir = tempfile.mkdtemp(prefix="slurm-t-")
         os.mkdir(os.path.join(self.sockdir, "spool"))
+        if self.user is not None:
+            os.chmod(self.sockdir, 0o755)   # the user's clients talk to munged
         self.munge_socket = os.path.join(self.sockdir, "munge.sock")
 
     def _claim_cgroups(self):
@@ -367,7 +413,8 @@ class SlurmCluster:
             "TmpFS=%s/tmp" % d,
             "MailProg=/bin/true",
             "ProctrackType=proctrack/%s" % self.proctrack,
-            "TaskPlugin=%s" % ("task/cgroup" if self.constrain_cores else "task/none"),
+            "TaskPlugin=%s" % ("task/cgroup" if self.constrain_cores or self.constrain_ram
+                               else "task/none"),
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
@@ -392,6 +439,8 @@ class SlurmCluster:
         ]
         with open(self.conf, "w") as f:
             f.write("\n".join(lines) + "\n")
+        os.chmod(self.conf, 0o644)
+        os.chmod(plugstack, 0o644)
         with open(os.path.join(d, "cgroup.conf"), "w") as f:
             f.write("\n".join([
                 # This host is hybrid: v1 controllers at /sys/fs/cgroup/<ctrl>,
@@ -401,7 +450,7 @@ class SlurmCluster:
                 "CgroupAutomount=no",
                 "ConstrainCores=%s" % ("yes" if self.constrain_cores else "no"),
                 "ConstrainDevices=no",
-                "ConstrainRAMSpace=no",
+                "ConstrainRAMSpace=%s" % ("yes" if self.constrain_ram else "no"),
                 "ConstrainSwapSpace=no",
             ]) + "\n")
         self.env = dict(os.environ, SLURM_CONF=self.conf)
@@ -479,6 +528,13 @@ class SlurmCluster:
 
     # ---- client commands -------------------------------------------------------
 
+    def as_submitter(self, argv):
+        """argv run as the submitting user (unchanged for root)."""
+        if self.user is None:
+            return list(argv)
+        return ["setpriv", "--reuid=%d" % self.user[0], "--regid=%d" % self.user[1],
+                "--clear-groups"] + list(argv)
+
     def _run(self, argv, check=True, timeout=60, **kw):
         kw.setdefault("stdout", subprocess.PIPE)
         kw.setdefault("stderr", subprocess.PIPE)
@@ -489,30 +545,35 @@ class SlurmCluster:
         return r
 
     def srun(self, args, timeout=60, check=False, **kw):
-        """srun ARGS; returns CompletedProcess (stdout/stderr captured as text)."""
-        return self._run([_which("srun"), "--quiet"] + list(args), check=check,
-                         timeout=timeout, **kw)
+        """srun ARGS as the submitter, in `out/`; returns CompletedProcess (stdout/stderr
+        captured as text)."""
+        kw.setdefault("cwd", os.path.join(self.dir, "out"))
+        return self._run(self.as_submitter([_which("srun"), "--quiet"] + list(args)),
+                         check=check, timeout=timeout, **kw)
 
     def sbatch(self, script_text, args=(), timeout=30):
-        """Submit a batch script (text); returns the job id as a string."""
+        """Submit a batch script (text) as the submitter; returns the job id as a string."""
         path = os.path.join(self.dir, "tmp", "job-%d.sh" % time.monotonic_ns())
         with open(path, "w") as f:
             f.write(script_text)
         os.chmod(path, 0o755)
-        r = self._run([_which("sbatch"), "--parsable", "--chdir=" + self.dir,
-                       "--output=" + os.path.join(self.dir, "log", "job-%j.out")]
-                      + list(args) + [path], timeout=timeout)
+        out = os.path.join(self.dir, "out")
+        r = self._run(self.as_submitter(
+            [_which("sbatch"), "--parsable", "--chdir=" + out,
+             "--output=" + os.path.join(out, "job-%j.out")] + list(args) + [path]),
+            timeout=timeout, cwd=out)
         return r.stdout.strip().split(";")[0]
 
     def job_output(self, jobid):
         """What the batch script printed (stdout+stderr)."""
         try:
-            with open(os.path.join(self.dir, "log", "job-%s.out" % jobid)) as f:
+            with open(os.path.join(self.dir, "out", "job-%s.out" % jobid)) as f:
                 return f.read()
         except FileNotFoundError:
             return ""
 
     def scancel(self, jobid, signal=None, batch=False, full=False):
+        """scancel as the submitter (a user cancels and signals its own jobs)."""
         argv = [_which("scancel")]
         if signal is not None:
             argv.append("--signal=%s" % signal)
@@ -520,7 +581,7 @@ class SlurmCluster:
             argv.append("--batch")
         if full:
             argv.append("--full")
-        return self._run(argv + [str(jobid)], timeout=30)
+        return self._run(self.as_submitter(argv + [str(jobid)]), timeout=30)
 
     def scontrol(self, *args, check=True, timeout=30):
         return self._run([_which("scontrol")] + [str(a) for a in args], check=check,

@@ -4,6 +4,7 @@ in-process).
   - every long option of every command (as its --help prints it, the spool's
     subcommands included), every job-file key and every STARTER_* variable the
     starter reads is in docs/reference.md;
+  - the admin guide's example node policy is a valid one (starter/policy.py);
   - every relative link in README.md and docs/*.md names a file that exists,
     and a #fragment names a heading of that file;
   - every file in starter/, native/ and scripts/ is named in the README's
@@ -99,6 +100,17 @@ def test_every_trace_phase_is_in_the_reference():
     assert "clone" in phases, phases
     missing = sorted(p for p in phases if f"`{p}`" not in row)
     assert not missing, f"STARTER_TRACE phases missing from its row in docs/reference.md: {missing}"
+
+
+def test_the_admin_guides_node_policy_parses():
+    from starter import policy
+
+    guide = read(os.path.join(DOCS, "admin-guide.md"))
+    blocks = re.findall(r"^```toml\n(.*?)^```", guide, re.S | re.M)
+    examples = [b for b in blocks if b.startswith("# /etc/starter/starter.toml")]
+    assert len(examples) == 1, blocks
+    pol = policy.parse(examples[0].encode(), "admin-guide.md")
+    assert pol.defaults["state-dir"] == "/run/starter" and pol.callers["max_jobs"] == 16, pol.render()
 
 
 # ---------------------------------------------------------------- links

@@ -1,17 +1,71 @@
 """starter under a real Slurm: a private single-node cluster per test (tests/slurm.py).
 
-Each test runs once with proctrack/linuxproc and once with proctrack/cgroup (v1 freezer
-and cpuset, task/cgroup ConstrainCores). The `plain` tests check the harness itself with
-ordinary commands, so a starter failure is never confused with a broken Slurm.
+The `plain` tests check the harness itself with ordinary commands, so a starter failure
+is never confused with a broken Slurm: root submits, once with proctrack/linuxproc and
+once with proctrack/cgroup (v1 freezer and cpuset, task/cgroup ConstrainCores).
+
+Each starter scenario runs four times: those two proctrack kinds, each with root
+submitting (`starter run --state-dir ...` as root) and with an ordinary user submitting:
+nobody (65534), whose batch scripts and steps run the set-user-ID `starter` (the relay
+and the root starter of native/launcher.c). nobody works with Slurm as it is (slurmctld
+takes its jobs, slurmstepd runs them as 65534), so no test account is made. The user
+runs sbatch, srun and scancel (through setpriv); scontrol suspend/resume stays root's,
+an operator's command. Its starter gets the state directory from the node policy (the
+`policy` fixture, written before any job starts) and writes its report into a
+directory it owns (`home`).
 
 How starter is meant to be used under Slurm (and what these tests hold it to):
   srun starter run ... -- CMD          the step's exit code is the job's
-  sbatch: `exec starter run ... -- CMD` starter IS the batch shell, so
-                                        `scancel --batch -s SIG` reaches it alone
+  sbatch: `exec starter run ... -- CMD` starter IS the batch shell (for a user: the
+                                        relay is), so `scancel --batch -s SIG`
+                                        reaches it alone
   scancel JOBID                         SIGTERM to every process of the step -> vacate
   scontrol suspend/resume               SIGTSTP, then SIGSTOP (freezer with
                                         proctrack/cgroup) / SIGCONT: the job must stop
                                         and go on; starter's cgroups nest under the step's
+
+What reaches a user's job, as run here (Slurm 22.05, this hybrid host). The batch shell
+is the relay (uid 65534, in Slurm's session), its child the root starter (setsid: a
+session of its own), and its children the job's processes (sessions of their own, in a
+PID namespace).
+
+  proctrack/linuxproc finds a step's processes by their parent links in /proc, not by
+  session or process group, and slurmstepd signals as root: every signal it sends
+  reaches the relay, the root starter and each job process alike.
+  - scancel: SIGTERM to all. The root starter vacates on its own SIGTERM (the relay's
+    forwarded copy is the same vacate); the job's processes get Slurm's SIGTERM
+    directly too, as under a root starter. After KillWait, SIGKILL to all.
+  - scontrol suspend: the SIGTSTP changes nothing. The relay forwards it as a byte the
+    starter has no action for; the root starter's and the job's process groups are
+    orphaned (their session leaders' parents are in other sessions), and the kernel
+    discards SIGTSTP for those. 2 s later SIGSTOP stops the relay, the root starter and
+    every job process (state T), the job's PID 1 too (a SIGSTOP from an ancestor PID
+    namespace is always delivered). resume: SIGCONT to all, and everything goes on.
+  - what linuxproc cannot do: suspend the job *through* the starter. It stops the
+    starter itself with the job: `starter ps` still says running, no "suspended"
+    event is written, and nothing the starter does (the caller's relayed signals, the
+    wall-time check) happens until resume. To have the starter suspend the job itself
+    (its freezer, state "suspended"), signal the batch shell: `scancel --batch -s USR1`
+    (USR1 suspends, USR2 resumes, unless --on-signal maps them otherwise).
+  proctrack/pgid (not in this suite; run by hand the same way): Slurm signals only the
+  batch shell's process group, which the root starter left (setsid). scontrol suspend
+  then stops the relay alone and the job runs on (root's starter: it stops the starter,
+  not the job); scancel still vacates through the relay. Use linuxproc or cgroup.
+
+  proctrack/cgroup freezes the step's freezer cgroup: the relay, the root starter and
+  the job stop together (the job stays in the step's freezer and cpuset cgroups; the
+  starter nests its own only in the hierarchies it uses), as with linuxproc's SIGSTOP.
+  Slurm 22.05's cgroup/v1 gives the step's directory (.../uid_U/job_J/step_S) to the
+  job's user (the files inside stay root's). The starter refuses a caller whose cgroup
+  is such a directory in a hierarchy it uses (its user could make a cgroup there and
+  move the job's processes into it, out of the job's limits and kill): exit 125, "the
+  caller's cgroup ... is not root's alone". On this hybrid host the starter uses
+  cgroup2 and the memory, pids, cpu, cpuacct and blkio hierarchies, not freezer or
+  cpuset, so proctrack/cgroup with ConstrainCores serves users, and ConstrainRAMSpace
+  (a memory cgroup of the user's) refuses every user's job
+  (test_user_refused_where_slurm_gives_the_step_cgroup_away). On a cgroup v1-only node
+  the starter uses the freezer hierarchy too, so proctrack/cgroup alone refuses users
+  (from the code; no Slurm runs in the test VMs).
 """
 
 import json
@@ -24,6 +78,7 @@ import time
 
 import pytest
 
+from conftest import GID, UID
 from slurm import SlurmCluster, parse_exit_code, parse_scontrol_record, skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,8 +90,12 @@ GRACE = "3"
 KILL_WAIT = 10
 
 
-@pytest.fixture(params=["linuxproc", "cgroup"])
+PROCTRACKS = ["linuxproc", "cgroup"]
+
+
+@pytest.fixture(params=PROCTRACKS)
 def slurm(request, tmp_path):
+    """The harness checks: root submits."""
     reason = skip_reason(request.param)
     if reason:
         pytest.skip(reason)
@@ -44,12 +103,48 @@ def slurm(request, tmp_path):
         yield cluster
 
 
-# ---------------------------------------------------------------- helpers
+class Site:
+    """A private Slurm and who submits to it: root, or an ordinary user (nobody)
+    whose batch scripts and steps run the set-user-ID `starter`.
 
-def starter_run(state_dir, report, *options):
-    """argv prefix: starter run with a private state dir and a report file, then `--`."""
-    return [STARTER, "run", "--state-dir", str(state_dir), "--report", str(report),
-            *options, "--"]
+    The user's starter gets its state directory from the node policy (the `policy`
+    fixture, written before any job starts: a caller's environment is emptied and
+    --state-dir is root's alone), and writes its report into a directory the user
+    owns (`home`); root's gets --state-dir and pytest's tmp dir."""
+
+    def __init__(self, slurm, who, reports, state_dir):
+        self.slurm, self.who, self.reports, self.state_dir = slurm, who, reports, state_dir
+
+    def report(self, name="report.json"):
+        return os.path.join(self.reports, name)
+
+    def starter_run(self, report, *options):
+        """argv prefix: starter run with the state dir and a report file, then `--`."""
+        state = ["--state-dir", str(self.state_dir)] if self.who == "root" else []
+        return [STARTER, "run", *state, "--report", str(report), *options, "--"]
+
+
+@pytest.fixture(params=[(p, w) for w in ("root", "user") for p in PROCTRACKS],
+                ids=lambda pw: "%s-%s" % pw)
+def site(request, tmp_path, state_dir):
+    proctrack, who = request.param
+    reason = skip_reason(proctrack)
+    if reason:
+        pytest.skip(reason)
+    if who == "root":
+        with SlurmCluster(tmp_path / "slurm", proctrack=proctrack,
+                          kill_wait=KILL_WAIT) as cluster:
+            yield Site(cluster, who, str(tmp_path), state_dir)
+        return
+    # Set up before the cluster, so torn down after it: the policy outlives every job.
+    request.getfixturevalue("policy")
+    home = request.getfixturevalue("home")
+    with SlurmCluster(None, proctrack=proctrack, kill_wait=KILL_WAIT,
+                      user=(UID, GID)) as cluster:
+        yield Site(cluster, who, home, state_dir)
+
+
+# ---------------------------------------------------------------- helpers
 
 
 def batch_script(argv):
@@ -220,9 +315,9 @@ def test_plain_suspend_resume(slurm):
 # ---------------------------------------------------------------- starter under Slurm
 
 @pytest.mark.slurm
-def test_srun_exit_code_and_report(slurm, tmp_path, state_dir):
-    report = tmp_path / "report.json"
-    r = slurm.srun(starter_run(state_dir, report) + ["sh", "-c", "exit 7"], timeout=60)
+def test_srun_exit_code_and_report(site):
+    slurm, report = site.slurm, site.report()
+    r = slurm.srun(site.starter_run(report) + ["sh", "-c", "exit 7"], timeout=60)
     assert r.returncode == 7, (r.stdout, r.stderr)
     rep = read_report(report, slurm)
     assert rep["exit_code"] == 7
@@ -231,10 +326,10 @@ def test_srun_exit_code_and_report(slurm, tmp_path, state_dir):
 
 
 @pytest.mark.slurm
-def test_sbatch_exec_exit_code_and_report(slurm, tmp_path, state_dir):
-    report = tmp_path / "report.json"
+def test_sbatch_exec_exit_code_and_report(site):
+    slurm, report = site.slurm, site.report()
     jobid = slurm.sbatch(batch_script(
-        starter_run(state_dir, report, "--id", "slurm-$SLURM_JOB_ID") + ["sh", "-c", "exit 7"]))
+        site.starter_run(report, "--id", "slurm-$SLURM_JOB_ID") + ["sh", "-c", "exit 7"]))
     state, code = slurm.wait_job(jobid, timeout=60)
     assert (state, code) == ("FAILED", 7), slurm.logs(jobid)
     assert slurm.job_info(jobid)["ExitCode"] == "7:0"
@@ -245,12 +340,12 @@ def test_sbatch_exec_exit_code_and_report(slurm, tmp_path, state_dir):
 
 
 @pytest.mark.slurm
-def test_scancel_vacates_with_report(slurm, tmp_path, state_dir):
+def test_scancel_vacates_with_report(site):
     """scancel: SIGCONT+SIGTERM to every process of the step, SIGKILL after KillWait.
     starter takes the SIGTERM as vacate and writes its report before the SIGKILL."""
-    report = tmp_path / "report.json"
+    slurm, report = site.slurm, site.report()
     jobid = slurm.sbatch(batch_script(
-        starter_run(state_dir, report, "--grace", GRACE)
+        site.starter_run(report, "--grace", GRACE)
         + ["sh", "-c", "echo started; exec sleep 300"]))
     wait_for(lambda: "started" in output_lines(slurm, jobid), "the job to start", 30,
              slurm, jobid)
@@ -262,12 +357,12 @@ def test_scancel_vacates_with_report(slurm, tmp_path, state_dir):
 
 
 @pytest.mark.slurm
-def test_scancel_batch_usr1_vacates(slurm, tmp_path, state_dir):
+def test_scancel_batch_usr1_vacates(site):
     """`scancel --batch -s USR1` signals the batch shell only: starter (exec'd) maps
     USR1 to vacate; the job itself never sees USR1 (it would die of it: 'signaled')."""
-    report = tmp_path / "report.json"
+    slurm, report = site.slurm, site.report()
     jobid = slurm.sbatch(batch_script(
-        starter_run(state_dir, report, "--grace", GRACE, "--on-signal", "USR1=vacate")
+        site.starter_run(report, "--grace", GRACE, "--on-signal", "USR1=vacate")
         + ["sh", "-c", "echo started; exec sleep 300"]))
     wait_for(lambda: "started" in output_lines(slurm, jobid), "the job to start", 30,
              slurm, jobid)
@@ -278,10 +373,10 @@ def test_scancel_batch_usr1_vacates(slurm, tmp_path, state_dir):
 
 
 @pytest.mark.slurm
-def test_suspend_resume_through_starter(slurm, tmp_path, state_dir):
-    report = tmp_path / "report.json"
+def test_suspend_resume_through_starter(site):
+    slurm, report = site.slurm, site.report()
     jobid = slurm.sbatch(batch_script(
-        starter_run(state_dir, report, "--grace", GRACE) + ["sh", "-c", COUNTER]))
+        site.starter_run(report, "--grace", GRACE) + ["sh", "-c", COUNTER]))
     assert_suspends_and_resumes(slurm, jobid)
     slurm.scancel(jobid)
     slurm.wait_job(jobid, timeout=KILL_WAIT + 20)
@@ -289,13 +384,13 @@ def test_suspend_resume_through_starter(slurm, tmp_path, state_dir):
 
 
 @pytest.mark.slurm
-def test_double_forked_daemon_is_cleaned_up(slurm, tmp_path, state_dir):
+def test_double_forked_daemon_is_cleaned_up(site):
     """A setsid daemon that double-forks away from the job (which plain Slurm with
     proctrack/linuxproc loses track of) must be gone once the job ends."""
-    report = tmp_path / "report.json"
+    slurm, report = site.slurm, site.report()
     tok = token()
     daemon = "(setsid sh -c 'echo daemon $$; exec sleep %s' </dev/null &); sleep 4" % tok
-    jobid = slurm.sbatch(batch_script(starter_run(state_dir, report) + ["sh", "-c", daemon]))
+    jobid = slurm.sbatch(batch_script(site.starter_run(report) + ["sh", "-c", daemon]))
     try:
         wait_for(lambda: pids_with_argv("sleep", tok), "the daemon to run", 30, slurm, jobid)
         state, code = slurm.wait_job(jobid, timeout=60)
@@ -311,37 +406,38 @@ def test_double_forked_daemon_is_cleaned_up(slurm, tmp_path, state_dir):
 
 
 @pytest.mark.slurm
-def test_steps_finish_promptly(slurm, tmp_path, state_dir):
+def test_steps_finish_promptly(site):
     """Nothing starter does (its own cgroups nested in Slurm's, with proctrack/cgroup)
     may keep a step from ending: each srun and the batch job end within bounds."""
+    slurm = site.slurm
     for i in range(3):
-        report = tmp_path / ("srun-%d.json" % i)
-        r = slurm.srun(starter_run(state_dir, report) + ["/bin/true"], timeout=30)
+        report = site.report("srun-%d.json" % i)
+        r = slurm.srun(site.starter_run(report) + ["/bin/true"], timeout=30)
         assert r.returncode == 0, (r.stdout, r.stderr)
         assert read_report(report, slurm)["exit_code"] == 0
-    report = tmp_path / "batch.json"
-    jobid = slurm.sbatch(batch_script(starter_run(state_dir, report) + ["/bin/true"]))
+    report = site.report("batch.json")
+    jobid = slurm.sbatch(batch_script(site.starter_run(report) + ["/bin/true"]))
     assert slurm.wait_job(jobid, timeout=30) == ("COMPLETED", 0), slurm.logs(jobid)
     assert read_report(report, slurm, jobid)["exit_code"] == 0
 
 
 @pytest.mark.slurm
-def test_job_stays_inside_the_steps_cgroups(slurm, tmp_path, state_dir):
+def test_job_stays_inside_the_steps_cgroups(site):
     """With proctrack/cgroup, Slurm tracks, freezes and kills the step through its
     freezer cgroup: starter must nest its cgroups below the step's, never move the job
     out of them."""
+    slurm, report = site.slurm, site.report()
     if slurm.proctrack != "cgroup":
         pytest.skip("only proctrack/cgroup puts the step in cgroups of its own")
-    report = tmp_path / "report.json"
     tok = token()
     jobid = slurm.sbatch(batch_script(
-        starter_run(state_dir, report, "--grace", GRACE) + ["sleep", tok]))
+        site.starter_run(report, "--grace", GRACE) + ["sleep", tok]))
     try:
         pid = wait_for(lambda: pids_with_argv("sleep", tok), "the job to run", 30,
                        slurm, jobid)[0]
         with open("/proc/%d/cgroup" % pid) as f:
             paths = dict(re.match(r"\d+:([^:]*):(.*)", l).groups() for l in f.read().splitlines())
-        step = "/slurm_%s/uid_0/job_%s/step_batch" % (slurm.node, jobid)
+        step = "/slurm_%s/uid_%d/job_%s/step_batch" % (slurm.node, slurm.uid, jobid)
         for ctrl in ("freezer", "cpuset"):
             assert (paths[ctrl] + "/").startswith(step + "/"), (ctrl, paths[ctrl], step)
     finally:
@@ -349,3 +445,26 @@ def test_job_stays_inside_the_steps_cgroups(slurm, tmp_path, state_dir):
         slurm.wait_job(jobid, timeout=KILL_WAIT + 20)
         kill_pids(pids_with_argv("sleep", tok))
     assert read_report(report, slurm, jobid)["reason"] == "vacated"
+
+
+@pytest.mark.slurm
+def test_user_refused_where_slurm_gives_the_step_cgroup_away(policy, home):
+    """task/cgroup ConstrainRAMSpace puts the step in a memory cgroup whose directory
+    Slurm (cgroup/v1) gives to the job's user: a user's starter refuses to nest the
+    job's cgroups there (one line, exit 125, a report that says starter_error),
+    before the job starts."""
+    reason = skip_reason("cgroup")
+    if reason:
+        pytest.skip(reason)
+    with SlurmCluster(None, proctrack="cgroup", kill_wait=KILL_WAIT, constrain_ram=True,
+                      user=(UID, GID)) as slurm:
+        report = os.path.join(home, "report.json")
+        jobid = slurm.sbatch(batch_script(
+            [STARTER, "run", "--report", report, "--", "sh", "-c", "echo job ran"]))
+        assert slurm.wait_job(jobid, timeout=30) == ("FAILED", 125), slurm.logs(jobid)
+        out = slurm.job_output(jobid)
+        step = "/sys/fs/cgroup/memory/slurm_%s/uid_%d/job_%s/step_batch" % (slurm.node, UID, jobid)
+        assert "the caller's cgroup %s is not root's alone (owner uid %d" % (step, UID) in out, out
+        assert "job ran" not in out
+        rep = read_report(report, slurm, jobid)
+        assert rep["reason"] == "starter_error" and rep["exit_code"] == 125, rep
