@@ -532,8 +532,11 @@ class SlurmCluster:
         """argv run as the submitting user (unchanged for root)."""
         if self.user is None:
             return list(argv)
+        # Without the tests' own STARTER_* variables: Slurm hands the
+        # submitter's environment to the job, and a user's starter refuses them.
+        unset = [a for k in (self.env or os.environ) if k.startswith("STARTER_") for a in ("-u", k)]
         return ["setpriv", "--reuid=%d" % self.user[0], "--regid=%d" % self.user[1],
-                "--clear-groups"] + list(argv)
+                "--clear-groups", "env", *unset] + list(argv)
 
     def _run(self, argv, check=True, timeout=60, **kw):
         kw.setdefault("stdout", subprocess.PIPE)

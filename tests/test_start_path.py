@@ -29,7 +29,8 @@ RUN_IMPORTS = {
     "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
     "starter.cgroups", "starter.cgroups.base", "starter.cgroups.files",
     "starter.cli", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
-    "starter.mounts", "starter.ns", "starter.paths", "starter.report", "starter.seccomp",
+    "starter.mounts", "starter.ns", "starter.paths", "starter.policy", "starter.report", "starter.seccomp",
+    "starter.escapes",
     "starter.spec", "starter.state", "starter.supervisor", "starter.trace", "starter.values",
 }
 # Only the host's cgroup backend is loaded (with the cgroup2 tracking where it has one).
