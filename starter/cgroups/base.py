@@ -632,8 +632,9 @@ class Backend:
                     raise CgroupError(
                         f"the caller's cgroup {d} is not root's alone (owner uid {st.st_uid}, "
                         f"cgroup.procs owner uid {procs.st_uid}): a job of its user could leave its own cgroup",
-                        "start jobs from a batch system's job or step, not from a cgroup delegated to a user "
-                        "(systemd --user, a user's own delegated subtree)")
+                        "something gave this cgroup to the user: systemd's user@.service, or a batch system "
+                        "(Slurm's cgroup/v1 chowns the step's directory with ConstrainRAMSpace; see "
+                        "docs/admin-guide.md); start the job from a cgroup only root may write")
 
     def check_delegation(self, mountinfo=None):
         """Raise CgroupError unless jobs can get a delegated subtree here."""
