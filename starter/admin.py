@@ -82,6 +82,7 @@ def status(state_dir, job_id, as_json, processes=False):
     u = _usage(state_dir, st)
     doc = dict(st)
     doc.update(live=S.is_live(state_dir, job_id), **{k: v for k, v in u.items() if k != "cpu_s"})
+    doc["escaped"] = _escaped(st, job_id) if doc["live"] else None
     procs = None
     if processes:
         from starter import top
@@ -98,6 +99,27 @@ def status(state_dir, job_id, as_json, processes=False):
             print("processes:")
             print(top.table(procs))
     return 0
+
+
+def _escaped(st, job_id):
+    """Processes of a live job's uid outside its cgroup (escapes.py): for a
+    transient uid every one, for a named user those started since the job;
+    none for root's jobs.  The job's own (its cgroup's) never."""
+    uid = st.get("uid")
+    if not isinstance(uid, int) or uid <= 0:
+        return None
+    from starter import escapes
+
+    since = None
+    if not st.get("transient"):
+        since = S.process_start_time(st["pid"]) if isinstance(st.get("pid"), int) else None
+        if since is None:
+            return None
+    try:
+        own = set(job_cgroup(st, job_id).pids())
+    except (StarterError, OSError):
+        own = set()
+    return [p for p in escapes.find(uid, since=since, skip_jobs=True) if p["pid"] not in own]
 
 
 def top(state_dir, job_id, interval=None, once=False, as_json=False):

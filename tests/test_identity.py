@@ -198,10 +198,17 @@ def test_escape_of_a_transient_uid_is_killed_and_reported(policy, tmp_path):
     try:
         server = _host_tmux(uid, f"{d}/s")
         report = tmp_path / "r.json"
-        p = subprocess.run([STARTER, "run", "--report", str(report), "--bind", d, "--", "sh", "-c",
-                            f"tmux -S {d}/s new-window -d 'exec sleep 1234' && echo asked"],
-                           capture_output=True, text=True, timeout=60)
-        assert p.returncode == 0 and "asked" in p.stdout, (p.stdout, p.stderr)
+        job = subprocess.Popen([STARTER, "run", "--id", "esc-t", "--report", str(report), "--bind", d, "--",
+                                "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 1234' && echo asked; read x"],
+                               stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert job.stdout.readline() == "asked\n"
+        # While the job runs, `starter status` shows it too (the job's own processes never)
+        st = json.loads(subprocess.run([STARTER, "status", "esc-t", "--json"], capture_output=True, text=True,
+                                       check=True, timeout=30).stdout)
+        assert "sleep" in {e["comm"] for e in st["escaped"]} and "sh" not in {e["comm"] for e in st["escaped"]}
+        out, err = job.communicate("\n", timeout=60)
+        p = subprocess.CompletedProcess(job.args, job.returncode, out, err)
+        assert p.returncode == 0, (p.stdout, p.stderr)
         r = json.loads(report.read_text())
         comms = {e["comm"] for e in r["escaped"]}
         assert "sleep" in comms and r["escaped_action"] == "killed", r
