@@ -345,8 +345,10 @@ def test_caller_cgroup_must_be_roots(policy, home):
     could move the job's processes out of the job's cgroup."""
     from starter.cgroups import files
     layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
-    m = layout.unified or next(iter(layout.v1.values()))
-    own = layout.own.get("unified" if layout.unified else next(iter(layout.v1)))
+    # cgroup2 where there is one, else a v1 hierarchy a task can join as it is (cpuset's needs cpus first)
+    role = "unified" if layout.unified else ("pids" if "pids" in layout.v1 else "memory")
+    m = layout.unified or layout.v1[role]
+    own = layout.own.get(role)
     d = os.path.join(m.mount_point, own.lstrip("/"), f"starter-caller-{os.getpid()}")
     os.mkdir(d)
     try:
