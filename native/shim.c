@@ -1407,11 +1407,9 @@ static void close_pair(int p[2])
     p[0] = p[1] = -1;
 }
 
-/* Keep our pipes off 0..2 even if the caller runs with them closed. */
-static int pipe_hi(int p[2])
+/* Move a new pair off 0..2 (the caller may run with them closed). */
+static int above_stdio(int p[2])
 {
-    if (pipe2(p, O_CLOEXEC) < 0)
-        return -errno;
     for (int i = 0; i < 2; i++)
         if (p[i] < 3) {
             int n = fcntl(p[i], F_DUPFD_CLOEXEC, 3);
@@ -1426,6 +1424,14 @@ static int pipe_hi(int p[2])
     return 0;
 }
 
+/* Keep our pipes off 0..2 even if the caller runs with them closed. */
+static int pipe_hi(int p[2])
+{
+    if (pipe2(p, O_CLOEXEC) < 0)
+        return -errno;
+    return above_stdio(p);
+}
+
 /* --userns-root: err is a SOCK_SEQPACKET pair instead of a pipe (the same
  * messages, the same EOF at exec), with SO_PASSCRED on the starter's end: the
  * request for the maps then carries the pid of the process that asks, in the
@@ -1434,19 +1440,12 @@ static int pipe_hi(int p[2])
 static int socket_hi(int p[2])
 {
     int one = 1;
+    int r;
+
     if (socketpair(AF_UNIX, SOCK_SEQPACKET | SOCK_CLOEXEC, 0, p) < 0)
         return -errno;
-    for (int i = 0; i < 2; i++)
-        if (p[i] < 3) {
-            int n = fcntl(p[i], F_DUPFD_CLOEXEC, 3);
-            if (n < 0) {
-                int e = errno;
-                close_pair(p);
-                return -e;
-            }
-            close(p[i]);
-            p[i] = n;
-        }
+    if ((r = above_stdio(p)) < 0)
+        return r;
     if (setsockopt(p[0], SOL_SOCKET, SO_PASSCRED, &one, sizeof one) < 0) {
         int e = errno;
         close_pair(p);

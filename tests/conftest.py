@@ -123,6 +123,31 @@ def caller_argv(*args, keep_env=False):
     return ["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "env", *unset, STARTER, *args]
 
 
+def spawn_output(argv, **spec):
+    """ns.spawn of argv as nobody (ChildSpec keywords in `spec`); -> (wait
+    status, all it wrote on stdout).  In-process: for tests of the shim's
+    paths that the CLI cannot switch (the kernel-fallback toggles)."""
+    from starter import ns
+
+    spec.setdefault("uid", UID)
+    spec.setdefault("gid", GID)
+    r, w = os.pipe()
+    try:
+        child = ns.spawn(ns.ChildSpec(list(argv), {"PATH": "/usr/bin:/bin"}, stdio=(None, w, None), **spec))
+    finally:
+        os.close(w)
+    try:
+        with child:
+            child.release()
+            child.wait_started()
+            out = b""
+            while chunk := os.read(r, 65536):
+                out += chunk
+            return child.wait(), out
+    finally:
+        os.close(r)
+
+
 # Under software emulation (scripts/vm-test runs qemu TCG, ~7x slower) time
 # bounds that state a promise ("dead within a second") stretch by this much.
 SLOWDOWN = 7.0 if os.environ.get("STARTER_VM") else 1.0

@@ -188,24 +188,10 @@ def kernel(request):
 
 
 def _spawn(mounts, script):
-    from starter import ns
+    from conftest import spawn_output
 
-    r, w = os.pipe()
-    try:
-        child = ns.spawn(ns.ChildSpec(["/bin/sh", "-c", script], {"PATH": "/usr/bin:/bin"},
-                                      uid=NOBODY, gid=NOBODY, mounts=mounts, stdio=(None, w, None)))
-    finally:
-        os.close(w)
-    try:
-        with child:
-            child.release()
-            child.wait_started()
-            out = b""
-            while chunk := os.read(r, 65536):
-                out += chunk
-            return child.wait(), out.decode()
-    finally:
-        os.close(r)
+    status, out = spawn_output(["/bin/sh", "-c", script], uid=NOBODY, gid=NOBODY, mounts=mounts)
+    return status, out.decode()
 
 
 def test_every_kernel_path_mounts_onto_the_walked_destination(kernel, home, src):

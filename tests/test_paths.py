@@ -206,22 +206,9 @@ def no_open_tree():
 
 
 def _spawn_cat(mounts, path):
-    from starter import ns
+    from conftest import spawn_output
 
-    r, w = os.pipe()
-    try:
-        child = ns.spawn(ns.ChildSpec(["cat", path], {"PATH": "/usr/bin:/bin"}, uid=65534, gid=65534,
-                                      mounts=mounts, stdio=(None, w, None)))
-    finally:
-        os.close(w)
-    try:
-        with child:
-            child.release()
-            child.wait_started()
-            out = os.read(r, 4096)
-            return child.wait(), out
-    finally:
-        os.close(r)
+    return spawn_output(["cat", path], mounts=mounts)
 
 
 def test_bind_by_path_fallback_mounts_the_resolved_source(tmp_path, no_open_tree):

@@ -486,22 +486,9 @@ def test_userns_root_child_never_makes_itself_dumpable(tmp_path, who, init):
 
 
 def _spawn_userns(init):
-    from starter import ns
+    from conftest import spawn_output
 
-    r, w = os.pipe()
-    try:
-        child = ns.spawn(ns.ChildSpec(["id", "-u"], {"PATH": "/usr/bin:/bin"}, uid=65534, gid=65534,
-                                      userns_root=True, init=init, stdio=(None, w, None)))
-    finally:
-        os.close(w)
-    try:
-        with child:
-            child.release()
-            child.wait_started()
-            out = os.read(r, 100)
-            return child.wait(), out
-    finally:
-        os.close(r)
+    return spawn_output(["id", "-u"], userns_root=True, init=init)
 
 
 @pytest.mark.parametrize("init", [False, True], ids=["no-init", "init"])
