@@ -18,7 +18,7 @@ from starter import state as S  # noqa: E402
 from starter.net import ipam  # noqa: E402
 from test_run_nat import POOL  # noqa: E402
 
-TEARDOWN_STEPS = ("net", "child", "cgroup", "scratch", "resolv", "entry")
+TEARDOWN_STEPS = ("net", "child", "cgroup", "scratch", "resolv", "entry", "uid")
 
 
 @pytest.fixture(scope="module")
@@ -27,10 +27,15 @@ def site():
         yield s
 
 
+def _user(fault):
+    """The steps of a transient uid's lease need a job without --user."""
+    return [] if "uid" in fault else ["--user", "nobody"]
+
+
 def _run(site, state_dir, ex, job_id, fault, cmd=("true",)):
     env = dict(os.environ, STARTER_FAULT=fault, STARTER_STATE_DIR=state_dir)
     return subprocess.run(
-        [STARTER, "run", "--id", job_id, "--user", "nobody", "--net", "nat", "--pool", POOL,
+        [STARTER, "run", "--id", job_id, *_user(fault), "--net", "nat", "--pool", POOL,
          "--lan", site.lan_cidr, "--uplink", site.uplink, "--execute-dir", str(ex), "--memory", "256M",
          "--pids", "100", "--", *cmd],
         env=env, capture_output=True, text=True, timeout=120)
@@ -43,6 +48,9 @@ def _left(state_dir, ex, job_id):
     for root, _, files in os.walk(state_dir):
         left += [os.path.join(root, f) for f in files if f.startswith(job_id + ".") or f.endswith(".tmp")
                  or f.startswith(key)]
+    uids = os.path.join(state_dir, "uids")
+    if os.path.isdir(uids):
+        left += [f"uid lease {n}" for n in os.listdir(uids) if os.readlink(os.path.join(uids, n)) == job_id]
     slots = os.path.join(state_dir, "net", "slots")
     if os.path.isdir(slots):
         left += [f"slot {n}" for n in os.listdir(slots) if os.readlink(os.path.join(slots, n)) == key]
@@ -85,7 +93,8 @@ def test_a_failed_teardown_step_keeps_the_entry_until_gc_succeeds(site, state_di
     assert st["state"] == "reclaiming" and any("planted fault" in h for h in st["held"]), st
     assert not S.is_live(state_dir, job_id)
     ps = subprocess.run([STARTER, "ps", "--state-dir", state_dir], capture_output=True, text=True).stdout
-    assert any(l.split()[:3] == [job_id, "nobody", "reclaiming"] for l in ps.splitlines()), ps
+    user = st["user"] if step == "uid" else "nobody"
+    assert any(l.split()[:3] == [job_id, user, "reclaiming"] for l in ps.splitlines()), ps
     g = subprocess.run([STARTER, "gc", "--state-dir", state_dir], capture_output=True, text=True, timeout=120)
     assert g.returncode == 0 and f"job {job_id}: state entry removed" in g.stdout, (g.stdout, g.stderr)
     assert _left(state_dir, ex, job_id) == [], g.stdout

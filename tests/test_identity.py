@@ -147,21 +147,28 @@ def test_many_default_jobs_never_share_a_uid(policy, state_dir):
         for p in running:
             p.kill()
             p.wait()
+        if running:             # a failed run: what the killed starters held
+            subprocess.run([STARTER, "gc"], capture_output=True, timeout=120)
         shutil.rmtree(reports, ignore_errors=True)
 
 
 def test_kill9_of_every_starter_then_gc_frees_every_uid(policy, state_dir):
     _range(policy, 200)
+    before = set(os.listdir(os.path.join(state_dir, "uids"))) if os.path.isdir(os.path.join(state_dir, "uids")) \
+        else set()
     procs = [subprocess.Popen([STARTER, "run", "--", "sh", "-c", "echo up; sleep 300"], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(50)]
-    for p in procs:
-        assert p.stdout.readline().strip() == "up"
-    leased = {int(n) for n in os.listdir(os.path.join(state_dir, "uids"))}
-    assert len(leased) == 50
-    for p in procs:
-        p.kill()
-    for p in procs:
-        p.wait()
+    try:
+        for p in procs:
+            assert p.stdout.readline().strip() == "up"
+        leased = {int(n) for n in set(os.listdir(os.path.join(state_dir, "uids"))) - before}
+        assert len(leased) == 50
+    finally:
+        for p in procs:
+            p.kill()
+        for p in procs:
+            p.wait()
+            p.stdout.close()
     r = subprocess.run([STARTER, "gc"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.stdout, r.stderr)
     assert not os.listdir(os.path.join(state_dir, "uids")), r.stdout
