@@ -88,10 +88,12 @@ def start(timeout=None):
     return _guard
 
 
-def region(what):
+def region(what, ran=None):
     """`with region("bind source /x"):` around a call that may wait on a
-    path; a no-op outside `starter run`."""
-    return _guard(what) if _guard is not None and not _guard.running else _NOOP
+    path; a no-op outside `starter run`.  ran: a callable that says, without
+    blocking, whether the job already runs (ns.Child.exec_probe): a signal
+    that comes then is the job's (passed on at finish()), not a failure."""
+    return _guard(what, ran) if _guard is not None and not _guard.running else _NOOP
 
 
 def check():
@@ -141,21 +143,25 @@ class _Guard:
         self.running = False     # the job runs
         self.current = None      # what main waits on, inside a region
         self.depth = 0
-        self.pending = None      # the signal that set `failing`
+        self.pending = None      # the signal that set `failing`, or one for the job (ran)
+        self._later = []         # more of those
         self.pipe_w = None
         self.end = None
         self._what = None
+        self._ran = None
+        self.ran = None          # main's region's probe: has the job exec'd?
         _signal.pthread_sigmask(_signal.SIG_BLOCK, ENDING)
         _thread.start_new_thread(self._watch, ())
 
     # -- main thread
 
-    def __call__(self, what):
-        self._what = what
+    def __call__(self, what, ran=None):
+        self._what, self._ran = what, ran
         return self
 
     def __enter__(self):
         what, self._what = self._what, None
+        ran, self._ran = self._ran, None
         with self.lock:
             if self.owner == "watchdog":
                 self._wait_for_exit()
@@ -164,14 +170,14 @@ class _Guard:
                 raise SetupFailed(self.failing)
             self.depth += 1
             if self.depth == 1:
-                self.current = what
+                self.current, self.ran = what, ran
         return self
 
     def __exit__(self, *exc):
         with self.lock:
             self.depth -= 1
             if self.depth == 0:
-                self.current = None
+                self.current = self.ran = None
             if self.owner == "watchdog":
                 self._wait_for_exit()
             if self.failing is not None and self.owner is None and exc[0] is None:
@@ -200,10 +206,11 @@ class _Guard:
             self.running = True
             self.pipe_w = pipe_w
             sig, self.pending, self.failing = self.pending, None, None
+            later, self._later = self._later, []
         # Too late to fail the start: the job runs.  A signal that came
         # meanwhile is a control signal like any other (a vacate).
-        if sig is not None:
-            self._forward(sig)
+        for s in ([sig] if sig is not None else []) + later:
+            self._forward(s)
         _signal.pthread_sigmask(_signal.SIG_UNBLOCK, ENDING)
 
     def _wait_for_exit(self):
@@ -227,6 +234,14 @@ class _Guard:
                     continue
                 if self.owner is not None:
                     return               # main unwinds (its signals stay blocked: ignored)
+                if info is not None and self.ran is not None and self.ran():
+                    # The job has exec'd; main is about to see it: the signal is
+                    # the job's (a vacate ...), passed on at finish().
+                    if self.pending is None:
+                        self.pending = info.si_signo
+                    else:
+                        self._later.append(info.si_signo)
+                    continue
                 if self.failing is None:
                     if info is None:
                         self.failing = (f"{self.current}: no answer within {self.timeout:g} s (a hung NFS or "

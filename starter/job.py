@@ -385,13 +385,19 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     fault("release")
     # While the job execs: the files its end reads, opened now (not after it).
     cg.keep_open()
+    probe = child.exec_probe()
     try:
-        # The child's chdir and exec may wait on a path too.
-        with deadline.region(f"the job's working directory {cwd or '(default)'} or command {argv[0]}"):
+        # The child's chdir and exec may wait on a path too.  A signal that
+        # comes once it has exec'd (the job may run, and print, before we
+        # see it) is the job's: a vacate, not a failed start (the probe).
+        with deadline.region(f"the job's working directory {cwd or '(default)'} or command {argv[0]}", probe):
             child.wait_started()
     except StarterError as e:
         report.update(error=str(e), exit_code=e.exit_code)
         raise
+    finally:
+        if probe is not None:
+            probe.close()
     deadline.finish(signals.w)   # the job runs: signals are the supervisor's now
     trace.mark("exec")
     # The job runs: only now is its scratch what --keep-scratch keeps (a

@@ -178,6 +178,14 @@ class Child:
         self._sync = -1
         self._started = True
 
+    def exec_probe(self):
+        """A callable that says, without blocking or reading, whether the
+        child has exec'd: its end of err closed with nothing left to read
+        (for setup's watchdog, deadline.py, while wait_started() blocks; it
+        holds a dup of err, so main may close its own meanwhile).  The
+        caller closes the probe (probe.close())."""
+        return _ExecProbe(os.dup(self._err)) if self._err >= 0 else None
+
     def _serve_userns(self):
         """--userns-root: the job's process asks for its user namespace's
         maps (a report with exit code 0 on err, a SOCK_SEQPACKET socket with
@@ -619,6 +627,34 @@ def _strv(field, items, keep):
 
 
 # ---- parent-side helpers ----------------------------------------------------
+
+class _ExecProbe:
+    __slots__ = ("fd",)
+    _FIONREAD = 0x541B
+
+    def __init__(self, fd):
+        self.fd = fd
+
+    def __call__(self):
+        import fcntl
+        import select
+
+        try:
+            p = select.poll()
+            p.register(self.fd, select.POLLIN)
+            events = p.poll(0)
+            if not events or not events[0][1] & select.POLLHUP:
+                return False            # the child still holds its end
+            left = struct.unpack("i", fcntl.ioctl(self.fd, self._FIONREAD, b"\0\0\0\0"))[0]
+            return left == 0            # closed at exec, no failure report
+        except OSError:
+            return False
+
+    def close(self):
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
 
 def _read_report(fd):
     """The child's failure report, or b"" at EOF (execve succeeded)."""

@@ -185,3 +185,18 @@ def test_a_callers_signal_or_death_during_setup_ends_the_start(sig, hung_fuse, p
     while (any(process_alive(r) for r in root) or entries()) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not any(process_alive(r) for r in root) and not entries()
+
+
+def test_a_signal_right_after_exec_is_the_jobs():
+    """The job can run, and print, before its starter has seen the exec: a
+    SIGTERM sent on the job's first line is a vacate of the running job (its
+    trap's code), never a failed start (125).  30 times, each as early as
+    the test can."""
+    for _ in range(30):
+        p = subprocess.Popen([STARTER, "run", "--user", "nobody", "--", "sh", "-c",
+                              "trap 'exit 42' TERM; echo up; while :; do sleep 0.01; done"],
+                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert p.stdout.readline() == "up\n"
+        p.send_signal(signal.SIGTERM)
+        out, err = p.communicate(timeout=30)
+        assert p.returncode == 42, err
