@@ -254,6 +254,29 @@ def rlimit_table(overrides=()):
     return tuple(table)
 
 
+# What common runtimes read for their thread pools' size (OpenMP, the BLAS
+# libraries, numexpr, numba, Julia, Go, Python 3.13's os.cpu_count()): set
+# for a job limited to some CPUs (--cpus, --cpuset), unless its --env sets
+# them.  Without them a job that sees 64 CPUs starts 64 threads on 2 CPUs' worth
+# of quota.  The list is docs/reference.md's ("Thread-count variables").
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS",
+               "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS",
+               "JULIA_NUM_THREADS", "GOMAXPROCS", "PYTHON_CPU_COUNT")
+
+
+def thread_count(cpus, cpuset):
+    """The value of THREAD_VARS: ceil(--cpus), the number of CPUs in
+    --cpuset, the smaller of the two when both are given; None: neither."""
+    counts = []
+    if cpus is not None:
+        import math         # built in; cgroups.base has it loaded already
+
+        counts.append(max(1, math.ceil(cpus)))
+    if cpuset is not None:
+        counts.append(len(cpuset))
+    return min(counts) if counts else None
+
+
 IO_KEYS = ("rbps", "wbps", "riops", "wiops")   # as cgroups.base.IO_KEYS (not imported: the run path)
 MAX_IOPS = 1 << 40
 
@@ -494,7 +517,6 @@ def _make(raw, caller=None):
     env = {"PATH": DEFAULT_PATH, "HOME": home or "/"}
     if uname:
         env["USER"] = env["LOGNAME"] = uname
-    env.update(given_env)
 
     mounts = [parse_mount(kind, kind, item) for kind, item in raw.get("mounts", [])]
 
@@ -512,6 +534,10 @@ def _make(raw, caller=None):
         mems=V.id_list("mems", raw["mems"], "NUMA node") if raw.get("mems") is not None else None,
         io_max=_io_max(raw.get("io-max")),
     )
+    threads = thread_count(limits.cpus, limits.cpuset)
+    if threads is not None:
+        env.update(dict.fromkeys(THREAD_VARS, str(threads)))
+    env.update(given_env)           # the job's own word wins
 
     mode = V.string("net", raw.get("net", "none"))
     if mode not in NET_MODES:

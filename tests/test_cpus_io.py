@@ -41,16 +41,18 @@ def cpus():
 def test_cpuset_is_all_the_job_sees(starter):
     last = cpus()[-1]
     got = show(starter, "--cpuset", str(last))
-    assert got["nproc"] == 1 and got["affinity"] == [last], got
     # The shim resets the job's affinity to every CPU: the cpuset bounds it.
+    assert got["nproc"] == 1 and got["affinity"] == [last], got
+    assert got["env"] == dict.fromkeys(THREAD_VARS, "1"), got
 
 
-def test_cpuset_of_two(starter):
+def test_cpuset_of_two_and_its_thread_count(starter):
     if len(cpus()) < 2:
         pytest.skip("needs two CPUs")
     pick = cpus()[:2]
     got = show(starter, "--cpuset", ",".join(map(str, pick)), "--cpus", "1.5")
     assert got["nproc"] == 2 and got["affinity"] == pick, got
+    assert set(got["env"].values()) == {"2"}, got          # ceil(1.5) = 2 = the set's size
 
 
 def test_cpuset_outside_the_parent_is_refused_in_one_line(starter):
@@ -73,6 +75,7 @@ def test_mems(starter):
         node = f.read().strip().replace("-", ",").split(",")[0]
     got = show(starter, "--mems", node)
     assert got["mems"] == node and got["affinity"] == cpus(), got
+    assert got["env"] == dict.fromkeys(THREAD_VARS), got    # no CPU limit: no variables
 
 
 def test_job_file_keys(starter, tmp_path):
@@ -91,10 +94,21 @@ def test_a_caller_binds_its_job_within_its_own_cpus(policy, home):
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stderr
     got = json.loads(p.stdout)
-    assert got["affinity"] == [last], got
+    assert got["affinity"] == [last] and got["env"]["OMP_NUM_THREADS"] == "1", got
     p = subprocess.run(caller_argv("run", "--cpuset", "8191", "--", "true"), cwd=home,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 125 and "8191 is not among the CPUs" in p.stderr, p.stderr
+
+
+# ---------------------------------------------------------------- thread-count variables
+
+def test_thread_variables_follow_cpus_unless_the_job_sets_them(starter):
+    got = show(starter, "--cpus", "2.5", "--env", "OMP_NUM_THREADS=7", "--env", "GOMAXPROCS=")
+    want = dict.fromkeys(THREAD_VARS, "3")
+    want.update(OMP_NUM_THREADS="7", GOMAXPROCS="")
+    assert got["env"] == want, got
+    assert show(starter, "--cpus", "0.5")["env"] == dict.fromkeys(THREAD_VARS, "1")
+    assert show(starter)["env"] == dict.fromkeys(THREAD_VARS)
 
 
 # ---------------------------------------------------------------- --io-max
