@@ -193,3 +193,16 @@ def test_io_max_refusals(starter, value, message):
     p = starter("run", "--io-max", value, "--", "true")
     assert p.returncode == 125 and len(p.stderr.splitlines()) == 1, p.stderr
     assert p.stderr.startswith("starter: io-max") and message in p.stderr, p.stderr
+
+
+def test_a_crashed_bound_job_is_reclaimed_in_every_hierarchy(starter, state_dir):
+    """A starter killed while its bound job runs leaves the job's cgroups,
+    the cpuset hierarchy's too (v1 layouts); gc removes every one."""
+    p = starter("run", "--id", "cpuset-crash", "--cpuset", str(cpus()[-1]), "--", "sleep", "30",
+                env=dict(os.environ, STARTER_FAULT="running"))
+    assert p.returncode == -9, p.stderr            # the starter's own SIGKILL
+    with open(os.path.join(state_dir, "cpuset-crash.json")) as f:
+        paths = json.load(f)["cgroup"]
+    assert all(os.path.isdir(d) for d in paths.values()), paths
+    starter("gc", check=0)
+    assert not any(os.path.exists(d) for d in paths.values()), paths
