@@ -345,8 +345,11 @@ def test_caller_cgroup_must_be_roots(policy, home):
     could move the job's processes out of the job's cgroup."""
     from starter.cgroups import files
     layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
-    m = layout.unified or next(iter(layout.v1.values()))
-    own = layout.own.get("unified" if layout.unified else next(iter(layout.v1)))
+    # On v1 the memory hierarchy: the first one, cpuset, takes no task into a
+    # new cgroup until its CPUs and nodes are set (ENOSPC).
+    role = "unified" if layout.unified else "memory"
+    m = layout.unified or layout.v1[role]
+    own = layout.own.get(role)
     d = os.path.join(m.mount_point, own.lstrip("/"), f"starter-caller-{os.getpid()}")
     os.mkdir(d)
     try:
