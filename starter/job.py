@@ -164,6 +164,8 @@ def run(spec, caller=None, policy=None):
         # The job's cgroup paths go into the entry's first write, before the
         # cgroup exists, so a crash at any point leaves gc a record of them.
         backend = cgroups.open_backend(spec.cgroup_parent)
+        if spec.limits.cpuset is not None or spec.limits.mems is not None:
+            backend.add_cpuset()    # v1 layouts: the cpuset hierarchy too, for this job only
         if spec.delegate:   # refused before anything of the job exists
             backend.check_delegation()
         count_lock = None
@@ -318,7 +320,8 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         undo.push(_net_teardown, spec.id, netcfg, report, net_end, label="net")
     cg = backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
         memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
-        cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids))
+        cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids,
+        cpuset=spec.limits.cpuset, mems=spec.limits.mems, io_max=spec.limits.io_max))
     undo.push(cg.destroy, label="cgroup")
     fault("cgroup-create")
     oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None

@@ -221,6 +221,11 @@ def job_cgroup(st, job_id, backends=None):
         backend = copy.copy(backend)       # its parents become this job's below
     except StarterError as e:
         raise refuse(str(e)) from None
+    if "cpuset" in paths and "cpuset" not in backend.roles():
+        try:
+            backend.add_cpuset()        # a job bound to CPUs (v1 layouts)
+        except StarterError as e:
+            raise refuse(str(e)) from None
     if set(paths) != set(backend.roles()):
         raise refuse(f"roles {sorted(paths)} are not this host's {sorted(backend.roles())}")
     for role, p in paths.items():

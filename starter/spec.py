@@ -77,8 +77,8 @@ class Spec:
 class Limits(Spec):
     """Resource limits.  None means "not limited by the starter"."""
 
-    __slots__ = ("memory", "cpus", "cpu_weight", "pids", "wall_time")
-    DEFAULTS = {}
+    __slots__ = ("memory", "cpus", "cpu_weight", "pids", "wall_time", "cpuset", "mems", "io_max")
+    DEFAULTS = {"io_max": ()}
 
 
 class Network(Spec):
@@ -254,6 +254,62 @@ def rlimit_table(overrides=()):
     return tuple(table)
 
 
+# What common runtimes read for their thread pools' size (OpenMP, the BLAS
+# libraries, numexpr, numba, Julia, Go, Python 3.13's os.cpu_count()): set
+# for a job limited to some CPUs (--cpus, --cpuset), unless its --env sets
+# them.  Without them a job that sees 64 CPUs starts 64 threads on 2 CPUs' worth
+# of quota.  The list is docs/reference.md's ("Thread-count variables").
+THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS",
+               "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS",
+               "JULIA_NUM_THREADS", "GOMAXPROCS", "PYTHON_CPU_COUNT")
+
+
+def thread_count(cpus, cpuset):
+    """The value of THREAD_VARS: ceil(--cpus), the number of CPUs in
+    --cpuset, the smaller of the two when both are given; None: neither."""
+    counts = []
+    if cpus is not None:
+        import math         # built in; cgroups.base has it loaded already
+
+        counts.append(max(1, math.ceil(cpus)))
+    if cpuset is not None:
+        counts.append(len(cpuset))
+    return min(counts) if counts else None
+
+
+IO_KEYS = ("rbps", "wbps", "riops", "wiops")   # as cgroups.base.IO_KEYS (not imported: the run path)
+MAX_IOPS = 1 << 40
+
+
+def parse_io_max(field, item):
+    """DEVICE:KEY=VALUE[,KEY=VALUE...] (KEY rbps, wbps: bytes/s, a size like
+    10M; riops, wiops: operations/s) -> (path, major, minor, rbps, wbps,
+    riops, wiops).  The device is a block device node, looked up by stat()
+    (links followed: /dev/disk/by-id/... names are links); the path may
+    hold ':' (by-path names do), the limits never do."""
+    import stat
+
+    item = V.string(field, item)
+    dev, sep, rest = item.rpartition(":")
+    if not sep or not dev or not rest:
+        raise SpecError(field, f"{V.show(item)} must be DEVICE:KEY=VALUE[,KEY=VALUE...] "
+                        f"(KEY one of {', '.join(IO_KEYS)}), e.g. /dev/sda:rbps=10M,wiops=100")
+    rates = dict.fromkeys(IO_KEYS)
+    for pair in rest.split(","):
+        k, eq, v = pair.strip().partition("=")
+        if not eq or k not in rates:
+            raise SpecError(field, f"{V.show(item)}: {V.show(pair)} must be KEY=VALUE, KEY one of {', '.join(IO_KEYS)}")
+        rates[k] = V.size(f"{field} {k}", v) if k.endswith("bps") else V.number(f"{field} {k}", v, 1, MAX_IOPS, integer=True)
+    dev = V.path(field, dev)
+    try:
+        st = os.stat(dev)
+    except OSError as e:
+        raise SpecError(field, f"{V.show(dev)}: {e.strerror}") from None
+    if not stat.S_ISBLK(st.st_mode):
+        raise SpecError(field, f"{V.show(dev)} is not a block device", "name a disk's device node, e.g. /dev/sda")
+    return (dev, os.major(st.st_rdev), os.minor(st.st_rdev), *rates.values())
+
+
 def parse_host_port(field, value):
     proto, sep, port = V.string(field, value).partition(":")
     if not sep or proto not in ("tcp", "udp"):
@@ -324,7 +380,7 @@ def build(cli, job_file=None, policy=None, caller=None):
     decides what it may ask for, and the job runs as the caller."""
     raw = dict(_flatten_file(job_file)) if job_file else {}
     for k, v in cli.items():
-        if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit") and k in raw:
+        if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit", "io-max") and k in raw:
             if not isinstance(raw[k], list):    # as the file gives it alone, checked there
                 raise SpecError(k, f"must be a list in the job file, got {type(raw[k]).__name__}")
             raw[k] = raw[k] + list(v)             # repeatable: file first, then flags
@@ -350,7 +406,8 @@ _FILE_KEYS = {
     "oom_policy": "oom-policy", "delegate": "delegate",
 }
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
-               "pids": "pids", "wall_time": "wall-time"}
+               "pids": "pids", "wall_time": "wall-time", "cpuset": "cpuset", "mems": "mems",
+               "io_max": "io-max"}
 _NET_KEYS = {"mode": "net", "lan": "lan", "pool": "pool", "uplink": "uplink",
              "allow_host_ports": "allow-host-port", "resolver": "resolver",
              "ipv6": "ipv6", "pool6": "pool6"}
@@ -472,7 +529,6 @@ def _make(raw, caller=None):
     env = {"PATH": DEFAULT_PATH, "HOME": home or "/"}
     if uname:
         env["USER"] = env["LOGNAME"] = uname
-    env.update(given_env)
 
     mounts = [parse_mount(kind, kind, item) for kind, item in raw.get("mounts", [])]
 
@@ -486,7 +542,14 @@ def _make(raw, caller=None):
         cpu_weight=V.number("cpu-weight", raw["cpu-weight"], 1, 10000, integer=True) if raw.get("cpu-weight") is not None else None,
         pids=V.number("pids", raw["pids"], 1, MAX_PIDS, integer=True) if raw.get("pids") is not None else None,
         wall_time=V.duration("wall-time", raw["wall-time"], 0.001, MAX_WALL) if raw.get("wall-time") is not None else None,
+        cpuset=V.id_list("cpuset", raw["cpuset"]) if raw.get("cpuset") is not None else None,
+        mems=V.id_list("mems", raw["mems"], "NUMA node") if raw.get("mems") is not None else None,
+        io_max=_io_max(raw.get("io-max")),
     )
+    threads = thread_count(limits.cpus, limits.cpuset)
+    if threads is not None:
+        env.update(dict.fromkeys(THREAD_VARS, str(threads)))
+    env.update(given_env)           # the job's own word wins
 
     mode = V.string("net", raw.get("net", "none"))
     if mode not in NET_MODES:
@@ -594,6 +657,18 @@ def _make(raw, caller=None):
         kill_timeout=V.number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
                                   0.1, MAX_GRACE),
     )
+
+
+def _io_max(items):
+    """--io-max items (repeatable) -> ((major, minor, rbps, wbps, riops,
+    wiops), ...), one per device: a later item's keys override an earlier
+    one's for the same device."""
+    by_dev = {}
+    for item in _list("io-max", items or []):
+        _, maj, mn, *rates = parse_io_max("io-max", item)
+        old = by_dev.get((maj, mn), [None] * len(rates))
+        by_dev[(maj, mn)] = [r if r is not None else o for r, o in zip(rates, old)]
+    return tuple((maj, mn, *rates) for (maj, mn), rates in by_dev.items())
 
 
 def _seccomp_choice(value):

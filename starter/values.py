@@ -29,6 +29,8 @@ The rules:
     CIDR, IP        inet_pton's addresses; a network is strict (no host
                     bits), with a prefix length or an IPv4 netmask; ASCII
     SHA-256 digest  64 hex digits, optionally "sha256:" first
+    CPU/node list   the kernel's list format (0,2-3): ASCII digits, ',' and
+                    '-', ranges low-high, ids below 8192 (cpuset.cpus/mems)
 
 Python's str.isdigit(), int() and float() accept non-ASCII digits ('²', '١'):
 every numeric check here requires ASCII first.
@@ -46,6 +48,7 @@ MAX_IFNAME = 15
 MAX_HOSTNAME = 64
 MAX_NUMERIC_ID = 2**32 - 2
 MAX_SIZE = 1 << 50            # 1 PiB: anything above is a typo
+MAX_CPU_ID = 8191             # NR_CPUS of the largest x86_64/arm64 configs
 
 _ALNUM = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 NAME_CHARS = frozenset(_ALNUM + "_.-")
@@ -356,3 +359,36 @@ def rlimit_value(field, name, text):
     if len(num) > 20 or int(num) * _SIZE_UNITS[unit] >= RLIM_INFINITY:
         raise SpecError(field, f"{name}: {show(text)} is too large (use 'unlimited')")
     return int(num) * _SIZE_UNITS[unit]
+
+
+def id_list(field, value, what="CPU"):
+    """The kernel's list format ("0,2-3", as cpuset.cpus reads) -> a sorted
+    tuple of distinct ids.  An int is one id.  Empty is refused: a cpuset
+    with no CPU runs nothing."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        value = str(value)
+    s = string(field, value).strip()
+    ids = set()
+    for part in s.split(","):
+        lo, dash, hi = part.strip().partition("-")
+        if not lo or (dash and not hi) or not (lo + hi).isascii() or not (lo + hi).isdigit() \
+                or len(lo) > 5 or len(hi) > 5:
+            raise SpecError(field, f"{show(value)} is not a {what} list like 0,2-3")
+        a, b = int(lo), int(hi) if dash else int(lo)
+        if a > b or b > MAX_CPU_ID:
+            raise SpecError(field, f"{show(value)}: {part.strip()} is not a range of {what} ids (0..{MAX_CPU_ID})")
+        ids.update(range(a, b + 1))
+    return tuple(sorted(ids))
+
+
+def format_id_list(ids):
+    """(0, 2, 3) -> "0,2-3" (what cpuset.cpus takes and shows)."""
+    out, ids = [], sorted(ids)
+    i = 0
+    while i < len(ids):
+        j = i
+        while j + 1 < len(ids) and ids[j + 1] == ids[j] + 1:
+            j += 1
+        out.append(str(ids[i]) if i == j else f"{ids[i]}-{ids[j]}")
+        i = j + 1
+    return ",".join(out)

@@ -30,6 +30,9 @@ DENIED = {
     # the same through the i386 (int 0x80) and x32 ABIs
     "i386_keyctl": errno.EPERM, "i386_unshare_newuser": errno.EPERM, "i386_bpf": errno.EPERM,
     "x32_keyctl": errno.EPERM, "x32_unshare_newuser": errno.EPERM,
+    # io_uring: as on a kernel without it, so programs fall back
+    "io_uring_setup": errno.ENOSYS, "io_uring_enter": errno.ENOSYS, "io_uring_register": errno.ENOSYS,
+    "i386_io_uring_setup": errno.ENOSYS, "x32_io_uring_setup": errno.ENOSYS,
 }
 KEPT = ("fork", "thread", "ptrace", "perf_event_open", "unshare_newnet")
 USERS = ("nobody", "root")
@@ -91,6 +94,35 @@ def test_every_rule_is_the_filter_not_the_kernel(starter, probe_dir, tmp_path):
     got = probe(starter, probe_dir, "--seccomp", str(path))
     expect = {n: 223 if e == errno.ENOSYS else 222 for n, e in DENIED.items()}
     assert {n: got.get(n) for n in expect} == expect
+
+
+IO_URING_SETUP = ("import ctypes, os\n"
+                  "libc = ctypes.CDLL(None, use_errno=True)\n"
+                  "params = ctypes.create_string_buffer(120)\n"
+                  "fd = libc.syscall(425, 1, params)\n"
+                  "print(fd if fd >= 0 else -ctypes.get_errno())\n")
+
+
+def test_io_uring_is_refused_with_enosys_unless_a_profile_allows_it(starter, tmp_path):
+    """A program's own io_uring_setup (here through ctypes) gets ENOSYS, as
+    on a kernel without io_uring, and falls back; a site's profile without
+    the rule lets it through where the kernel has io_uring on."""
+    p = starter("run", "--", "/usr/bin/python3", "-c", IO_URING_SETUP, check=0)
+    assert int(p.stdout) == -errno.ENOSYS
+    prof = json.loads(open(DEFAULT).read())
+    prof["syscalls"] = [r for r in prof["syscalls"] if "io_uring_setup" not in r["names"]]
+    path = tmp_path / "io_uring.json"
+    path.write_text(json.dumps(prof))
+    p = starter("run", "--seccomp", str(path), "--", "/usr/bin/python3", "-c", IO_URING_SETUP, check=0)
+    try:
+        with open("/proc/sys/kernel/io_uring_disabled") as f:
+            disabled = int(f.read())
+    except OSError:
+        disabled = 0
+    if disabled:
+        assert int(p.stdout) == -errno.EPERM    # the kernel's own refusal (io_uring_disabled)
+    else:
+        assert int(p.stdout) >= 0, p.stdout
 
 
 @pytest.mark.parametrize("user", USERS)

@@ -62,9 +62,14 @@ class Limits(files._Record):
     cpu_weight    relative share under contention, 1..10000 (cgroup v2 scale,
                   default 100; mapped to v1 cpu.shares, 100 -> 1024).
     pids          most tasks (processes + threads) alive at once.
+    cpuset, mems  the CPUs / NUMA nodes the job may use (sorted tuples of
+                  ids; cpuset.cpus / cpuset.mems); within the parent's.
+    io_max        ((major, minor, rbps, wbps, riops, wiops), ...): bytes and
+                  operations per second per block device, None = no limit
+                  (v2 io.max, v1 blkio.throttle.*_device).
     """
 
-    __slots__ = ("memory_bytes", "cpus", "cpu_weight", "pids")
+    __slots__ = ("memory_bytes", "cpus", "cpu_weight", "pids", "cpuset", "mems", "io_max")
 
     def validate(self):
         def _int(name, v, lo, hi):
@@ -86,10 +91,48 @@ class Limits(files._Record):
                 raise SpecError("limits.cpus", f"{c} is below the kernel's minimum of 0.01 cores")
             if c > 1_000_000:
                 raise SpecError("limits.cpus", f"{c} cores is not a plausible limit")
+        for name in ("cpuset", "mems"):
+            v = getattr(self, name)
+            if v is not None and (not isinstance(v, tuple) or not v
+                                  or any(type(i) is not int or not 0 <= i <= values.MAX_CPU_ID for i in v)):
+                raise SpecError(f"limits.{name}", f"must be a non-empty tuple of ids, not {v!r}")
+        for dev in self.io_max or ():
+            if (not isinstance(dev, tuple) or len(dev) != 2 + len(IO_KEYS)
+                    or any(type(x) is not int or x < 0 for x in dev[:2])
+                    or any(x is not None and (type(x) is not int or x < 1) for x in dev[2:])):
+                raise SpecError("limits.io_max", f"must be (major, minor, {', '.join(IO_KEYS)}), not {dev!r}")
         return self
 
     def empty(self):
-        return all(v is None for v in (self.memory_bytes, self.cpus, self.cpu_weight, self.pids))
+        return all(v is None for v in (self.memory_bytes, self.cpus, self.cpu_weight, self.pids,
+                                       self.cpuset, self.mems)) and not self.io_max
+
+
+# io.max keys, in the order of Limits.io_max's per-device tuples; the v1
+# blkio throttle file of each.
+IO_KEYS = ("rbps", "wbps", "riops", "wiops")
+IO_V1_FILES = ("blkio.throttle.read_bps_device", "blkio.throttle.write_bps_device",
+               "blkio.throttle.read_iops_device", "blkio.throttle.write_iops_device")
+
+
+def check_within(job_id, what, want, effective):
+    """Refuse ids of `want` (CPUs or NUMA nodes) the job's parent cannot
+    give it, named in one line: v1 would refuse them with a bare EINVAL, v2
+    would quietly leave them out of the job's effective set.  effective:
+    the parent's cpuset.cpus.effective (v2) or cpuset.effective_cpus (v1)."""
+    text = files.read_text_or_none(effective)
+    if text is None:
+        raise CgroupError(f"cannot bind job {job_id} to {what}: {effective} does not exist",
+                          "the cpuset controller is not available to the job's cgroup parent")
+    have = set(values.id_list(effective, text, what)) if text.strip() else set()
+    extra = sorted(set(want) - have)
+    if extra:
+        raise CgroupError(
+            f"cannot bind job {job_id} to {what} {values.format_id_list(want)}: "
+            f"{values.format_id_list(extra)} {'is' if len(extra) == 1 else 'are'} not among the {what} "
+            f"its cgroup parent may use "
+            f"({values.format_id_list(have) or 'none'}, {effective})",
+            f"choose {what} from {values.format_id_list(have) or 'those of the parent'}")
 
 
 def cpu_quota_us(cpus):
@@ -540,6 +583,7 @@ class Backend:
 
     kind = None
     job_class = JobCgroup
+    cpuset = False      # v1 layouts: is the job's cgroup made in the cpuset hierarchy too?
 
     def __init__(self, layout, parent=None):
         self.layout = layout
@@ -554,6 +598,12 @@ class Backend:
     # -- which hierarchies ------------------------------------------------
     def roles(self):
         raise NotImplementedError
+
+    def add_cpuset(self):
+        """A job bound to CPUs or NUMA nodes (--cpuset, --mems).  On v2 the
+        cpuset controller sits in the job's one directory; v1 layouts
+        (V1ResourcesBackend) add the cpuset hierarchy for this job only."""
+        return self
 
     def mount_for(self, role):
         return self.layout.unified if role == "unified" else self.layout.v1[role]
@@ -579,9 +629,9 @@ class Backend:
         mount per hierarchy the job is attached to (mounted inside the
         namespace, each shows only the job's own subtree).  One cgroup2
         hierarchy is mounted at /sys/fs/cgroup itself; several go below a
-        tmpfs there.  Hierarchies the job is not in (cpuset, devices,
-        name=systemd) are left out: their namespace root would be the
-        starter's cgroup."""
+        tmpfs there.  Hierarchies the job is not in (devices, name=systemd,
+        cpuset unless bound: add_cpuset) are left out: their namespace root
+        would be the starter's cgroup."""
         mounts = []
         for role in self.roles():
             m = self.mount_for(role)

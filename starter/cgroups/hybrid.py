@@ -5,8 +5,9 @@ The cgroup2 side tracks the job: clone3(CLONE_INTO_CGROUP) target,
 cgroup.events "populated" (polled for POLLPRI), cgroup.freeze,
 cgroup.kill, cpu.stat (user/system usec are kept on every cgroup2 cgroup,
 controller or not) and PSI.  The v1 side limits and accounts: memory
-(limit, memsw, peak, oom_kill), pids, cpu (quota, shares), blkio.  v1
-freezer is not used: the cgroup2 freezer already covers every process.
+(limit, memsw, peak, oom_kill), pids, cpu (quota, shares), blkio, and
+cpuset for a job bound to CPUs.  v1 freezer is not used: the cgroup2
+freezer already covers every process.
 
 Nothing is ever written to a cgroup.subtree_control here: the cgroup2 side
 has no controllers to enable.
@@ -25,5 +26,5 @@ class HybridBackend(V1ResourcesBackend, Backend):
     kind = "hybrid"
     job_class = HybridJob
 
-    def roles(self):
+    def fixed_roles(self):
         return ("unified",) + tuple(r for r in HYBRID_V1_ROLES if r in self.layout.v1)

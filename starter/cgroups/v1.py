@@ -17,12 +17,15 @@ import errno
 import os
 import time
 
+from .. import values
 from ..errors import CgroupError
 from . import files
 from .base import (
     CPU_PERIOD_US,
+    IO_V1_FILES,
     Backend,
     JobCgroup,
+    check_within,
     cpu_quota_us,
     kill_pids,
     subdirs_bottom_up,
@@ -32,6 +35,10 @@ from .base import (
 V1_ROLES = ("freezer", "memory", "pids", "cpu", "cpuacct", "blkio")
 # The hybrid backend freezes and kills through cgroup2; it needs no v1 freezer.
 HYBRID_V1_ROLES = ("memory", "pids", "cpu", "cpuacct", "blkio")
+# Only jobs bound with --cpuset/--mems get a cgroup in the cpuset hierarchy
+# (Backend.add_cpuset): every hierarchy costs each job a mkdir, a migration
+# and an rmdir.
+CPUSET = "cpuset"
 
 
 def _file(job, role, name):
@@ -63,6 +70,28 @@ class V1Resources:
             files.write(_need(self, "cpu", "cpu.shares", "cpu weight"), weight_to_shares(limits.cpu_weight))
         if limits.pids is not None:
             files.write(_need(self, "pids", "pids.max", "the number of processes"), limits.pids)
+        if limits.cpuset is not None or limits.mems is not None:
+            self._set_cpuset(limits.cpuset, limits.mems)
+        for maj, mn, *rates in limits.io_max or ():
+            for name, rate in zip(IO_V1_FILES, rates):
+                if rate is not None:
+                    files.write(_need(self, "blkio", name, "I/O"), f"{maj}:{mn} {rate}",
+                                hint="blkio throttling takes block devices with a request queue")
+
+    def _set_cpuset(self, cpus, mems):
+        """A v1 cpuset runs nothing until both cpuset.cpus and cpuset.mems
+        are set (a task cannot join: ENOSPC): what the job does not name
+        is its parent's.  Set before any task joins (add_pid)."""
+        d = _need(self, CPUSET, "cpuset.cpus", "CPUs")
+        parent = os.path.dirname(os.path.dirname(d))
+        for ids, name, eff, what in ((cpus, "cpuset.cpus", "cpuset.effective_cpus", "CPUs"),
+                                     (mems, "cpuset.mems", "cpuset.effective_mems", "NUMA nodes")):
+            if ids is None:
+                value = (files.read_text_or_none(os.path.join(parent, name)) or "").strip()
+            else:
+                check_within(self.id, what, ids, os.path.join(parent, eff))
+                value = values.format_id_list(ids)
+            files.write(os.path.join(os.path.dirname(d), name), value)
 
     def _set_memory(self, limit):
         mem = _need(self, "memory", "memory.limit_in_bytes", "memory")
@@ -298,10 +327,42 @@ class V1ResourcesBackend:
     def supports_pids_peak(self):
         return self._probe_file("pids", "pids.peak")
 
+    def roles(self):
+        return self.fixed_roles() + ((CPUSET,) if self.cpuset else ())
+
+    def add_cpuset(self):
+        if self.cpuset:
+            return self
+        if CPUSET not in self.layout.v1:
+            raise CgroupError("cannot bind a job to CPUs or NUMA nodes: the v1 cpuset controller is not mounted",
+                              "mount it (mount -t cgroup -o cpuset cpuset /sys/fs/cgroup/cpuset), "
+                              "or run the job without --cpuset/--mems")
+        self.cpuset = True
+        # A new dict: reclaim's copies of a cached backend share the old one.
+        self.parents = dict(self.parents, **{CPUSET: self._parent_dir(CPUSET, self.parent_setting)})
+        return self
+
+    def _ensure_parents(self):
+        super()._ensure_parents()
+        if self.cpuset and not self.parent_is_absolute:
+            self._init_cpuset_parent(self.parents[CPUSET])
+
+    @staticmethod
+    def _init_cpuset_parent(p):
+        """A new v1 cpuset has no CPUs and no nodes (unless its parent has
+        cgroup.clone_children): the `starter` parent gets its parent's, as
+        v1 requires before a child can have any.  Checked every time, not
+        only by whoever made it: a starter beside it may have made it a
+        moment ago and not written them yet."""
+        up = os.path.dirname(p)
+        for name in ("cpuset.mems", "cpuset.cpus"):
+            if not (files.read_text_or_none(os.path.join(p, name)) or "").strip():
+                files.write(os.path.join(p, name), (files.read_text_or_none(os.path.join(up, name)) or "").strip())
+
 
 class V1Backend(V1ResourcesBackend, Backend):
     kind = "v1"
     job_class = V1Job
 
-    def roles(self):
+    def fixed_roles(self):
         return tuple(r for r in V1_ROLES if r in self.layout.v1)

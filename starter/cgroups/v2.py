@@ -26,23 +26,26 @@ import os
 
 from ..errors import CgroupError
 from . import files
+from .. import values
 from .base import (
     CPU_PERIOD_US,
     DELEGATE_LEAF,
+    IO_KEYS,
     Backend,
     EventsWatch,
     JobCgroup,
+    check_within,
     cpu_quota_us,
     mkdir,
 )
 from .unified import UnifiedTracking
 
-CONTROLLERS = ("cpu", "io", "memory", "pids")
+CONTROLLERS = ("cpu", "cpuset", "io", "memory", "pids")
 SUPERVISOR_PREFIX = "supervisor-"
 
 
 class V2Resources:
-    """memory, cpu, pids and io controllers in the job's cgroup2 directory."""
+    """memory, cpu, cpuset, pids and io controllers in the job's cgroup2 directory."""
 
     def set_limits(self, limits):
         """Apply `limits`; raise CgroupError if any cannot be applied (the
@@ -76,6 +79,18 @@ class V2Resources:
             files.write(need("cpu.weight", "cpu weight"), limits.cpu_weight)
         if limits.pids is not None:
             files.write(need("pids.max", "the number of processes"), limits.pids)
+        # Empty cpuset.cpus/mems (the default) means the parent's: only what
+        # was asked is written, after a check the kernel would not make (v2
+        # takes CPUs the parent lacks and leaves them out of the effective set).
+        for ids, name, what in ((limits.cpuset, "cpuset.cpus", "CPUs"), (limits.mems, "cpuset.mems", "NUMA nodes")):
+            if ids is not None:
+                p = need(name, what)
+                check_within(self.id, what, ids, os.path.join(os.path.dirname(d), name + ".effective"))
+                files.write(p, values.format_id_list(ids))
+        for maj, mn, *rates in limits.io_max or ():
+            files.write(need("io.max", "I/O"), f"{maj}:{mn} " + " ".join(
+                f"{k}={v}" for k, v in zip(IO_KEYS, rates) if v is not None),
+                hint="io.max takes whole disks, not partitions, on devices with a request queue")
 
     def _resource_stats(self):
         d = self.upath
