@@ -127,51 +127,6 @@ def test_resolv_conf_names_an_ipv6_resolver(tmp_path):
     assert "nameserver 2001:db8::53\n" in text
 
 
-def _cmds(cmds):
-    return [(verb, kind) for c in cmds for verb, v in c.items() for kind in v]
-
-
-def test_rule_rendering_ipv6():
-    t = nft.Table("starter")
-    cmds = t.create("10.213.0.0/16", lan=("10.77.0.0/16", "2001:db8:1::/48"), uplinks=("up0",),
-                    pool6="fd70:7639:1864::/64", guard6_ifs=("up0",))
-    sets = {o["name"]: o for c in cmds for v in c.values() for k, o in v.items() if k in ("set", "map")}
-    assert sets["lan"]["elem"] == [{"prefix": {"addr": "10.77.0.0", "len": 16}}]
-    assert sets["lan6"]["elem"] == [{"prefix": {"addr": "2001:db8:1::", "len": 48}}]
-    assert sets["job_nets6"]["elem"] == [{"prefix": {"addr": "fd70:7639:1864::", "len": 64}}]
-    assert sets["guard6_ifs"]["elem"] == ["up0"]
-    for blocked in ("fe80::", "fd00:ec2::", "ff00::", "::"):
-        assert any(e["prefix"]["addr"] == blocked for e in sets["blocked6"]["elem"]), blocked
-    text = json.dumps(cmds)
-    # router messages from the job are counted drops; NAT66 out of the uplinks
-    assert '"nd-router-advert"' in text and '"masquerade"' in text
-    rules = [o for c in cmds for v in c.values() for k, o in v.items() if k == "rule"]
-    masq = [r for r in rules if r["chain"] == "postrouting"]
-    assert len(masq) == 2 and "job_nets6" in json.dumps(masq[1])
-    # a job with IPv6: four more counters and one more element, still no rule
-    add = t.add_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2", "fd70:7639:1864::2")
-    kinds = _cmds(add)
-    assert ("add", "rule") not in kinds and kinds.count(("add", "counter")) == 9
-    assert add[-1]["add"]["element"]["name"] == "job_ifs"
-    assert {"concat": ["stj0123456789ab", "fd70:7639:1864::2"]} in \
-        next(c["add"]["element"]["elem"] for c in add if c["add"].get("element", {}).get("name") == "job_src6")
-    dele = t.del_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2", "fd70:7639:1864::2")
-    assert len(dele) == len(add)
-    # a job without: exactly what it was before IPv6
-    assert _cmds(t.add_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2")).count(("add", "counter")) == 5
-
-
-def test_counters_combined_and_per_family():
-    c = lambda b, p: {"bytes": b, "packets": p}  # noqa: E731
-    raw = {"lan_in": c(100, 1), "lan_out": c(0, 0), "wan_in": c(10, 1), "wan_out": c(5, 1), "drop": c(3, 1),
-           "lan_in6": c(200, 2), "lan_out6": c(1, 1), "wan_in6": c(0, 0), "wan_out6": c(7, 1)}
-    out = nft.combine(raw)
-    assert out["lan_in"] == c(300, 3) and out["wan_out"] == c(12, 2) and out["dropped"] == c(3, 1)
-    assert out["ipv4"]["lan_in"] == c(100, 1) and out["ipv6"]["lan_in"] == c(200, 2)
-    no6 = nft.combine({k: v for k, v in raw.items() if not k.endswith("6")})
-    assert "ipv6" not in no6 and no6["lan_in"] == c(100, 1)
-
-
 def test_classad_has_the_ipv6_share():
     from starter import classad
 

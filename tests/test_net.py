@@ -19,7 +19,7 @@ import nethosts  # noqa: E402
 from conftest import SLOWDOWN  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import conntrack, ipam, netlink, nft, wiring  # noqa: E402
+from starter.net import conntrack, ipam, netlink, wiring  # noqa: E402
 
 PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
 # A pool of its own per test run: two runs on one node must not collide.
@@ -89,106 +89,6 @@ def test_netconfig_is_immutable_and_roundtrips(tmp_path):
         c.pool = "x"
     d = json.loads(json.dumps(c.as_dict()))
     assert net.NetConfig.from_dict(d) == c and hash(net.NetConfig.from_dict(d)) == hash(c)
-
-
-def _cmds(cmds):
-    """Commands as (verb, object kind) pairs."""
-    return [(verb, next(iter(obj))) for c in cmds for verb, obj in c.items()]
-
-
-def test_rule_rendering_table():
-    t = nft.Table("starter")
-    cmds = t.create("10.213.0.0/16", lan=("10.77.0.0/16",), uplinks=("up0",), guard_ifs=("up0",),
-                    host_allow=(("tcp", 3128), ("udp", 53)))
-    kinds = _cmds(cmds)
-    # replaces a leftover table atomically: add, delete, add; never the ruleset
-    assert kinds[:3] == [("add", "table"), ("delete", "table"), ("add", "table")]
-    assert all(k != "flush" for k, _ in kinds)
-    text = json.dumps(cmds)
-    assert '"ruleset"' not in text
-    assert all(o.get("table", o.get("name")) == "starter"
-               for c in cmds for v in c.values() for o in v.values())
-    # the chains hook where the design says
-    hooks = {o["name"]: (o.get("hook"), o.get("prio")) for c in cmds for v in c.values()
-             for k, o in v.items() if k == "chain" and "hook" in o}
-    assert hooks == {"prerouting": ("prerouting", -300), "input": ("input", 0),
-                     "forward": ("forward", 0), "postrouting": ("postrouting", 100)}
-    rules = [o for c in cmds for v in c.values() for k, o in v.items() if k == "rule"]
-    # per-job dispatch is by map: every counter in a rule is a map lookup or the global one
-    for r in rules:
-        for e in r["expr"]:
-            if "counter" in e:
-                assert e["counter"] == "dropped" or e["counter"]["map"]["data"].startswith("@ctr_")
-    sets = {o["name"]: o for c in cmds for v in c.values() for k, o in v.items() if k in ("set", "map")}
-    assert sets["host_allow"]["elem"] == [{"concat": ["tcp", 3128]}, {"concat": ["udp", 53]}]
-    assert sets["lan"]["elem"] == [{"prefix": {"addr": "10.77.0.0", "len": 16}}]
-    assert {"prefix": {"addr": "169.254.0.0", "len": 16}} in sets["blocked"]["elem"]
-    assert {"prefix": {"addr": "127.0.0.0", "len": 8}} in sets["blocked"]["elem"]
-    # new connections beyond the job's share of the conntrack table: dropped, out and to the host
-    capped = {r["chain"] for r in rules if '"ct count": {"val": 32768, "inv": true}' in json.dumps(r)}
-    assert capped == {"job_out", "job_to_host"}
-
-
-def test_rule_rendering_job_adds_no_rules():
-    t = nft.Table("starter")
-    add = t.add_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2")
-    kinds = _cmds(add)
-    assert ("add", "rule") not in kinds
-    assert kinds.count(("add", "counter")) == 5 and kinds[-1] == ("add", "element")
-    # job_ifs is filled last, so packets see the job only when it is complete
-    assert add[-1]["add"]["element"]["name"] == "job_ifs"
-    names = [c["add"]["counter"]["name"] for c in add if "counter" in c["add"]]
-    assert names == [f"stj0123456789ab_{c}" for c in ("lan_in", "lan_out", "wan_in", "wan_out", "drop")]
-    dele = t.del_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2")
-    dk = _cmds(dele)
-    # elements go before the counters they reference
-    assert dk.index(("delete", "counter")) > max(i for i, k in enumerate(dk) if k == ("delete", "element"))
-    assert len(dele) == len(add)
-
-
-def test_job_changes_as_netlink():
-    """The per-job transaction over netlink: the keys as nf_tables stores them
-    (`nft --debug=netlink add element ... { "stjabc" . 10.1.2.3 }` shows
-    ifname NUL-padded to 16 bytes, then the address packed), the counter
-    maps' elements naming their counter, flags, order and numbering."""
-    import struct
-
-    t = nft.Table("starter")
-    changes = t.job_changes("add", "stjabc", "stjabc", "10.1.2.3", "fd70:7639:1864::2")
-    msgs = t.to_netlink("add", changes, 5)
-    assert len(msgs) == len(changes) == len(t.add_job("stjabc", "stjabc", "10.1.2.3", "fd70:7639:1864::2"))
-    for i, (m, c) in enumerate(zip(msgs, changes)):
-        length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", m)
-        assert (length, seq, flags) == (len(m), 5 + i, 1 | 4 | 0x400)       # request, ack, create
-        assert mtype == (10 << 8) | (18 if c[0] == "counter" else 12)          # NEWOBJ, NEWSETELEM
-    src = msgs[[c[1] for c in changes].index("job_src")]
-    assert b"stjabc" + b"\0" * 10 + bytes([10, 1, 2, 3]) in src
-    src6 = msgs[[c[1] for c in changes].index("job_src6")]
-    assert b"stjabc" + b"\0" * 10 + bytes.fromhex("fd707639186400000000000000000002") in src6
-    assert b"stjabc" + b"\0" * 10 + bytes.fromhex("fe800000000000000000000000000002") in src6
-    lan_in = msgs[[c[1] for c in changes].index("ctr_lan_in")]
-    assert b"stjabc_lan_in\0" in lan_in                                       # the objref
-    gone = t.to_netlink("delete", t.job_changes("delete", "stjabc", "stjabc", "10.1.2.3"), 1)
-    types = [struct.unpack_from("=H", m, 4)[0] & 0xFF for m in gone]
-    assert types == [14] * 7 + [20] * 5                                          # DELSETELEM, then DELOBJ
-    assert all(b"stjabc_lan_in\0" not in m for m in gone[:7])                   # no objref on delete
-    with pytest.raises(NetworkError, match="longer than 15"):
-        t.to_netlink("add", t.job_changes("add", "k", "x" * 16, "10.1.2.3"), 1)
-
-
-def test_counter_read_messages():
-    import struct
-
-    req = nft.getobj_request("starter", "stjaaaaaaaaaaaa_lan_in", 7)
-    length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", req)
-    assert (length, mtype, flags, seq) == (len(req), (10 << 8) | 19, 1, 7)
-    assert b"starter\0" in req and b"stjaaaaaaaaaaaa_lan_in\0" in req and len(req) % 4 == 0
-    # a NEWOBJ answer (bytes/packets are big-endian u64 in a nested attribute)
-    data = netlink.attr(1, struct.pack(">Q", 1500)) + netlink.attr(2, struct.pack(">Q", 3))
-    body = struct.pack("=BBH", 1, 0, 0) + netlink.attr(1, b"starter\0") + netlink.attr(4 | 0x8000, data)
-    ok = struct.pack("=IHHII", 16 + len(body), (10 << 8) | 18, 0, 1, 0) + body
-    err = struct.pack("=IHHII", 36, 2, 0, 2, 0) + struct.pack("=i", -2) + req[:16]
-    assert nft.parse_getobj_replies(ok + err) == {1: {"bytes": 1500, "packets": 3}, 2: -2}
 
 
 def test_resolv_conf_text(tmp_path):
@@ -508,19 +408,6 @@ def test_fifty_jobs(site, cfg):
     assert not set(_our_veths()) & {l.host_ifname for l in leases}
     assert cfg.table not in _tables()
     assert os.listdir(cfg.state_dir) == []
-
-
-def test_max_flows_from_the_environment_or_the_conntrack_table(tmp_path):
-    f = tmp_path / "nf_conntrack_max"
-    f.write_text("262144\n")
-    assert nft.max_flows({}, str(f)) == 32768
-    f.write_text("4096\n")
-    assert nft.max_flows({}, str(f)) == 1024                 # never below
-    assert nft.max_flows({}, str(tmp_path / "none")) == nft.DEFAULT_MAX_FLOWS
-    assert nft.max_flows({"STARTER_NET_MAX_FLOWS": "7"}, str(f)) == 7
-    for bad in ("0", "-1", "1e3", "²", "x"):
-        with pytest.raises(NetworkError, match="STARTER_NET_MAX_FLOWS"):
-            nft.max_flows({"STARTER_NET_MAX_FLOWS": bad}, str(f))
 
 
 _UDP_COUNT = """
