@@ -1,6 +1,7 @@
-"""The nft table: the rule renderer on fixture text (tests/fixtures/nft/),
-a job's changes as nf_tables netlink messages, the counter reader's
-messages and sums, the per-job flow cap.  Pure: no table is made."""
+"""The nft table: the rule renderer (nftrules) on fixture text
+(tests/fixtures/nft/), a job's changes as nf_tables netlink messages
+(nftwire), the counter reader's messages and sums and the per-job flow cap
+(nft).  Pure: no table is made."""
 
 import json
 import os
@@ -12,7 +13,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import netlink, nft  # noqa: E402
+from starter.net import netlink, nft, nftrules, nftwire  # noqa: E402
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "nft")
 # The configuration tests/fixtures/nft/table.json was rendered from: both
@@ -34,7 +35,7 @@ def test_the_table_renders_as_its_fixture():
     (json.dumps(cmd, sort_keys=True) per line) and say why in the commit."""
     with open(os.path.join(FIX, "table.json")) as f:
         want = json.load(f)
-    got = json.loads(json.dumps(nft.Table("starter").create(**FIXTURE_CFG)))
+    got = json.loads(json.dumps(nftrules.Table("starter").create(**FIXTURE_CFG)))
     assert len(got) == len(want)
     for i, (g, w) in enumerate(zip(got, want)):
         assert g == w, (i, g, w)
@@ -43,15 +44,16 @@ def test_the_table_renders_as_its_fixture():
 def test_a_jobs_changes_encode_as_their_fixture():
     """A dual-stack job's add and delete as nf_tables messages numbered from
     100, one per line of job.netlink: `verb kind name hex`."""
-    t = nft.Table("starter")
+    t = nftrules.Table("starter")
     got = []
     for verb in ("add", "delete"):
         changes = t.job_changes(verb, *FIXTURE_JOB)
-        got += [f"{verb} {c[0]} {c[1]} {m.hex()}" for c, m in zip(changes, t.to_netlink(verb, changes, 100))]
+        msgs = nftwire.job_messages(t.name, verb, changes, 100)
+        got += [f"{verb} {c[0]} {c[1]} {m.hex()}" for c, m in zip(changes, msgs)]
     with open(os.path.join(FIX, "job.netlink")) as f:
         assert got == f.read().splitlines()
 def test_rule_rendering_table():
-    t = nft.Table("starter")
+    t = nftrules.Table("starter")
     cmds = t.create("10.213.0.0/16", lan=("10.77.0.0/16",), uplinks=("up0",), guard_ifs=("up0",),
                     host_allow=(("tcp", 3128), ("udp", 53)))
     kinds = _cmds(cmds)
@@ -84,7 +86,7 @@ def test_rule_rendering_table():
 
 
 def test_rule_rendering_job_adds_no_rules():
-    t = nft.Table("starter")
+    t = nftrules.Table("starter")
     add = t.add_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2")
     kinds = _cmds(add)
     assert ("add", "rule") not in kinds
@@ -105,9 +107,9 @@ def test_job_changes_as_netlink():
     (`nft --debug=netlink add element ... { "stjabc" . 10.1.2.3 }` shows
     ifname NUL-padded to 16 bytes, then the address packed), the counter
     maps' elements naming their counter, flags, order and numbering."""
-    t = nft.Table("starter")
+    t = nftrules.Table("starter")
     changes = t.job_changes("add", "stjabc", "stjabc", "10.1.2.3", "fd70:7639:1864::2")
-    msgs = t.to_netlink("add", changes, 5)
+    msgs = nftwire.job_messages("starter", "add", changes, 5)
     assert len(msgs) == len(changes) == len(t.add_job("stjabc", "stjabc", "10.1.2.3", "fd70:7639:1864::2"))
     for i, (m, c) in enumerate(zip(msgs, changes)):
         length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", m)
@@ -120,16 +122,16 @@ def test_job_changes_as_netlink():
     assert b"stjabc" + b"\0" * 10 + bytes.fromhex("fe800000000000000000000000000002") in src6
     lan_in = msgs[[c[1] for c in changes].index("ctr_lan_in")]
     assert b"stjabc_lan_in\0" in lan_in                                       # the objref
-    gone = t.to_netlink("delete", t.job_changes("delete", "stjabc", "stjabc", "10.1.2.3"), 1)
+    gone = nftwire.job_messages("starter", "delete", t.job_changes("delete", "stjabc", "stjabc", "10.1.2.3"), 1)
     types = [struct.unpack_from("=H", m, 4)[0] & 0xFF for m in gone]
     assert types == [14] * 7 + [20] * 5                                          # DELSETELEM, then DELOBJ
     assert all(b"stjabc_lan_in\0" not in m for m in gone[:7])                   # no objref on delete
     with pytest.raises(NetworkError, match="longer than 15"):
-        t.to_netlink("add", t.job_changes("add", "k", "x" * 16, "10.1.2.3"), 1)
+        nftwire.job_messages("starter", "add", t.job_changes("add", "k", "x" * 16, "10.1.2.3"), 1)
 
 
 def test_counter_read_messages():
-    req = nft.getobj_request("starter", "stjaaaaaaaaaaaa_lan_in", 7)
+    req = nftwire.getobj_request("starter", "stjaaaaaaaaaaaa_lan_in", 7)
     length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", req)
     assert (length, mtype, flags, seq) == (len(req), (10 << 8) | 19, 1, 7)
     assert b"starter\0" in req and b"stjaaaaaaaaaaaa_lan_in\0" in req and len(req) % 4 == 0
@@ -138,11 +140,11 @@ def test_counter_read_messages():
     body = struct.pack("=BBH", 1, 0, 0) + netlink.attr(1, b"starter\0") + netlink.attr(4 | 0x8000, data)
     ok = struct.pack("=IHHII", 16 + len(body), (10 << 8) | 18, 0, 1, 0) + body
     err = struct.pack("=IHHII", 36, 2, 0, 2, 0) + struct.pack("=i", -2) + req[:16]
-    assert nft.parse_getobj_replies(ok + err) == {1: {"bytes": 1500, "packets": 3}, 2: -2}
+    assert nftwire.parse_getobj_replies(ok + err) == {1: {"bytes": 1500, "packets": 3}, 2: -2}
 
 
 def test_rule_rendering_ipv6():
-    t = nft.Table("starter")
+    t = nftrules.Table("starter")
     cmds = t.create("10.213.0.0/16", lan=("10.77.0.0/16", "2001:db8:1::/48"), uplinks=("up0",),
                     pool6="fd70:7639:1864::/64", guard6_ifs=("up0",))
     sets = {o["name"]: o for c in cmds for v in c.values() for k, o in v.items() if k in ("set", "map")}
@@ -188,7 +190,7 @@ def test_max_flows_from_the_environment_or_the_conntrack_table(tmp_path):
     assert nft.max_flows({}, str(f)) == 32768
     f.write_text("4096\n")
     assert nft.max_flows({}, str(f)) == 1024                 # never below
-    assert nft.max_flows({}, str(tmp_path / "none")) == nft.DEFAULT_MAX_FLOWS
+    assert nft.max_flows({}, str(tmp_path / "none")) == nftrules.DEFAULT_MAX_FLOWS
     assert nft.max_flows({"STARTER_NET_MAX_FLOWS": "7"}, str(f)) == 7
     for bad in ("0", "-1", "1e3", "²", "x"):
         with pytest.raises(NetworkError, match="STARTER_NET_MAX_FLOWS"):
