@@ -1,12 +1,12 @@
-"""Job networks: pure logic on fixture data, then the real kernel (veths,
-nftables, namespaces) against a private test site (tests/nethosts.py)."""
+"""Job networks against the real kernel (veths, nftables, namespaces) and a
+private test site (tests/nethosts.py).  Their pure logic is in
+test_net_pure.py and test_nft.py."""
 
 import json
 import os
 import secrets
 import signal
 import socket
-import struct
 import subprocess
 import sys
 import time
@@ -19,184 +19,11 @@ import nethosts  # noqa: E402
 from conftest import SLOWDOWN  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import conntrack, ipam, netlink, wiring  # noqa: E402
+from starter.net import ipam, wiring  # noqa: E402
 
 PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
 # A pool of its own per test run: two runs on one node must not collide.
 POOL = f"10.{216 + secrets.randbelow(32)}.0.0/16"
-
-
-# ============================================================ pure logic
-
-def test_pool_cutting():
-    p = ipam.Pool("10.213.0.0/16")
-    assert p.size == 16384
-    assert p.slot(0) == ("10.213.0.1", "10.213.0.2", "10.213.0.0/30")
-    assert p.slot(1) == ("10.213.0.5", "10.213.0.6", "10.213.0.4/30")
-    assert p.slot(16383) == ("10.213.255.253", "10.213.255.254", "10.213.255.252/30")
-    with pytest.raises(ValueError):
-        p.slot(16384)
-    assert ipam.Pool("192.168.7.0/30").size == 1
-    for bad in ("10.213.0.1/16", "10.0.0.0/31", "fd00::/64", "nonsense"):
-        with pytest.raises(NetworkError, match="pool"):
-            ipam.Pool(bad)
-    assert not p.overlaps("192.0.2.0/24")
-    assert p.overlaps("10.213.7.0/24")
-
-
-def test_job_key_derivation():
-    k = ipam.job_key("job-1")
-    assert k == ipam.job_key("job-1") and len(k) == 15 and k.startswith("stj")
-    assert ipam.is_job_key(k)
-    assert k != ipam.job_key("job-2")
-    assert k != ipam.job_key("job-1", table="starter_other")
-    assert not ipam.is_job_key("stjXYZ") and not ipam.is_job_key("eth0")
-    # any id maps to a safe name: nothing of the id reaches nft or /proc/sys
-    assert ipam.is_job_key(ipam.job_key('x"; flush ruleset; ../../etc'))
-
-
-def test_ifname_validation():
-    assert ipam.check_ifname("uplink", "eth0.100") == "eth0.100"
-    for bad in ("", "a" * 16, "..", "../x", "a b", "-x", None, "eth0\n"):
-        with pytest.raises(NetworkError, match="uplink"):
-            ipam.check_ifname("uplink", bad)
-
-
-def test_config_validation(tmp_path):
-    from starter.net.wiring import validate
-
-    ok = net.NetConfig(state_dir=str(tmp_path), lan=("10.77.0.0/16",), uplink="up0",
-                       allow_host_ports=(("tcp", 3128),))
-    assert validate(ok).cidr == "10.213.0.0/16"
-    cases = [
-        (dict(lan=("10.213.5.0/24",)), "lan: .*overlaps"),
-        (dict(lan=("10.77.0.1/16",)), "lan:"),
-        (dict(uplink="bad/name"), "uplink"),
-        (dict(allow_host_ports=(("sctp", 1),)), r"allow_host_ports\[0\]"),
-        (dict(allow_host_ports=(("tcp", 0),)), r"allow_host_ports\[0\]"),
-        (dict(table="filter"), "table"),
-        (dict(table="starter;x"), "table"),
-    ]
-    for kw, msg in cases:
-        with pytest.raises(NetworkError, match=msg):
-            validate(net.NetConfig(state_dir=str(tmp_path), **kw))
-
-
-def test_netconfig_is_immutable_and_roundtrips(tmp_path):
-    c = net.NetConfig(state_dir=str(tmp_path), lan=["10.0.0.0/8"], allow_host_ports=[["tcp", "3128"]])
-    assert c.lan == ("10.0.0.0/8",) and c.allow_host_ports == (("tcp", 3128),)
-    with pytest.raises(AttributeError):
-        c.pool = "x"
-    d = json.loads(json.dumps(c.as_dict()))
-    assert net.NetConfig.from_dict(d) == c and hash(net.NetConfig.from_dict(d)) == hash(c)
-
-
-def test_resolv_conf_text(tmp_path):
-    c = net.NetConfig(state_dir=str(tmp_path))
-    text = net.resolv_conf_text(c)
-    assert "nameserver" not in text and text.startswith("#")
-    assert "nameserver 10.77.0.53\n" in net.resolv_conf_text(net.NetConfig(state_dir="x", resolver="10.77.0.53"))
-    lease = net.NetLease("j", "10.213.0.2", "10.213.0.1", 30, "stjx")
-    assert "nameserver 10.213.0.1\n" in net.resolv_conf_text(net.NetConfig(state_dir="x", resolver="gateway"), lease)
-    with pytest.raises(NetworkError, match="resolver"):
-        net.resolv_conf_text(net.NetConfig(state_dir="x", resolver="nameserver 1.1.1.1\nevil"))
-
-
-def test_lease_store(tmp_path):
-    store = ipam.LeaseStore(str(tmp_path))
-    pool = ipam.Pool("10.215.0.0/29")  # two slots
-    with store:
-        a = store.acquire("a", "stjaaaaaaaaaaaa", pool, os.getpid())
-        assert (a["address"], a["gateway"], a["slot"]) == ("10.215.0.2", "10.215.0.1", 0)
-        assert a["owner_start"] == ipam.proc_starttime(os.getpid()) and ipam.owner_alive(a)
-        with pytest.raises(NetworkError, match="already holds"):
-            store.acquire("a", "stjaaaaaaaaaaaa", pool, os.getpid())
-        b = store.acquire("b", "stjbbbbbbbbbbbb", pool, os.getpid())
-        assert b["address"] == "10.215.0.6"
-        with pytest.raises(NetworkError, match="exhausted"):
-            store.acquire("c", "stjcccccccccccc", pool, os.getpid())
-        store.release("stjaaaaaaaaaaaa")
-        store.release("stjaaaaaaaaaaaa")  # idempotent
-        c = store.acquire("c", "stjcccccccccccc", pool, os.getpid())
-        assert c["slot"] == 0 and store.count() == 2
-        # a crash between slot and lease file leaves an orphan slot gc can see
-        os.unlink(os.path.join(store.leases, "stjcccccccccccc.json"))
-        assert [n for n, _ in store.orphan_slots()] == ["0"]
-    # an owner whose pid was recycled is not alive
-    assert not ipam.owner_alive(dict(c, owner_start=c["owner_start"] + 1))
-    assert not ipam.owner_alive(dict(c, owner_pid=2 ** 22 + 1))
-
-
-def test_lowest_free_slot_first(tmp_path):
-    store = ipam.LeaseStore(str(tmp_path))
-    pool = ipam.Pool("10.215.0.0/16")
-    with store:
-        a = store.acquire("a", ipam.job_key("a"), pool, os.getpid())
-        b = store.acquire("b", ipam.job_key("b"), pool, os.getpid())
-        assert (a["slot"], b["slot"]) == (0, 1)
-        store.release(a["key"])
-        # a dead job's address is handed out again at once (teardown has
-        # deleted its conntrack entries): the lowest free slot
-        c = store.acquire("c", ipam.job_key("c"), pool, os.getpid())
-        assert c["slot"] == 0 and c["address"] == a["address"]
-        d = store.acquire("d", ipam.job_key("d"), pool, os.getpid())
-        assert d["slot"] == 2
-        for x in (b, c, d):
-            store.release(x["key"])
-    # and with nothing leased, net/ is gone: the state dir is as we found it
-    assert os.listdir(tmp_path) == []
-
-
-def test_uplinks_config():
-    one = net.NetConfig(state_dir="x", uplink="up0")
-    assert one.uplink == ("up0",) and net.NetConfig(state_dir="x").uplink == ()
-    two = net.NetConfig(state_dir="x", uplink=["ib0", "up0", "ib0"])
-    assert two.uplink == ("ib0", "up0")
-    assert net.NetConfig.from_dict(json.loads(json.dumps(two.as_dict()))) == two
-    # one fingerprint per node, whatever order the jobs name the uplinks in;
-    # one uplink keeps the form tables recorded before several were allowed
-    fp = wiring.cfg_fingerprint
-    assert fp(two)["uplink"] == fp(net.NetConfig(state_dir="x", uplink=("up0", "ib0")))["uplink"] == ["ib0", "up0"]
-    assert fp(one)["uplink"] == "up0" and fp(net.NetConfig(state_dir="x"))["uplink"] is None
-    with pytest.raises(NetworkError, match="uplink"):
-        wiring.validate(net.NetConfig(state_dir="x", uplink=("up0", "bad/name")))
-
-
-def test_conntrack_messages():
-    """The dump request and the parsing of its answers, on hand-made bytes."""
-    a, other = socket.inet_aton("198.18.5.2"), socket.inet_aton("198.18.9.9")
-    req = conntrack.dump_request(socket.AF_INET, a, 0, 7)
-    length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", req)
-    assert (length, mtype, flags & 0x300, seq) == (len(req), (1 << 8) | 1, 0x300, 7)
-    assert a in req and req[16] == socket.AF_INET
-
-    def entry(src, dst, zone=None, family=socket.AF_INET):
-        ip = netlink.attr(1, src) + netlink.attr(2, dst)
-        proto = netlink.attr(1, bytes([6, 0, 0, 0]))
-        tup = netlink.attr(1 | 0x8000, netlink.attr(1 | 0x8000, ip) + netlink.attr(2 | 0x8000, proto))
-        body = struct.pack("=BBH", family, 0, 0) + tup + netlink.attr(2 | 0x8000, b"")
-        if zone is not None:
-            body += netlink.attr(18, struct.pack(">H", zone))
-        return struct.pack("=IHHII", 16 + len(body), (1 << 8) | 0, 2, 7, 0) + body, tup
-
-    m1, t1 = entry(a, other)
-    m2, _ = entry(other, other)             # an old kernel ignored the filter: not ours
-    m3, t3 = entry(other, a, zone=3)        # the host talking to the job
-    m4, _ = entry(a, other, family=socket.AF_INET6)   # another family: skipped
-    done = struct.pack("=IHHII", 20, 3, 2, 7, 0) + struct.pack("=i", 0)
-    got, fin, err = conntrack.parse_entries(m1 + m2 + m3 + m4 + done, socket.AF_INET, {a})
-    assert fin and err == 0
-    assert got == [t1, t3 + netlink.attr(18, struct.pack(">H", 3))]
-    e = struct.pack("=IHHII", 20, 2, 0, 7, 0) + struct.pack("=i", -95)
-    assert conntrack.parse_entries(e, socket.AF_INET, {a}) == ([], True, -95)
-    assert conntrack.forget([]) == 0
-
-
-def test_facade_import_is_cheap():
-    code = ("import sys, starter.net; "
-            "assert 'pyroute2' not in sys.modules and 'starter._nft' not in sys.modules, "
-            "[m for m in sys.modules if 'pyroute2' in m or '_nft' in m]")
-    subprocess.run([PY, "-c", code], check=True)
 
 
 # ============================================================ real kernel
