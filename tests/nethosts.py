@@ -19,6 +19,8 @@ to addresses inside these namespaces.
         srv = s.serve(s.lan_addr_ns, "send", 1_000_000)   # in the LAN ns
         ...
         Job(...)  a bare job namespace for tests that do not go through starter
+
+Site6 is test_ipv6's dual-stack site (drawn in that file's docstring).
 """
 
 import contextlib
@@ -252,6 +254,57 @@ class Site:
         ns = Netns()
         self._stack.callback(ns.close)
         return ns
+
+
+class Site6:
+    """The dual-stack site of test_ipv6 (drawn in its docstring): one namespace
+    behind the uplink holding the LAN and WAN servers of both families on lo."""
+
+    def __init__(self, stack):
+        t, h = secrets.randbelow(256), secrets.randbelow(0xffff)
+        self.uplink = f"st6{secrets.token_hex(3)}"
+        self.addr4, self.peer4 = f"198.19.{t}.65", f"198.19.{t}.66"
+        self.addr6, self.peer6 = f"2001:db8:{h:x}::1", f"2001:db8:{h:x}::2"
+        self.lan4, self.wan4 = f"198.19.{t}.90", f"198.19.{t}.106"
+        self.lan6, self.wan6 = f"2001:db8:{h:x}:1::10", f"2001:db8:{h:x}:2::10"
+        self.lan_cidrs = (f"198.19.{t}.88/29", f"2001:db8:{h:x}:1::/64")
+        self.ns = Netns()
+        stack.callback(self.ns.close)
+        run("ip", "link", "add", self.uplink, "type", "veth", "peer", "name", "up0", "netns", str(self.ns.pid))
+        stack.callback(run, "ip", "link", "del", self.uplink, check=False)
+        with open(f"/proc/sys/net/ipv6/conf/{self.uplink}/accept_dad", "w") as f:
+            f.write("0")
+        run("ip", "addr", "add", f"{self.addr4}/30", "dev", self.uplink)
+        run("ip", "-6", "addr", "add", f"{self.addr6}/64", "dev", self.uplink, "nodad")
+        run("ip", "link", "set", self.uplink, "up")
+        for cidr, via in ((f"198.19.{t}.80/28", self.peer4), (f"198.19.{t}.96/28", self.peer4), (f"2001:db8:{h:x}:1::/64", self.peer6),
+                          (f"2001:db8:{h:x}:2::/64", self.peer6)):
+            run("ip", "route", "add", cidr, "via", via, "dev", self.uplink)
+        ns = self.ns
+        run(*ns.argv("sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0"))
+        ns.ip("addr", "add", f"{self.peer4}/30", "dev", "up0")
+        ns.ip("-6", "addr", "add", f"{self.peer6}/64", "dev", "up0", "nodad")
+        ns.ip("link", "set", "up0", "up")
+        ns.ip("link", "set", "lo", "up")
+        for a in (self.lan4, self.wan4):
+            ns.ip("addr", "add", f"{a}/32", "dev", "lo")
+        for a in (self.lan6, self.wan6):
+            ns.ip("-6", "addr", "add", f"{a}/128", "dev", "lo")
+        self._stack = stack
+        self._port = 20000 + secrets.randbelow(20000)
+
+    def port(self):
+        self._port += 1
+        return self._port
+
+    def serve(self, host, mode, n=0):
+        port = self.port()
+        proc = self.ns.popen(PY, "-c", SERVER, mode, str(port), str(n), host)
+        self._stack.callback(lambda: proc.poll() is None and (proc.kill(), proc.wait()))
+        line = proc.stdout.readline()
+        assert line.strip() == "ready", (line, proc.stderr.read())
+        proc.port = port
+        return proc
 
 
 def client(ns, mode, host, port, n=0, src=None, timeout=10.0, retrans=False):

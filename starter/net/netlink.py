@@ -1,8 +1,9 @@
 """The netlink wire format the starter speaks itself (pure, a leaf).
 
 Three users speak netlink without a library: rtnl (a job's veth, addresses
-and routes), nft.read_counters (one named counter, straight from the kernel)
-and conntrack.forget (dump and delete a job's flows).  All build and walk
+and routes), nftwire (a job's counters and set elements in one nf_tables
+transaction; one named counter asked of the kernel: sent by nft) and
+conntrack.forget (dump and delete a job's flows).  All build and walk
 the same two structures:
 
     message    nlmsghdr: u32 length, u16 type, u16 flags, u32 seq, u32 pid,

@@ -12,7 +12,7 @@ import contextlib
 import os
 
 from starter.errors import NetworkError
-from starter.net import ipam, nft
+from starter.net import ipam, nft, nftrules
 from starter.net.sysctl import forwarding6_path, forwarding_path, ipv6_forwarding_mode, read_sysctl, write_sysctl
 from starter.state import QUICK_BUDGET_S, fault, is_live
 
@@ -255,7 +255,7 @@ class Wiring:
             return False
         if idle is not None and rec.get("cfg") == cfg_fingerprint(cfg):
             return True
-        self._delete_table(store, nft.Table(cfg.table))
+        self._delete_table(store, nftrules.Table(cfg.table))
         return False
 
     def expire_idle(self, now=None, force=False):
@@ -274,7 +274,7 @@ class Wiring:
                     continue
                 del self._idle[k]
                 if store.count() == 0 and store.table_record() is not None:
-                    self._delete_table(store, nft.Table(cfg.table))
+                    self._delete_table(store, nftrules.Table(cfg.table))
 
     def next_expiry(self):
         """Seconds until expire_idle() has work (None: no idle table)."""
@@ -364,7 +364,7 @@ class Wiring:
     def setup(self, job_id, netns_fd, cfg, owner_pid):
         pool, pool6 = checked_pools(cfg)
         key = ipam.job_key(job_id, cfg.table)
-        table = nft.Table(cfg.table)
+        table = nftrules.Table(cfg.table)
         store = ipam.LeaseStore(cfg.state_dir)
         with store, contextlib.ExitStack() as undo:
             try:
@@ -476,7 +476,7 @@ class Wiring:
     def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False, keep_table=False):
         """Read the counters, then remove rules, counters, veth, lease, and the
         table if this was the last job.  Every step tolerates absence."""
-        table = nft.Table(cfg.table)
+        table = nftrules.Table(cfg.table)
         address = lease.get("address") if lease else None
         counters = nft.read_counters(cfg.table, key)
         # The IPv6 objects: by the lease, or (no lease: gc) by the counters found.
@@ -531,7 +531,7 @@ class Wiring:
 
     def _release(self, store, cfg, key, lease, removed, keep_table=False):
         """The lease, and the table if no job is left.  Lock held."""
-        table = nft.Table(cfg.table)
+        table = nftrules.Table(cfg.table)
         store.release(key, lease.get("slot") if lease else None)
         if keep_table or store.count() != 0:
             return
@@ -543,10 +543,10 @@ class Wiring:
         if store.table_record() is not None or self.nft.table_exists(table):
             self._delete_table(store, table)
             if removed is not None:
-                removed.append(f"table {nft.FAMILY} {cfg.table}")
+                removed.append(f"table {nftrules.FAMILY} {cfg.table}")
 
     def gc(self, cfg, live_job_ids):
-        table = nft.Table(cfg.table)
+        table = nftrules.Table(cfg.table)
         store = ipam.LeaseStore(cfg.state_dir)
         removed = []
         with store:
@@ -573,5 +573,5 @@ class Wiring:
             if store.count() == 0 and (cfg.state_dir, cfg.table) not in self._idle and \
                     (store.table_record() is not None or self.nft.table_exists(table)):
                 self._delete_table(store, table)
-                removed.append(f"table {nft.FAMILY} {cfg.table}")
+                removed.append(f"table {nftrules.FAMILY} {cfg.table}")
         return removed
