@@ -254,19 +254,20 @@ DEV_RULES = (
     ("c", 1, 9, "rwm"), ("c", 5, 0, "rwm"), ("c", 5, 2, "rwm"), ("c", 136, None, "rwm"),
 )
 DEV_TMPFS = "mode=755,size=64k,nr_inodes=4096"
+_DEV_FLAGS = ("nosuid", "noexec")
 PTYS_DEFAULT = 1024     # the node policy's defaults.ptys
 
 
 def dev(nodes=(), ptys=PTYS_DEFAULT):
-    """The job's /dev: a tmpfs (0755, nosuid, nodev, noexec; the bound nodes
-    are mounts of their own and keep the host's flags), the DEV_NODES the
+    """The job's /dev: a tmpfs (0755, nosuid, noexec; the bound nodes are
+    mounts of their own and keep the host's flags), the DEV_NODES the
     host has, bound from the host's /dev, the DEV_LINKS, a devpts instance
     of its own (newinstance: its ptys are counted apart from the host's,
     at most `ptys`), and `nodes` (--device, --gpus: host paths of device
     nodes, bound at the same path).  private_dirs() then mounts /dev/shm and
     /dev/mqueue on it; seal_dev() makes it read-only once the spec's binds
     (an admin's --bind /dev/xyz) have their mount points."""
-    out = [Mount.fs("tmpfs", "/dev", DEV_TMPFS, _SAFE)]
+    out = [Mount.fs("tmpfs", "/dev", DEV_TMPFS, _DEV_FLAGS)]
     for name in DEV_NODES:
         p = "/dev/" + name
         if os.path.exists(p):
@@ -292,8 +293,10 @@ def dev_rules(devices=()):
 
 def seal_dev():
     """The job's /dev tmpfs read-only (its mounts, /dev/shm and /dev/pts
-    among them, keep their own flags): a uid-0 job cannot add files there."""
-    return [Mount.fs(None, "/dev", "", ("remount", "bind", "ro") + _SAFE)]
+    among them, keep their own flags): a uid-0 job cannot add files there.
+    Not nodev: where an admin's --bind /dev covered it, this remounts that
+    bind, whose nodes (the cgroup still decides which) must stay usable."""
+    return [Mount.fs(None, "/dev", "", ("remount", "bind", "ro") + _DEV_FLAGS)]
 
 
 # Keys are not namespaced: /proc/keys lists every key the reader may view,
