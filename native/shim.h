@@ -17,6 +17,7 @@
 #define SHIM_MOUNT_TMPFS 3
 #define SHIM_MOUNT_FS 4       /* mount(src or fstype, dst, fstype, flags, data) as given */
 #define SHIM_MOUNT_LINK 5     /* symlink(src, dst): dst inside a tmpfs of the plan (the job's /dev) */
+#define SHIM_MOUNT_NODE 6     /* mknod(dst, mode, rdev): dst inside a tmpfs of the plan (the job's /dev) */
 
 /* MS_* flags for SHIM_MOUNT_FS (the kernel's values). */
 #define SHIM_MS_RDONLY 1
@@ -69,6 +70,10 @@ struct shim_mount {
     const char *fstype;       /* "tmpfs", "mqueue", "cgroup", "cgroup2"; NULL for a remount */
     unsigned long flags;      /* SHIM_MS_* */
     int optional;             /* skip if dst does not exist in the job's view */
+    /* appended (issue 25): SHIM_MOUNT_NODE only, a copy of a host node's
+     * type and permission bits (S_IFCHR|0666) and its device number */
+    unsigned int mode;
+    unsigned long long rdev;
 };
 
 /* Resource limits the shim sets (issue 10): resource is a SHIM_RLIMIT_*
