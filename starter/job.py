@@ -269,8 +269,9 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     # before /dev/shm and /dev/mqueue, which stack on it, and is made
     # read-only after the spec's binds, which may add nodes to it.
     first_mounts = (M.cgroup_view(backend.view(), writable=spec.delegate)
-                    + M.dev([d[0] for d in spec.devices], spec.ptys)
-                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory))
+                    + M.dev(spec.ptys)
+                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory)
+                    + M.device_binds(d[0] for d in spec.devices))
     last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
     rlimits = rlimit_table(spec.rlimits)
     cwd_fallbacks = () if cwd else default_cwds(spec)

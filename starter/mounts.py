@@ -14,9 +14,10 @@ A job's plan (job.py) is, in order:
 
     cgroup_view()     the job's own cgroup tree at /sys/fs/cgroup, read-only
     dev()             a fresh /dev: copies of a few host nodes, links,
-                      its own devpts, the devices it was given
+                      its own devpts
     private_dirs()    /dev/shm (size-limited), /var/tmp, /run/lock,
                       /run/user/UID, /dev/mqueue: fresh, the job's own
+    device_binds()    the devices it was given, at their host paths
     the spec's binds and tmpfs (a site sharing /var/tmp binds it here)
     seal_dev()        /dev read-only
     hide()            empty read-only mounts over the state directory
@@ -278,12 +279,11 @@ _DEV_FLAGS = ("nosuid", "noexec")
 PTYS_DEFAULT = 1024     # the node policy's defaults.ptys
 
 
-def dev(nodes=(), ptys=PTYS_DEFAULT):
+def dev(ptys=PTYS_DEFAULT):
     """The job's /dev: a tmpfs (0755, nosuid, noexec), copies of the
     DEV_NODES the host has (character devices only), the DEV_LINKS, a devpts instance
     of its own (newinstance: its ptys are counted apart from the host's,
-    at most `ptys`), and `nodes` (--device, --gpus: host paths of device
-    nodes, bound at the same path).  private_dirs() then mounts /dev/shm and
+    at most `ptys`).  private_dirs() then mounts /dev/shm and
     /dev/mqueue on it; seal_dev() makes it read-only once the spec's binds
     (an admin's --bind /dev/xyz) have their mount points."""
     out = [Mount.fs("tmpfs", "/dev", DEV_TMPFS, _DEV_FLAGS)]
@@ -298,8 +298,14 @@ def dev(nodes=(), ptys=PTYS_DEFAULT):
     out += [Mount.link(target, "/dev/" + name) for name, target in DEV_LINKS]
     out.append(Mount.fs("devpts", "/dev/pts", f"newinstance,ptmxmode=0666,mode=0620,max={int(ptys)}",
                         ("nosuid", "noexec")))
-    out += [Mount("bind", p, p) for p in dict.fromkeys(nodes)]
     return out
+
+
+def device_binds(nodes):
+    """The nodes of --device and --gpus (host paths), each bound at its own
+    path: after private_dirs(), so that one under /var/tmp lands in the
+    job's own /var/tmp, not under it."""
+    return [Mount("bind", p, p) for p in dict.fromkeys(nodes)]
 
 
 def dev_rules(devices=()):
