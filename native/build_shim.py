@@ -22,7 +22,7 @@ ffibuilder.cdef(_cdef())
 ffibuilder.set_source(
     "starter._shim",
     '#include "shim.h"',
-    sources=[os.path.relpath(os.path.join(_here, f)) for f in ("shim.c", "seccomp.c", "uidkill.c")],
+    sources=[os.path.relpath(os.path.join(_here, f)) for f in ("shim.c", "seccomp.c", "uidkill.c", "devices.c")],
     include_dirs=[os.path.relpath(_here)],
     libraries=["seccomp"],  # libseccomp-dev: native/seccomp.c, run in the parent only
     extra_compile_args=["-O2", "-Wall", "-Wextra", "-Wno-unused-parameter"],

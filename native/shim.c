@@ -718,12 +718,81 @@ static int new_bind_fd(const struct child_ctx *c, const struct shim_mount *m, co
     return fd;
 }
 
+/* SHIM_MOUNT_LINK: the link m->dst -> m->src, made in a tmpfs this plan
+ * mounted (the job's /dev: /dev/fd, /dev/ptmx, ...), never on the host's
+ * file systems.  Its directory is walked as any destination is (no link
+ * followed), and the link made by that directory's fd. */
+static void make_link(const struct child_ctx *c, const struct shim_mount *m)
+{
+    char dir[4096];
+    size_t n = s_len(m->dst), cut = 0;
+    if (!ours(c, m) || !m->src || n >= sizeof dir)
+        fail_err(c, EPERM, EXIT_STARTER, "symlink outside a tmpfs of the plan", m->dst);
+    for (size_t i = 0; i < n; i++)
+        if (m->dst[i] == '/')
+            cut = i;
+    for (size_t i = 0; i < cut; i++)
+        dir[i] = m->dst[i];
+    dir[cut ? cut : 1] = 0;
+    if (!cut)
+        dir[0] = '/';
+    struct shim_mount parent = *m;
+    parent.dst = dir;
+    struct dest d;
+    if (walk_dest(c, &parent, "symlink", 0, 1, &d) < 0)
+        fail(c, "symlink", m->dst);
+    if (symlinkat(m->src, d.fd, m->dst + cut + 1) < 0)
+        fail(c, "symlink", m->dst);
+    close_dest(&d);
+}
+
+/* SHIM_MOUNT_NODE: a device node at m->dst, made while the child is still
+ * root in the initial user namespace (the job itself never has CAP_MKNOD),
+ * in a tmpfs this plan mounted (the job's /dev) only.  The starter copied
+ * the host node's type, permissions and number; umask does not apply. */
+static void make_node(const struct child_ctx *c, const struct shim_mount *m)
+{
+    char dir[4096];
+    size_t n = s_len(m->dst), cut = 0;
+    if (!ours(c, m) || n >= sizeof dir || !(S_ISCHR(m->mode) || S_ISBLK(m->mode)))
+        fail_err(c, EPERM, EXIT_STARTER, "device node outside a tmpfs of the plan", m->dst);
+    for (size_t i = 0; i < n; i++)
+        if (m->dst[i] == '/')
+            cut = i;
+    for (size_t i = 0; i < cut; i++)
+        dir[i] = m->dst[i];
+    dir[cut ? cut : 1] = 0;
+    if (!cut)
+        dir[0] = '/';
+    struct shim_mount parent = *m;
+    parent.dst = dir;
+    struct dest d;
+    if (walk_dest(c, &parent, "mknod", 0, 1, &d) < 0)
+        fail(c, "mknod", m->dst);
+    /* By the directory's fd (an O_PATH dirfd does), with the mode as given:
+     * no umask (the job's own is set later, reset_inherited). */
+    mode_t old = umask(0);
+    int r = mknodat(d.fd, m->dst + cut + 1, m->mode, (dev_t)m->rdev);
+    umask(old);
+    if (r < 0)
+        fail(c, "mknod", m->dst);
+    close_dest(&d);
+}
+
 static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int tree, int pinned)
 {
     const char *what = m->kind == SHIM_MOUNT_BIND      ? "bind"
                        : m->kind == SHIM_MOUNT_RO_BIND ? "ro-bind"
                        : m->kind == SHIM_MOUNT_TMPFS   ? "tmpfs"
                                                        : "mount";
+    if (m->kind == SHIM_MOUNT_LINK) {
+        make_link(c, m);
+        return;
+    }
+    if (m->kind == SHIM_MOUNT_NODE) {
+        make_node(c, m);
+        return;
+    }
     int bind = m->kind == SHIM_MOUNT_BIND || m->kind == SHIM_MOUNT_RO_BIND;
     int optional = m->kind == SHIM_MOUNT_FS && m->optional;
     int create = !optional && ours(c, m);

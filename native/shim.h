@@ -16,6 +16,8 @@
 #define SHIM_MOUNT_RO_BIND 2
 #define SHIM_MOUNT_TMPFS 3
 #define SHIM_MOUNT_FS 4       /* mount(src or fstype, dst, fstype, flags, data) as given */
+#define SHIM_MOUNT_LINK 5     /* symlink(src, dst): dst inside a tmpfs of the plan (the job's /dev) */
+#define SHIM_MOUNT_NODE 6     /* mknod(dst, mode, rdev): dst inside a tmpfs of the plan (the job's /dev) */
 
 /* MS_* flags for SHIM_MOUNT_FS (the kernel's values). */
 #define SHIM_MS_RDONLY 1
@@ -68,6 +70,10 @@ struct shim_mount {
     const char *fstype;       /* "tmpfs", "mqueue", "cgroup", "cgroup2"; NULL for a remount */
     unsigned long flags;      /* SHIM_MS_* */
     int optional;             /* skip if dst does not exist in the job's view */
+    /* appended (issue 25): SHIM_MOUNT_NODE only, a copy of a host node's
+     * type and permission bits (S_IFCHR|0666) and its device number */
+    unsigned int mode;
+    unsigned long long rdev;
 };
 
 /* Resource limits the shim sets (issue 10): resource is a SHIM_RLIMIT_*
@@ -178,6 +184,35 @@ void shim_test_no_open_tree(int on);
  * read-only bind is pinned and mounted by fd, a tree made a slave once
  * attached, by its own fd (1), or as this kernel is (0). */
 void shim_test_no_mount_setattr(int on);
+
+/* native/devices.c: the job's device allow list as a BPF_CGROUP_DEVICE
+ * program, attached to its cgroup2 directory (v2 and hybrid hosts).  A
+ * device is allowed when one rule matches its type, major, minor and every
+ * access asked for; everything else is refused (EPERM). */
+#define SHIM_DEV_ANY -1       /* major or minor: any */
+#define SHIM_DEV_MKNOD 1      /* access bits, the kernel's BPF_DEVCG_ACC_* */
+#define SHIM_DEV_READ 2
+#define SHIM_DEV_WRITE 4
+#define SHIM_DEV_BLOCK 1      /* type, the kernel's BPF_DEVCG_DEV_*; 0: either */
+#define SHIM_DEV_CHAR 2
+#define SHIM_DEV_MAX_RULES 512
+
+struct shim_dev_rule {
+    int type;                 /* SHIM_DEV_BLOCK, SHIM_DEV_CHAR or 0 */
+    int major;                /* or SHIM_DEV_ANY */
+    int minor;                /* or SHIM_DEV_ANY */
+    int access;               /* SHIM_DEV_MKNOD|READ|WRITE */
+};
+
+/* Load the program (bpf(BPF_PROG_LOAD), no libbpf) and attach it to the
+ * cgroup2 directory fd (BPF_F_ALLOW_MULTI: an ancestor's program still
+ * applies too).  0 or -errno; the kernel keeps the program while the cgroup
+ * lives.  log (logcap bytes, may be 0): the verifier's message on EINVAL. */
+int shim_devices_attach(int cgroup_fd, const struct shim_dev_rule *rules, int nrules,
+                        char *log, int logcap);
+/* How many programs of the device type are attached to the cgroup (the
+ * cgroup's own, BPF_PROG_QUERY), or -errno: for tests. */
+int shim_devices_count(int cgroup_fd);
 
 /* native/seccomp.c: profile -> BPF, in the parent (libseccomp). */
 #define SHIM_CMP_NE 1

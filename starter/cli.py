@@ -60,6 +60,8 @@ RUN_OPTIONS = {
     "--bind": ("bind", "mount", "SRC[:DST]  bind mount (repeatable)"),
     "--ro-bind": ("ro-bind", "mount", "SRC[:DST]  read-only bind mount (repeatable)"),
     "--tmpfs": ("tmpfs", "mount", "DST[:OPTS]  a tmpfs (size=,mode=,nr_inodes=)"),
+    "--device": ("device", "multi", "PATH[:rwm]  pass a device node, bound at its path (repeatable; access read, write, mknod; default rw)"),
+    "--gpus": ("gpus", "value", "LIST  NVIDIA GPUs by index or UUID (0,1 | GPU-... | all) and their control nodes; sets CUDA_VISIBLE_DEVICES"),
     "--init": ("init", "flag", "keep a tiny init as PID 1 (reaps orphans, forwards signals)"),
     "--seccomp": ("seccomp", "value", "default|off|FILE  syscall filter (default: the built-in profile)"),
     "--allow-userns": ("allow-userns", "flag", "let the job create user namespaces (unprivileged container runtimes)"),

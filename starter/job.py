@@ -301,9 +301,14 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     # (cgroups.warm_up), and this work fills some of that wait.
     from starter import mounts as M
 
+    # The job's own /dev (only the nodes it was given; its own devpts) goes
+    # before /dev/shm and /dev/mqueue, which stack on it, and is made
+    # read-only after the spec's binds, which may add nodes to it.
     first_mounts = (M.cgroup_view(backend.view(), writable=spec.delegate)
-                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory))
-    last_mounts = M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
+                    + M.dev(spec.ptys)
+                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory)
+                    + M.device_binds(d[0] for d in spec.devices))
+    last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
     rlimits = rlimit_table(spec.rlimits)
     cwd_fallbacks = () if cwd else default_cwds(spec)
     netcfg = net_end = None
@@ -324,6 +329,8 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         cpuset=spec.limits.cpuset, mems=spec.limits.mems, io_max=spec.limits.io_max))
     undo.push(cg.destroy, label="cgroup")
     fault("cgroup-create")
+    # What the kernel lets the job open, by any path: before anything runs.
+    cg.set_devices(M.dev_rules(spec.devices))
     oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None
     trace.mark("cgroup")
 
@@ -415,9 +422,16 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                 address6=lease.address6 if lease else None)
     trace.mark("running")
 
+    gpu_usage = None
+    if spec.gpus:
+        from starter.gpu import Usage
+
+        gpu_usage = Usage(spec.gpus)
     sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace,
                      oom_watch=oom_watch, kill_timeout=spec.kill_timeout)
     out = sup.run()
+    if gpu_usage is not None:
+        report.update(gpu_usage.stop())
     trace.mark("job")
     if lease is not None and not out.unkillable:
         # The job is gone: its counters are final.  netd tears down while we measure.

@@ -45,6 +45,7 @@ DEFAULT_KEYS = {
     "job_uids": ("job-uids", "uids"),
     "escape_transient": ("escape-transient", "escape"),
     "escape_named": ("escape-named", "escape"),
+    "ptys": ("ptys", "count"),      # no run option: the most ptys of a job's own devpts
 }
 # Options whose defaults only make sense for a NAT job (spec refuses them otherwise).
 NET_OPTIONS = ("uplink", "lan", "pool", "pool6", "ipv6", "resolver", "allow-host-port")
@@ -63,6 +64,7 @@ CALLER_KEYS = {
     "userns_root": ("bool", False), "allow_userns": ("bool", False),
     "delegate": ("bool", False), "init": ("bool", False),
     "max_jobs": ("count", DEFAULT_MAX_JOBS),
+    "devices": ("globs", ()), "gpus": ("bool", False),
 }
 # Options that only root sets: where jobs' state and cgroups live, the network's shape.
 ROOT_ONLY = ("state-dir", "cgroup-parent") + NET_OPTIONS
@@ -159,6 +161,26 @@ class Policy:
                                   f"leave it out (the node's default) or use one of: {_show(allowed)}")
         for item in raw.get("rlimit") or ():
             self._check_rlimit(item)
+        if raw.get("gpus") not in (None, "", []) and not c["gpus"]:
+            self._refuse("--gpus", "gpus", "ask the node's admin to set callers.gpus = true")
+        for item in raw.get("device") or ():
+            self._check_device(item)
+
+    def _check_device(self, item):
+        """--device PATH[:rwm]: PATH (normalised, no '..') must match one of
+        callers.devices (fnmatch globs: /dev/nvidia*, /dev/fuse)."""
+        from fnmatch import fnmatchcase
+
+        from starter import devices as D
+
+        try:
+            path = _norm(V.host_path("device", D.split_access("device", item)[0]))
+        except SpecError:
+            return          # spec says what is wrong with it
+        globs = self.callers["devices"]
+        if ".." in path.split("/") or not any(fnmatchcase(path, g) for g in globs):
+            self._refuse(f"--device {V.show(str(item))}", "devices",
+                         f"pass only devices matching: {_show(globs) or 'none on this node'}")
 
     def _check_mount(self, kind, item):
         from starter import mounts as M
@@ -447,6 +469,13 @@ def _check(kind, key, val):
         for p in strings(val):
             S.parse_host_port(key, p)
         return val
+    if kind == "globs":
+        out = []
+        for g in strings(val):
+            if not g.startswith("/") or "\0" in g or ".." in g.split("/"):
+                raise SpecError(key, f"{V.show(g)} must be an absolute path or glob without '..'")
+            out.append(g)
+        return tuple(out)
     if kind in ("dir", "dirs"):
         items = [val] if kind == "dir" else strings(val)
         out = []

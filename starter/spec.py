@@ -100,6 +100,7 @@ class JobSpec(Spec):
         "manifest_digest", "inputs",
         "seccomp", "allow_userns", "userns_root", "rlimits",
         "oom_policy", "kill_timeout", "delegate", "transient", "escape",
+        "devices", "gpus", "ptys",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
@@ -107,6 +108,7 @@ class JobSpec(Spec):
         "seccomp": "default", "allow_userns": False, "userns_root": False, "rlimits": (),
         "oom_policy": "kill", "kill_timeout": KILL_TIMEOUT,
         "delegate": False, "transient": None, "escape": "report",
+        "devices": (), "gpus": (), "ptys": M.PTYS_DEFAULT,
     }
 
 
@@ -380,7 +382,8 @@ def build(cli, job_file=None, policy=None, caller=None):
     decides what it may ask for, and the job runs as the caller."""
     raw = dict(_flatten_file(job_file)) if job_file else {}
     for k, v in cli.items():
-        if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit", "io-max") and k in raw:
+        if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit", "io-max",
+                 "device") and k in raw:
             if not isinstance(raw[k], list):    # as the file gives it alone, checked there
                 raise SpecError(k, f"must be a list in the job file, got {type(raw[k]).__name__}")
             raw[k] = raw[k] + list(v)             # repeatable: file first, then flags
@@ -404,6 +407,7 @@ _FILE_KEYS = {
     "seccomp": "seccomp", "allow_userns": "allow-userns",
     "userns_root": "userns-root", "rlimits": None,
     "oom_policy": "oom-policy", "delegate": "delegate",
+    "devices": "device", "gpus": "gpus",
 }
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "pids": "pids", "wall_time": "wall-time", "cpuset": "cpuset", "mems": "mems",
@@ -530,6 +534,21 @@ def _make(raw, caller=None):
     if uname:
         env["USER"] = env["LOGNAME"] = uname
 
+    # Devices by assignment only (starter/devices.py): each node bound at its
+    # host path and allowed by the job's cgroup; GPUs with their control nodes.
+    devices, gpus = [], ()
+    if raw.get("device") or raw.get("gpus") not in (None, "", []):
+        from starter import devices as D
+
+        devices = [D.parse_device("device", x) for x in _list("device", raw.get("device") or [])]
+        if raw.get("gpus") not in (None, "", []):
+            gpus = D.parse_gpus("gpus", raw["gpus"])
+            devices += D.gpu_devices("gpus", gpus)
+            env.update(D.gpu_env(gpus))
+        devices = list({d[0]: d for d in devices}.values())    # a path once (the last access given)
+    env.update(given_env)
+    ptys = V.number("ptys", raw.get("ptys", M.PTYS_DEFAULT), 1, 1 << 20, integer=True)
+
     mounts = [parse_mount(kind, kind, item) for kind, item in raw.get("mounts", [])]
 
     hostname = raw.get("hostname")
@@ -654,6 +673,7 @@ def _make(raw, caller=None):
         # What happens to the job's processes found outside its cgroup at the
         # end (starter/escapes.py): the policy's choice, per kind of uid.
         escape=raw.get("escape-transient" if transient else "escape-named") or ("kill" if transient else "report"),
+        devices=tuple(devices), gpus=gpus, ptys=ptys,
         kill_timeout=V.number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
                                   0.1, MAX_GRACE),
     )

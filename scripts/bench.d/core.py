@@ -16,7 +16,9 @@ unshare, runc and python3 -c pass from the same rounds.
   python3 -c pass         the interpreter start-up every `starter run` pays
 
 Then, in process: ns.spawn of /bin/true with the job's private mounts and
-without, alternately (their cost), and the filter's install; and the PSS
+without, alternately (their cost), and the filter's install; a start with
+the job's minimal /dev and device rules (issue 25) and without, into a job
+cgroup made and removed each round, alternately; and the PSS
 (smaps_rollup) of the starter process beside `starter run -- sleep 5`.
 
 Usage: .venv/bin/python scripts/bench.d/core.py [--runs 60]
@@ -258,6 +260,71 @@ def bench_mount_plan(runs):
     return statistics.median(w), statistics.median(wo), statistics.median(a - b for a, b in zip(w, wo))
 
 
+def bench_devices(runs):
+    """Issue 25's devices: a start with the job's minimal /dev (mounts.dev,
+    seal_dev) and its device rules (cgroup set_devices: the BPF program on
+    cgroup2, the v1 devices controller on v1) beside the same start without
+    them, alternately.  Each round: make a job cgroup, [set its devices],
+    ns.spawn /bin/true into it with the job's mounts [and the /dev ones],
+    wait, remove the cgroup.  -> {variant: [seconds]} for the start (create
+    .. exec) and the whole round."""
+    from starter import cgroups, mounts as M
+
+    be = cgroups.open_backend(CG_NAME + "_dev")
+    view, private, last = M.cgroup_view(be.view()), M.private_dirs(65534, 65534, None), M.hide(("/run/starter",))
+    plans = {"with /dev + device rules": (tuple(view + M.dev() + private + M.seal_dev() + last), True),
+             "without": (tuple(view + private + last), False)}
+    start = {k: [] for k in plans}
+    whole = {k: [] for k in plans}
+    rules = M.dev_rules()
+    try:
+        for i in range(runs + 5):
+            for name, (plan, dev) in (list(plans.items()) if i % 2 == 0 else list(plans.items())[::-1]):
+                t0 = time.perf_counter()
+                cg = be.create(f"bench-{os.getpid()}-{i}-{int(dev)}")
+                try:
+                    if dev:
+                        cg.set_devices(rules)
+                    spec = ns.ChildSpec(["/bin/true"], ENV, mounts=plan, cgroup_fd=cg.clone_fd())
+                    with ns.spawn(spec) as child:
+                        cg.add_pid(child.pid, cloned=spec.cgroup_fd is not None)
+                        child.release()
+                        child.wait_started()
+                        t1 = time.perf_counter()
+                        assert child.wait() == 0
+                finally:
+                    cg.destroy()
+                if i >= 5:
+                    start[name].append(t1 - t0)
+                    whole[name].append(time.perf_counter() - t0)
+    finally:
+        be.close()
+    return start, whole
+
+
+def bench_device_rules(runs):
+    """set_devices() alone on a fresh job cgroup: the program's load and
+    attach (v2, hybrid) or the devices.deny/allow writes (v1), ms."""
+    from starter import cgroups, mounts as M
+
+    be = cgroups.open_backend(CG_NAME + "_dev")
+    times = []
+    try:
+        for i in range(runs + 5):
+            cg = be.create(f"bench-{os.getpid()}-r{i}")
+            try:
+                t0 = time.perf_counter()
+                cg.set_devices(M.dev_rules())
+                dt = time.perf_counter() - t0
+            finally:
+                cg.destroy()
+            if i >= 5:
+                times.append(dt)
+    finally:
+        be.close()
+    return statistics.median(times)
+
+
 def machine():
     layout = "?"
     try:
@@ -348,6 +415,20 @@ def main():
     if not os.environ.get("STARTER_VM"):
         filt = __import__("starter.seccomp", fromlist=["load"]).load("default")
         print(f"  {'seccomp install (paired diff)':32} {bench_spawn_pairs(min(args.runs, 40), filt) * 1000:10.2f}")
+
+    print()
+    start, whole = bench_devices(min(args.runs, 40))
+    names = list(start)
+    print(f"issue 25's devices: minimal /dev + device rules (in process: job cgroup, ns.spawn "
+          f"/bin/true, alternately; median ms of {len(start[names[0]])} rounds)")
+    print(f"  {'':32} {'start':>10} {'whole':>10}")
+    for n in names:
+        print(f"  {n:32} {statistics.median(start[n]) * 1000:10.2f} {statistics.median(whole[n]) * 1000:10.2f}")
+    for label, t in (("start", start), ("whole", whole)):
+        d = statistics.median(a - b for a, b in zip(t[names[0]], t[names[1]]))
+        print(f"  {'cost, ' + label + ' (paired diff)':32} {d * 1000:10.2f}")
+    print(f"  {'set_devices() alone':32} {bench_device_rules(min(args.runs, 40)) * 1000:10.2f}")
+    print("target: all of issue 25's setup together adds at most 1 ms to a start")
 
     if starter and starter == [STARTER]:
         pss, err = pss_beside_sleep()

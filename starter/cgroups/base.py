@@ -7,8 +7,8 @@ from version numbers.
 
     Backend.create(id) -> JobCgroup      make job-<id> under the parent in every hierarchy
     Backend.view() -> [(fstype, path, options)]   the job's cgroup namespace view
-    JobCgroup: clone_fd add_pid set_limits freeze thaw frozen kill is_empty pids
-               events_fd stats oom_kills end_on_oom destroy paths
+    JobCgroup: clone_fd add_pid set_limits set_devices freeze thaw frozen kill
+               is_empty pids events_fd stats oom_kills end_on_oom destroy paths
 
 Layout on disk (one `starter` parent per hierarchy, under the starter's own
 cgroup unless configured otherwise):
@@ -409,6 +409,15 @@ class JobCgroup:
         Call before the job runs."""
         return None
 
+    def set_devices(self, rules):
+        """Let the job's processes open (and mknod) only the device nodes
+        `rules` allow: [(type "c"|"b", major, minor or None for any, access
+        of "rwm")], everything else EPERM, by whatever path it is reached.
+        Call before anything runs in the cgroup.  Raises CgroupError where
+        the backend cannot (the job must not run then)."""
+        raise CgroupError(f"job {self.id}: this cgroup backend cannot restrict devices",
+                          "mount the v1 devices controller, or use a kernel with cgroup BPF")
+
     # -- delegation (--delegate; cgroup v2 only) ---------------------------
     def delegate(self, pid, uid, gid):
         """Hand the job's cgroup subtree to uid:gid, `pid` in a leaf of it.
@@ -629,9 +638,9 @@ class Backend:
         mount per hierarchy the job is attached to (mounted inside the
         namespace, each shows only the job's own subtree).  One cgroup2
         hierarchy is mounted at /sys/fs/cgroup itself; several go below a
-        tmpfs there.  Hierarchies the job is not in (devices, name=systemd,
-        cpuset unless bound: add_cpuset) are left out: their namespace root
-        would be the starter's cgroup."""
+        tmpfs there.  Hierarchies the job is not in (name=systemd, cpuset unless
+        bound: add_cpuset, devices on hybrid hosts) are left out: their
+        namespace root would be the starter's cgroup."""
         mounts = []
         for role in self.roles():
             m = self.mount_for(role)

@@ -56,6 +56,34 @@ class UnifiedTracking:
         ev = self._read_events()
         return ev.get("populated", 0) == 0
 
+    # -- devices --------------------------------------------------------------
+    def set_devices(self, rules):
+        """A BPF_CGROUP_DEVICE program with `rules` as its allow list,
+        attached to the job's cgroup2 directory (native/devices.c).  cgroup2
+        has no devices controller; the program works with or without
+        controllers (a hybrid host's controller-less cgroup2 too), and with
+        BPF_F_ALLOW_MULTI an ancestor's program (systemd's) still applies."""
+        from starter._native import ffi, lib
+
+        arr = ffi.new("struct shim_dev_rule[]", max(len(rules), 1))
+        for i, (kind, major, minor, access) in enumerate(rules):
+            r = arr[i]
+            r.type = {"c": lib.SHIM_DEV_CHAR, "b": lib.SHIM_DEV_BLOCK, "a": 0}[kind]
+            r.major = lib.SHIM_DEV_ANY if major is None else major
+            r.minor = lib.SHIM_DEV_ANY if minor is None else minor
+            r.access = ((lib.SHIM_DEV_READ if "r" in access else 0) | (lib.SHIM_DEV_WRITE if "w" in access else 0)
+                        | (lib.SHIM_DEV_MKNOD if "m" in access else 0))
+        log = ffi.new("char[]", 1024)
+        ret = lib.shim_devices_attach(self.clone_fd(), arr, len(rules), log, 1024)
+        if ret < 0:
+            words = ffi.string(log).decode("utf-8", "replace").strip().splitlines()[-1:]
+            raise CgroupError(
+                f"cannot restrict the devices of job {self.id}: a cgroup device program "
+                f"(bpf) failed: {errno.errorcode.get(-ret, -ret)} ({os.strerror(-ret)})"
+                + (f": {words[0]}" if words else ""),
+                "the kernel needs CONFIG_CGROUP_BPF (Linux 4.15+); the starter does not run a job "
+                "that could open every device")
+
     # -- freezer ------------------------------------------------------------
     def freeze(self, timeout=5.0):
         """Freeze every process in the job (and below); returns once

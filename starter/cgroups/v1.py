@@ -1,7 +1,9 @@
 """cgroup v1: one hierarchy per controller (or per group: cpu,cpuacct).
 
 V1Resources (limits and accounting in the memory, cpu, cpuacct, pids and
-blkio hierarchies) is shared with the hybrid backend.  V1Tracking is used
+blkio hierarchies) is shared with the hybrid backend.  V1Devices (the
+devices hierarchy: the job's device allow list) is v1-only's: hybrid hosts
+attach a BPF program to the job's cgroup2 directory instead.  V1Tracking is used
 only on v1-only hosts: membership is the union of cgroup.procs over every
 hierarchy (v1 has no "populated" file, and a v1 cgroup.procs lists only its
 own cgroup, not sub-cgroups), freezing is freezer.state, and killing is
@@ -32,7 +34,7 @@ from .base import (
     weight_to_shares,
 )
 
-V1_ROLES = ("freezer", "memory", "pids", "cpu", "cpuacct", "blkio")
+V1_ROLES = ("freezer", "memory", "pids", "cpu", "cpuacct", "blkio", "devices")
 # The hybrid backend freezes and kills through cgroup2; it needs no v1 freezer.
 HYBRID_V1_ROLES = ("memory", "pids", "cpu", "cpuacct", "blkio")
 # Only jobs bound with --cpuset/--mems get a cgroup in the cpuset hierarchy
@@ -209,6 +211,25 @@ def _oom_kills_v1(mem, read_top):
     return total
 
 
+class V1Devices:
+    """The v1 devices controller (v1-only hosts: hybrid ones use the cgroup2
+    side's BPF program, which needs no further v1 hierarchy)."""
+
+    def set_devices(self, rules):
+        """devices.deny "a" (nothing), then one devices.allow line per rule.
+        A child cgroup starts with its parent's list: the writes only ever
+        take away."""
+        d = self.paths.get("devices")
+        if d is None:
+            raise CgroupError(f"cannot restrict the devices of job {self.id}: the v1 devices controller is "
+                              "not mounted", "mount it (e.g. at /sys/fs/cgroup/devices); the starter does not "
+                              "run a job that could open every device")
+        files.write(os.path.join(d, "devices.deny"), "a")
+        allow = os.path.join(d, "devices.allow")
+        for kind, major, minor, access in rules:
+            files.write(allow, f"{kind} {major}:{'*' if minor is None else minor} {access}")
+
+
 class V1Tracking:
     """Membership, freezing and killing on a v1-only host."""
 
@@ -311,7 +332,7 @@ class V1Tracking:
         return out
 
 
-class V1Job(V1Tracking, V1Resources, JobCgroup):
+class V1Job(V1Tracking, V1Devices, V1Resources, JobCgroup):
     pass
 
 
