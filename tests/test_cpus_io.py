@@ -155,7 +155,7 @@ def _at_caps(starter, caps, *args, tries=3):
 def test_io_max_caps_bytes(starter, loop_dev, tmp_path):
     """O_DIRECT reads and writes of the loop device inside the job run at
     the caps; the report counts the bytes.  The device reaches the job with
-    --bind (a future device allowlist: --device)."""
+    --device (a bound node alone would be refused by the job's device rules)."""
     report = tmp_path / "r.json"
     # Caps far below what the device does unthrottled, also under the VMs'
     # emulation (where copying 8 MiB through the loop device took a tenth
@@ -164,7 +164,7 @@ def test_io_max_caps_bytes(starter, loop_dev, tmp_path):
               f"dd if=/dev/zero of={loop_dev} bs=512k count=4 oflag=direct")
     p, (rd, wr) = _at_caps(starter, (2 << 20, 1 << 20), "--user", "root", "--report", str(report),
                            "--io-max", f"{loop_dev}:rbps=2M", "--io-max", f"{loop_dev}:wbps=1M",
-                           "--bind", loop_dev, "--", "sh", "-c", script)
+                           "--device", loop_dev, "--", "sh", "-c", script)
     assert (rd[0], wr[0]) == (4 << 20, 2 << 20), p.stderr
     r = json.loads(report.read_text())
     # O_DIRECT: every byte reached the device in the job's cgroup (the loop's
@@ -175,7 +175,7 @@ def test_io_max_caps_bytes(starter, loop_dev, tmp_path):
 
 def test_io_max_caps_operations_from_the_job_file(starter, loop_dev, tmp_path):
     job = tmp_path / "job.json"
-    job.write_text(json.dumps({"user": "root", "mounts": [{"type": "bind", "src": loop_dev}],
+    job.write_text(json.dumps({"user": "root", "devices": [loop_dev],
                                "limits": {"io_max": [f"{loop_dev}:riops=50"]},
                                "command": ["dd", f"if={loop_dev}", "of=/dev/null", "bs=4k", "count=150",
                                            "iflag=direct"]}))
