@@ -288,3 +288,21 @@ def test_a_caller_gets_max_disk_and_may_not_ask_for_more(policy, home, execute_d
     # Without a scratch there is nothing to limit: max_disk is not forced on it.
     p = as_caller("--", "true")
     assert p.returncode == 0, p.stderr
+
+
+def test_verified_inputs_are_staged_into_the_image(starter, execute_dir, tmp_path):
+    """--manifest with --disk: the inputs land in the image (what the job sees),
+    not in the directory under the mount."""
+    import hashlib
+
+    inputs = tmp_path / "in"
+    inputs.mkdir()
+    script = inputs / "run.sh"
+    script.write_text("#!/bin/sh\ndf -P . | tail -1\nls\n")
+    sig = inputs / "sig.sha256"
+    sig.write_text(f"{hashlib.sha256(script.read_bytes()).hexdigest()} xrun.sh\n")
+    digest = hashlib.sha256(sig.read_bytes()).hexdigest()
+    p = starter("run", "--disk", "8M", "--execute-dir", execute_dir, "--manifest", str(sig),
+                "--manifest-digest", digest, "--inputs", str(inputs), "--", "./run.sh", check=0)
+    lines = p.stdout.splitlines()
+    assert lines[0].startswith("/dev/loop") and lines[1:] == ["run.sh"], p.stdout
