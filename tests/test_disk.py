@@ -28,6 +28,16 @@ KILL_STEPS = tuple(s for s in S.DISK_FAULT_STEPS if not s.startswith("teardown-"
 TEARDOWN_STEPS = tuple(s[len("teardown-"):] for s in S.DISK_FAULT_STEPS if s.startswith("teardown-"))
 
 
+@pytest.fixture(autouse=True, scope="module")
+def loop_devices():
+    """The images need loop devices: where the loop module is not loaded yet
+    (the test VMs boot without udev), load it; skip where there is none."""
+    if not os.path.exists("/dev/loop-control"):
+        subprocess.run(["modprobe", "loop"], capture_output=True)
+    if not os.path.exists("/dev/loop-control"):
+        pytest.skip("no loop devices (/dev/loop-control) and `modprobe loop` did not make them")
+
+
 def _report(path):
     with open(path) as f:
         return json.load(f)
