@@ -92,6 +92,8 @@ RUN_OPTIONS = {
     "--scratch": ("scratch", "value", "DIR  fresh private working directory, removed at the end"),
     "--execute-dir": ("execute-dir", "value", "DIR  make the scratch directory as DIR/job-ID"),
     "--keep-scratch": ("keep-scratch", "flag", "keep the scratch directory of a job that ran"),
+    "--disk": ("disk", "value", "SIZE  the scratch is a file system of this size (e.g. 20G): writes past it fail (ENOSPC)"),
+    "--disk-inodes": ("disk-inodes", "value", "N  with --disk: at least this many files and directories (default: one per 16 KiB)"),
     "--manifest": ("manifest", "value", "FILE  signature file listing the inputs (sha256sum format)"),
     "--manifest-digest": ("manifest-digest", "value", "SHA256  trusted digest of the signature file"),
     "--inputs": ("inputs", "value", "DIR  where the manifest's files are read from"),

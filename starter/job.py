@@ -273,6 +273,14 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         undo.push(_release_scratch, sc, report, label="scratch")   # removes it, or when kept only closes its fd
         fault("scratch-create")
         job_state.update(scratch_id=[sc.dev, sc.ino])
+        stage_fd = sc.fd
+        if spec.limits.disk is not None:
+            # The scratch becomes a file system of its own size (starter/disk.py).
+            from starter import disk
+
+            stage_fd = disk.setup(sc, spec.id, spec.limits.disk, spec.limits.disk_inodes, spec.uid, spec.gid,
+                                  job_state, undo, fault, report).root_fd
+            trace.mark("disk")
         cwd = cwd or sc.path
         if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
             # The job's /tmp is private: show the scratch at the same path inside it.
@@ -283,7 +291,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
             with rights():      # read with the caller's rights (the job's own uid then)
                 staged = manifest.verify_and_stage(
                     spec.manifest, spec.manifest_digest, spec.inputs or os.path.dirname(spec.manifest),
-                    sc.fd, spec.uid, spec.gid)
+                    stage_fd, spec.uid, spec.gid)
             # Run the verified copy, never the path that was checked.
             name = argv[0][2:] if argv[0].startswith("./") else argv[0]
             if name in staged:
@@ -571,7 +579,9 @@ def default_cwds(spec):
 def _release_scratch(sc, report):
     removed = sc.release()
     if removed is not None:
-        report["scratch_bytes"] = removed.bytes    # what the job left there (HTCondor's DiskUsage)
+        # What the job left there (HTCondor's DiskUsage); with --disk, what
+        # its image held (measured before the unmount).
+        report["scratch_bytes"] = removed.bytes + ((report.get("disk") or {}).get("used_bytes") or 0)
 
 
 def _net_teardown(job_id, cfg, report, net_end):

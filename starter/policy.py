@@ -38,6 +38,7 @@ DEFAULT_KEYS = {
     "execute_dir": ("execute-dir", "dir"),
     "memory": ("memory", "size"), "cpus": ("cpus", "cpus"), "cpu_weight": ("cpu-weight", "weight"),
     "pids": ("pids", "count"), "wall_time": ("wall-time", "duration"),
+    "disk": ("disk", "size"), "disk_inodes": ("disk-inodes", "inodes"),
     "rlimits": ("rlimit", "rlimits"), "seccomp": ("seccomp", "profile"),
     "grace": ("grace", "duration"),
     "state_dir": ("state-dir", "dir"),
@@ -60,7 +61,7 @@ CALLER_KEYS = {
     "execute_dirs": ("dirs", ()),
     "seccomp": ("profiles", ("default",)),
     "max_memory": ("size", None), "max_cpus": ("cpus", None), "max_pids": ("count", None),
-    "max_wall_time": ("duration", None),
+    "max_wall_time": ("duration", None), "max_disk": ("size", None),
     "userns_root": ("bool", False), "allow_userns": ("bool", False),
     "delegate": ("bool", False), "init": ("bool", False),
     "max_jobs": ("count", DEFAULT_MAX_JOBS),
@@ -71,7 +72,10 @@ ROOT_ONLY = ("state-dir", "cgroup-parent") + NET_OPTIONS
 # A caller's flag -> the [callers] key that allows it.
 FLAG_KEYS = {"userns-root": "userns_root", "allow-userns": "allow_userns", "delegate": "delegate",
              "init": "init"}
-LIMIT_KEYS = {"memory": "max_memory", "cpus": "max_cpus", "pids": "max_pids", "wall-time": "max_wall_time"}
+LIMIT_KEYS = {"memory": "max_memory", "cpus": "max_cpus", "pids": "max_pids", "wall-time": "max_wall_time",
+              "disk": "max_disk"}
+# --disk limits a scratch: its defaults (and a caller's max_disk) go only to jobs with one.
+DISK_OPTIONS = ("disk", "disk-inodes")
 
 
 class PolicyError(StarterError):
@@ -109,12 +113,18 @@ class Policy:
                 continue        # a root caller's environment comes first (spec.state_dir)
             if opt == "execute-dir" and (raw.get("scratch") is not None or raw.get("execute-dir") is not None):
                 continue
+            if opt in DISK_OPTIONS:
+                continue                        # below, once the scratch is known
             if opt == "rlimit":                 # per name: the job's own win
                 given = {str(r).partition("=")[0].strip().lower() for r in raw.get("rlimit") or ()}
                 raw["rlimit"] = [r for r in value if r.partition("=")[0] not in given] + list(raw.get("rlimit") or ())
                 continue
             if raw.get(opt) is None:
                 raw[opt] = value
+        if _has_scratch(raw):
+            for opt in DISK_OPTIONS:
+                if raw.get(opt) is None and opt in self.defaults and (opt == "disk" or raw.get("disk") is not None):
+                    raw[opt] = self.defaults[opt]
         if caller is not None:
             self._cap_limits(raw)
         return raw
@@ -229,9 +239,11 @@ class Policy:
                 continue
             v = raw.get(opt)
             if v is None:
-                raw[opt] = cap
+                if opt != "disk" or _has_scratch(raw):
+                    raw[opt] = cap
                 continue
-            parse = {"memory": lambda x: V.size(opt, x), "wall-time": lambda x: V.duration(opt, x, 0.001, 1e9)}.get(
+            parse = {"memory": lambda x: V.size(opt, x), "disk": lambda x: V.size(opt, x),
+                     "wall-time": lambda x: V.duration(opt, x, 0.001, 1e9)}.get(
                 opt, lambda x: V.number(opt, x, 0, 1 << 62))
             if parse(v) > parse(cap):
                 raise PolicyError(f"--{opt} {V.show(str(v))}: above the maximum {cap} of {self.where('callers.' + key)}",
@@ -249,6 +261,10 @@ class Policy:
             v = self.callers[key]
             out.append(f"{key} = {_toml(v)}" if v is not None else f"# {key}: no maximum")
         return "\n".join(out) + "\n"
+
+
+def _has_scratch(raw):
+    return raw.get("scratch") is not None or raw.get("execute-dir") is not None
 
 
 def _toml(v):
@@ -514,6 +530,8 @@ def _check(kind, key, val):
         V.number(key, val, 0.01, S.MAX_CPUS)
     elif kind == "weight":
         V.number(key, val, 1, 10000, integer=True)
+    elif kind == "inodes":
+        V.number(key, val, 16, S.MAX_DISK_INODES, integer=True)
     elif kind == "count":
         V.number(key, val, 0 if key == "callers.max_jobs" else 1, S.MAX_PIDS, integer=True)
     elif kind == "duration":

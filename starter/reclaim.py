@@ -172,7 +172,21 @@ def _reclaim_locked(state_dir, job_id, st, quick=False):
                 done.append("network removed")
             except (StarterError, OSError) as e:
                 held.append(f"network: {e}")
-    if st.get("scratch") and not st.get("keep_scratch"):
+    disk_held = False
+    if st.get("disk_image"):
+        # Before the scratch: the image is mounted on it.
+        if quick:
+            held.append(f"disk image {st['disk_image']}: left for `starter gc`")
+            disk_held = True
+        else:
+            from starter import disk
+
+            try:
+                done += disk.reclaim_recorded(st, job_id)
+            except (StarterError, OSError) as e:
+                held.append(f"disk image: {e}")
+                disk_held = True
+    if st.get("scratch") and not st.get("keep_scratch") and not disk_held:
         if quick:
             held.append(f"scratch {st['scratch']}: left for `starter gc`")
         else:

@@ -22,6 +22,8 @@ MAX_CPUS = 4096
 MAX_PIDS = 4194304            # pid_max limit of the kernel
 MAX_WALL = 366 * 86400
 MAX_GRACE = 3600
+MIN_DISK = 1 << 20             # --disk: smaller than an ext4 image's metadata is no use
+MAX_DISK_INODES = (1 << 32) - 1
 KILL_TIMEOUT = 10.0           # $STARTER_KILL_TIMEOUT: then the job's processes are "unkillable"
 
 # The job's user when no --user is given: a system account of its own, with
@@ -77,7 +79,8 @@ class Spec:
 class Limits(Spec):
     """Resource limits.  None means "not limited by the starter"."""
 
-    __slots__ = ("memory", "cpus", "cpu_weight", "pids", "wall_time", "cpuset", "mems", "io_max")
+    __slots__ = ("memory", "cpus", "cpu_weight", "pids", "wall_time", "cpuset", "mems", "io_max", "disk",
+                 "disk_inodes")
     DEFAULTS = {"io_max": ()}
 
 
@@ -411,7 +414,7 @@ _FILE_KEYS = {
 }
 _LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "pids": "pids", "wall_time": "wall-time", "cpuset": "cpuset", "mems": "mems",
-               "io_max": "io-max"}
+               "io_max": "io-max", "disk": "disk", "disk_inodes": "disk-inodes"}
 _NET_KEYS = {"mode": "net", "lan": "lan", "pool": "pool", "uplink": "uplink",
              "allow_host_ports": "allow-host-port", "resolver": "resolver",
              "ipv6": "ipv6", "pool6": "pool6"}
@@ -564,7 +567,11 @@ def _make(raw, caller=None):
         cpuset=V.id_list("cpuset", raw["cpuset"]) if raw.get("cpuset") is not None else None,
         mems=V.id_list("mems", raw["mems"], "NUMA node") if raw.get("mems") is not None else None,
         io_max=_io_max(raw.get("io-max")),
+        disk=V.size("disk", raw["disk"]) if raw.get("disk") is not None else None,
+        disk_inodes=V.number("disk-inodes", raw["disk-inodes"], 16, MAX_DISK_INODES, integer=True)
+        if raw.get("disk-inodes") is not None else None,
     )
+    _check_disk(raw, limits)
     threads = thread_count(limits.cpus, limits.cpuset)
     if threads is not None:
         env.update(dict.fromkeys(THREAD_VARS, str(threads)))
@@ -689,6 +696,26 @@ def _io_max(items):
         old = by_dev.get((maj, mn), [None] * len(rates))
         by_dev[(maj, mn)] = [r if r is not None else o for r, o in zip(rates, old)]
     return tuple((maj, mn, *rates) for (maj, mn), rates in by_dev.items())
+
+
+def _check_disk(raw, limits):
+    """--disk limits a scratch: refused without one (one line, before anything
+    is made), and with --keep-scratch (the image goes with the job)."""
+    if limits.disk is None:
+        if limits.disk_inodes is not None:
+            raise SpecError("disk-inodes", "only applies with --disk", "add --disk SIZE")
+        return
+    if limits.disk < MIN_DISK:
+        raise SpecError("disk", f"{V.show(raw['disk'])} is below the smallest disk image, 1M")
+    if raw.get("scratch") is None and raw.get("execute-dir") is None:
+        raise SpecError("disk", "limits the job's scratch directory, and this job has none",
+                        "add --execute-dir DIR (or --scratch DIR), or leave out --disk")
+    if raw.get("keep-scratch"):
+        raise SpecError("keep-scratch", "not with --disk: the scratch is the job's disk image, removed at the end",
+                        "copy what you need out of the scratch in the job, or leave out --disk")
+    if limits.disk_inodes is not None and limits.disk_inodes > limits.disk // 256:
+        raise SpecError("disk-inodes", f"{limits.disk_inodes} inodes do not fit in {V.show(raw['disk'])} "
+                        "(at most one per 256 bytes)", "ask for fewer inodes or a larger --disk")
 
 
 def _seccomp_choice(value):

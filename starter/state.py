@@ -100,6 +100,11 @@ FAULT_STEPS = (
     "teardown-net", "teardown-child", "teardown-cgroup", "teardown-scratch",
     "teardown-resolv", "teardown-entry", "teardown-uid",
 )
+# Only a job with --disk reaches these (tests/test_disk.py goes through them).
+DISK_FAULT_STEPS = (
+    "disk-record", "disk-image", "disk-loop", "disk-mount",
+    "teardown-disk-mount", "teardown-disk-loop", "teardown-disk-image",
+)
 
 
 def fault(step):

@@ -237,6 +237,25 @@ def _children():
     return kids
 
 
+def _image_loops():
+    """Loop devices backed by a --disk image (starter/disk.py keeps them in
+    .starter-images/): other loop devices on the node are not ours."""
+    found = set()
+    try:
+        names = os.listdir("/sys/block")
+    except OSError:
+        return found
+    for n in names:
+        try:
+            with open(f"/sys/block/{n}/loop/backing_file") as f:
+                backing = f.read().strip()
+        except OSError:
+            continue
+        if "/.starter-images/" in backing:
+            found.add(f"/dev/{n} {backing}")
+    return found
+
+
 def _state_entries():
     d = os.environ.get("STARTER_STATE_DIR")
     found = set()
@@ -257,6 +276,7 @@ def snapshot():
         "nft tables": _lines(["nft", "list", "tables"]),
         "job cgroups": {c for c in _job_cgroups() if os.path.basename(c).startswith(("job-", "slurm_starter"))},
         "mounts": _mounts(),
+        "disk image loop devices": _image_loops(),
         "child processes": _children(),
         "state entries": _state_entries(),
     }
