@@ -506,7 +506,7 @@ def _end_transient(state_dir, uid, job_id, action, report):
         if escapes.kill_all(uid):
             raise StarterError(f"processes of the job's uid {uid} outlived the kill; the uid stays leased",
                                "`starter gc` gives it back once they are gone")
-    uids.release(state_dir, uid, job_id)
+    uids.release(uid, state_dir, job_id)
 
 
 def _end_named(uid, since, action, report):

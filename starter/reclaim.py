@@ -104,20 +104,20 @@ def gc(state_dir, cgroup_parent=None):
 
 def _reclaim_uids(state_dir):
     """Transient uids whose job is over (its starter dead, or it ended with
-    processes of the uid left): killed what is left of the uid (unless the
+    processes of the uid left), whatever state directory leased them (the
+    leases are the node's): killed what is left of the uid (unless the
     job's entry says its escapes are only reported), then the lease given
     back.  -> (lines, held)."""
     from starter import escapes, uids
 
     lines, held = [], False
-    for uid, job_id in sorted(uids.leases(state_dir).items()):
-        if job_id and S.is_live(state_dir, job_id):
+    for uid, (sd, job_id) in sorted(uids.leases().items()):
+        if S.is_live(sd, job_id):
             continue
         try:
             if escapes.any_process(uid):
-                entry = S.load(state_dir, job_id) if job_id else {}
-                if entry.get("escape") == "report":
-                    held = True
+                if S.load(sd, job_id).get("escape") == "report":
+                    held = held or sd == os.path.abspath(state_dir)
                     lines.append(f"uid {uid} (job {job_id}): processes of it still run (escapes are only "
                                  "reported on this node); still held")
                     continue
@@ -130,7 +130,7 @@ def _reclaim_uids(state_dir):
             held = True
             lines.append(f"uid {uid} (job {job_id}): {e}; still held")
             continue
-        if uids.release(state_dir, uid, job_id):
+        if uids.release(uid, sd, job_id):
             lines.append(f"uid {uid} (job {job_id}): lease given back")
     return lines, held
 

@@ -8,10 +8,13 @@ the range the node policy sets (defaults.job_uids, default below: the block
 systemd's UIDS-GIDS.md leaves unused, above its container range), in the
 spirit of systemd's DynamicUser and podman's userns=auto.
 
-A lease is a symlink <state dir>/uids/<uid> whose target is the job id:
-symlink() fails if the name exists, so the kernel arbitrates between
-starters, in one system call (a file would take an open, a write and a
-close).  A uid (or gid) that /etc/passwd or /etc/group names is never
+A lease is a symlink LEASES/<uid> whose target names the job, as
+"<state dir>/<job id>": symlink() fails if the name exists, so the kernel
+arbitrates between starters, in one system call (a file would take an open,
+a write and a close).  The leases are the node's, not a state directory's:
+uids are node-wide, and two state directories (a site's and a test's, or two
+batch systems') must never lease one uid, or one job's end would kill the
+other's processes as escapes.  A uid (or gid) that /etc/passwd or /etc/group names is never
 leased; those files are read directly, not through NSS: the first NSS lookup
 of a process costs ~5 ms here (it loads the modules nsswitch.conf names),
 a quarter of a whole start.  Accounts from a directory service (LDAP, sssd)
@@ -38,7 +41,7 @@ from starter.errors import StarterError
 
 DEFAULT_FIRST = 0x70000000          # 1879048192
 DEFAULT_COUNT = 0x10000
-DIR = "uids"
+LEASES = "/run/starter-uids"
 MAX_TRIES = 4096
 
 
@@ -60,21 +63,18 @@ def parse_range(field, text):
     return first, last
 
 
-def lease_dir(state_dir):
-    return os.path.join(state_dir, DIR)
-
-
 def acquire(state_dir, job_id, first=DEFAULT_FIRST, last=DEFAULT_FIRST + DEFAULT_COUNT - 1):
     """Lease a free uid of [first, last] for job_id; -> uid."""
-    from starter.state import ensure_dir
-
-    ensure_dir(state_dir)
-    d = lease_dir(state_dir)
     try:
-        os.mkdir(d, 0o700)
+        os.mkdir(LEASES, 0o700)
     except FileExistsError:
         pass
-    dfd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    dfd = os.open(LEASES, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    if os.fstat(dfd).st_uid != 0 or os.fstat(dfd).st_mode & 0o077:
+        os.close(dfd)
+        raise UidError(f"{LEASES} is not root's alone: no transient uid leased",
+                       f"remove it (rm -r {LEASES}); the starter makes it again")
+    target = os.path.join(os.path.abspath(state_dir), job_id)
     try:
         n = last - first + 1
         accounts = None
@@ -82,7 +82,7 @@ def acquire(state_dir, job_id, first=DEFAULT_FIRST, last=DEFAULT_FIRST + DEFAULT
         for i in range(min(n, MAX_TRIES)):
             uid = first + (start + i) % n
             try:
-                os.symlink(job_id, str(uid), dir_fd=dfd)
+                os.symlink(target, str(uid), dir_fd=dfd)
             except FileExistsError:
                 continue
             if accounts is None:
@@ -113,35 +113,37 @@ def _local_ids(files=("/etc/passwd", "/etc/group")):
     return out
 
 
-def holder(state_dir, uid):
-    """The job id a lease names, or None (no lease, or not one of ours)."""
+def holder(uid):
+    """(state dir, job id) a lease names, or None (no lease)."""
     try:
-        return os.readlink(os.path.join(lease_dir(state_dir), str(uid)))
+        return os.path.split(os.readlink(os.path.join(LEASES, str(uid))))
     except OSError:
         return None
 
 
-def release(state_dir, uid, job_id):
-    """Give the uid back, if job_id holds it."""
-    if holder(state_dir, uid) != job_id:
+def release(uid, state_dir, job_id):
+    """Give the uid back, if that job holds it."""
+    if holder(uid) != (os.path.abspath(state_dir), job_id):
         return False
     try:
-        os.unlink(os.path.join(lease_dir(state_dir), str(uid)))
+        os.unlink(os.path.join(LEASES, str(uid)))
     except FileNotFoundError:
         return False
     return True
 
 
-def leases(state_dir):
-    """{uid: job id} of every lease."""
+def leases(state_dir=None):
+    """{uid: (state dir, job id)} of every lease (of state_dir's jobs only, if given)."""
     try:
-        names = os.listdir(lease_dir(state_dir))
+        names = os.listdir(LEASES)
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return {}
         raise
+    want = os.path.abspath(state_dir) if state_dir is not None else None
     out = {}
     for n in names:
-        if n.isdigit():
-            out[int(n)] = holder(state_dir, n)
+        h = holder(n) if n.isdigit() else None
+        if h is not None and (want is None or h[0] == want):
+            out[int(n)] = h
     return out

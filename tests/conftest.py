@@ -261,12 +261,19 @@ def _state_entries():
     found = set()
     for base in filter(None, (d, "/run/starter")):
         try:
-            found |= {os.path.join(base, n) for n in os.listdir(base) if n != "uids"}
-            # transient uid leases (starter/uids.py): the directory stays, a lease must not
-            found |= {os.path.join(base, "uids", n) for n in os.listdir(os.path.join(base, "uids"))}
+            found |= {os.path.join(base, n) for n in os.listdir(base)}
+            # the transient uids its jobs leased (starter/uids.py: the node's leases)
+            found |= {f"uid lease {u}" for u in leases(base)}
         except (FileNotFoundError, NotADirectoryError):
             pass
     return found
+
+
+def leases(state_dir):
+    """{uid: job id} of the transient uids leased for state_dir's jobs."""
+    from starter import uids
+
+    return {u: job for u, (_, job) in uids.leases(state_dir).items()}
 
 
 def snapshot():

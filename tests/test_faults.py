@@ -12,7 +12,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
-from conftest import STARTER  # noqa: E402
+from conftest import STARTER, leases  # noqa: E402
 from starter import cgroups  # noqa: E402
 from starter import state as S  # noqa: E402
 from starter.net import ipam  # noqa: E402
@@ -48,9 +48,7 @@ def _left(state_dir, ex, job_id):
     for root, _, files in os.walk(state_dir):
         left += [os.path.join(root, f) for f in files if f.startswith(job_id + ".") or f.endswith(".tmp")
                  or f.startswith(key)]
-    uids = os.path.join(state_dir, "uids")
-    if os.path.isdir(uids):
-        left += [f"uid lease {n}" for n in os.listdir(uids) if os.readlink(os.path.join(uids, n)) == job_id]
+    left += [f"uid lease {u}" for u, job in leases(state_dir).items() if job == job_id]
     slots = os.path.join(state_dir, "net", "slots")
     if os.path.isdir(slots):
         left += [f"slot {n}" for n in os.listdir(slots) if os.readlink(os.path.join(slots, n)) == key]

@@ -18,7 +18,7 @@ import time
 
 import pytest
 
-from conftest import SLOWDOWN, STARTER, process_alive
+from conftest import SLOWDOWN, STARTER, leases, process_alive
 
 FIRST = 0x70000000 + 8000
 
@@ -142,7 +142,7 @@ def test_many_default_jobs_never_share_a_uid(policy, state_dir):
             for (s1, e1), (s2, e2) in zip(ss, ss[1:]):
                 assert s2 > e1, (uid, (s1, e1), (s2, e2))     # the next ran after the last ended
         assert len(spans) == n and len(by_uid) > 32           # reuse was spread over the range
-        assert not os.listdir(os.path.join(state_dir, "uids"))
+        assert not leases(state_dir)
     finally:
         for p in running:
             p.kill()
@@ -154,14 +154,13 @@ def test_many_default_jobs_never_share_a_uid(policy, state_dir):
 
 def test_kill9_of_every_starter_then_gc_frees_every_uid(policy, state_dir):
     _range(policy, 200)
-    before = set(os.listdir(os.path.join(state_dir, "uids"))) if os.path.isdir(os.path.join(state_dir, "uids")) \
-        else set()
+    before = set(leases(state_dir))
     procs = [subprocess.Popen([STARTER, "run", "--", "sh", "-c", "echo up; sleep 300"], stdout=subprocess.PIPE,
                               stderr=subprocess.DEVNULL, text=True) for _ in range(50)]
     try:
         for p in procs:
             assert p.stdout.readline().strip() == "up"
-        leased = {int(n) for n in set(os.listdir(os.path.join(state_dir, "uids"))) - before}
+        leased = set(leases(state_dir)) - before
         assert len(leased) == 50
     finally:
         for p in procs:
@@ -171,7 +170,7 @@ def test_kill9_of_every_starter_then_gc_frees_every_uid(policy, state_dir):
             p.stdout.close()
     r = subprocess.run([STARTER, "gc"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 0, (r.stdout, r.stderr)
-    assert not os.listdir(os.path.join(state_dir, "uids")), r.stdout
+    assert not leases(state_dir), r.stdout
     # (zombies aside: a starter's dead child waits for the host's init to reap it)
     left = [l.split() for l in subprocess.run(["ps", "-eo", "ruid=,stat="], capture_output=True,
                                               text=True).stdout.splitlines()]
@@ -234,14 +233,16 @@ def test_escape_of_a_transient_uid_is_killed_and_reported(policy, tmp_path):
 
 @pytest.mark.skipif(not shutil.which("tmux"), reason="tmux is not installed (scripts/setup --test installs it)")
 def test_escape_of_a_named_user_is_reported(policy, tmp_path):
-    uid = 65534
+    # A uid nothing else on the node uses (--user by number: no account
+    # needed), so that only the job's escape is found.
+    uid = 2000000000 + os.getpid() % 100000
     d = tempfile.mkdtemp(prefix="starter-tmux-", dir="/var/lib")
     os.chown(d, uid, uid)
     server, before = None, _pids_of(uid, "sleep")
     try:
         server = _host_tmux(uid, f"{d}/s")
         report = tmp_path / "r.json"
-        p = subprocess.run([STARTER, "run", "--user", "nobody", "--report", str(report), "--bind", d, "--",
+        p = subprocess.run([STARTER, "run", "--user", str(uid), "--report", str(report), "--bind", d, "--",
                             "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 4321' && echo asked"],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and "asked" in p.stdout, (p.stdout, p.stderr)

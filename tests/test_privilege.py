@@ -160,7 +160,9 @@ def test_default_user_is_a_transient_uid(starter, state_dir):
     assert (entry["uid"], entry["gid"], entry["transient"]) == (uid, uid, True)
     with pytest.raises(KeyError):
         pwd.getpwuid(uid)
-    assert str(uid) not in os.listdir(os.path.join(state_dir, "uids"))      # given back
+    from conftest import leases
+
+    assert uid not in leases(state_dir)      # given back
 
 
 def test_default_user_can_be_the_job_account(starter, state_dir, policy):
