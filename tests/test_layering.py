@@ -14,6 +14,9 @@ import ast
 import os
 
 import starter
+import pytest
+
+pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(starter.__file__)))
 
