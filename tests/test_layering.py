@@ -13,8 +13,9 @@ calling netd) stays above them.
 import ast
 import os
 
-import starter
 import pytest
+
+import starter
 
 pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
 
