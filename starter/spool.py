@@ -11,11 +11,10 @@ reference count:
     3+                      other jobs still use it
 
 The owner is part of the name so that one user who finds a hash collision can
-only ever hurt their own jobs.  Names are built with the escaping of the
-shared-spool proposal (docs/design.md, Background): every byte outside
-``[A-Za-z0-9_.]`` becomes ``%XX``, so ``-`` (the separator) and ``%`` (the
-escape) never appear raw inside a key or value and the name maps back to
-exactly one (owner, attributes) list.
+only ever hurt their own jobs.  This module owns the store: add, link,
+release, ls, gc under the lock, and what root reads and writes on the way.
+The names (escaping, CmdHash) are spoolname.py's; whether to hard-link at all
+(``$SPOOL/.linkstate``) is spoollinks.py's.
 
 Every change to the spool (store, link, release, gc) happens under an flock on
 ``$SPOOL/.lock`` (never deleted), so gc cannot remove a file between an add and
@@ -24,10 +23,8 @@ and the directory fsynced; stored executables are read-only (0555, or 0444 when
 the source had no exec bit).
 
 Where link() cannot work (the job directory is on another filesystem, EPERM,
-EMLINK) the job gets a private copy and a warning is logged.  After 10 such
-failures with no success ever, the spool stops trying (state in
-``$SPOOL/.linkstate`` so every process on the node sees it; delete the file to
-try again).
+EMLINK) the job gets a private copy; after 10 such failures with no success
+ever the spool stops trying (spoollinks.py).
 
 Root reads and writes paths the job's user controls (FILE, DEST, JOBCOPY), so
 none of them is followed through a link (paths.py: one component at a time,
@@ -50,126 +47,21 @@ the copy, which is removed.
 import errno
 import fcntl
 import hmac
-import logging
 import os
 import stat
 
-from starter import paths, values
+from starter import paths, spoollinks
 from starter.errors import SpecError, StagingError
 from starter.fileio import NoRoom, TooLarge, copy_hashing, sized_to_fit, unlink_best_effort, unlink_quiet
+# The name codec, also the spool's interface (cli.py: spool.INVALID, spool.parse_name)
+from starter.spoolname import (HASH_ATTRS, INVALID, LOCK_NAME, NAME_MAX, PREFIX, TMP_PREFIX,  # noqa: F401
+                               check_attrs, check_cmdhash, check_owner, decode_cmdhash, encode_cmdhash,
+                               escape, hash_name, parse_name, unescape)
 
-log = logging.getLogger("starter.spool")
-
-INVALID = "invalid"
-PREFIX = "exe-"
-LOCK_NAME = ".lock"
-LINKSTATE_NAME = ".linkstate"
-TMP_PREFIX = ".tmp-"
-LINK_FAIL_LIMIT = 10
+LINK_FAIL_LIMIT = spoollinks.LINK_FAIL_LIMIT
 DEFAULT_GC_MIN_AGE = 600  # seconds an unlinked file is kept: room between add and link
-NAME_MAX = 255
 DEFAULT_SPOOL = "/var/lib/starter/spool"  # or $STARTER_SPOOL (cli.py)
-
-#: hash attribute name -> hashlib constructor name
-HASH_ATTRS = {
-    "CmdHashSHA256": "sha256",
-    "CmdHashSHA512": "sha512",
-    "CmdHashSHA1": "sha1",
-    "CmdHashMD5": "md5",
-}
-
-# The name characters (values.NAME_CHARS) but "-", which separates the parts.
-_SAFE = frozenset("".join(values.NAME_CHARS - {"-"}).encode())
-_HEX = "0123456789ABCDEF"
 _LINK_ERRNOS = (errno.EXDEV, errno.EPERM, errno.EMLINK)
-
-
-# ---------------------------------------------------------------- escaping
-
-
-def escape(value):
-    """The proposal's escaping: bytes outside [A-Za-z0-9_.] become %XX (uppercase hex).
-
-    Non-ASCII text is escaped byte by byte of its UTF-8 encoding.  Injective:
-    '%' itself is escaped, so unescape() recovers the input exactly.
-    """
-    data = value.encode("utf-8", "surrogateescape") if isinstance(value, str) else bytes(value)
-    out = []
-    for b in data:
-        if b in _SAFE:
-            out.append(chr(b))
-        else:
-            out.append("%" + _HEX[b >> 4] + _HEX[b & 15])
-    return "".join(out)
-
-
-def unescape(text):
-    """Inverse of escape(); raises ValueError on text escape() cannot produce."""
-    out = bytearray()
-    i, n = 0, len(text)
-    while i < n:
-        c = text[i]
-        if c == "%":
-            h = text[i + 1 : i + 3]
-            if len(h) != 2 or any(x not in _HEX for x in h):
-                raise ValueError(f"bad escape at offset {i} in {text!r}")
-            out.append(int(h, 16))
-            i += 3
-        elif ord(c) < 128 and ord(c) in _SAFE:
-            out.append(ord(c))
-            i += 1
-        else:
-            raise ValueError(f"unescaped character {c!r} at offset {i} in {text!r}")
-    return out.decode("utf-8", "surrogateescape")
-
-
-def encode_cmdhash(pairs):
-    """[(key, value), ...] -> "KEY1-VALUE1-KEY2-VALUE2" with every part escaped."""
-    pairs = list(pairs)
-    if not pairs:
-        return INVALID
-    return "-".join(escape(k) + "-" + escape(v) for k, v in pairs)
-
-
-def decode_cmdhash(cmdhash):
-    """Inverse of encode_cmdhash(); ValueError if it is not one."""
-    parts = cmdhash.split("-")
-    if cmdhash == INVALID or len(parts) % 2:
-        raise ValueError(f"not a CmdHash: {cmdhash!r}")
-    vals = [unescape(p) for p in parts]
-    return list(zip(vals[0::2], vals[1::2]))
-
-
-def hash_name(owner, cmdhash):
-    """File name of the spool entry: exe-<EscapedOwner>-<CmdHash>."""
-    return PREFIX + escape(check_owner(owner)) + "-" + cmdhash
-
-
-def parse_name(name):
-    """exe-<EscapedOwner>-<CmdHash> -> (owner, cmdhash); ValueError otherwise."""
-    if not name.startswith(PREFIX):
-        raise ValueError(f"not a spool entry: {name!r}")
-    esc_owner, sep, cmdhash = name[len(PREFIX) :].partition("-")
-    if not sep:
-        raise ValueError(f"not a spool entry: {name!r}")
-    decode_cmdhash(cmdhash)
-    return unescape(esc_owner), cmdhash
-
-
-def check_owner(owner):
-    """Any owner that is a plain file name (values.filename); escape() makes
-    it safe and injective."""
-    return values.filename("owner", owner)
-
-
-def check_cmdhash(cmdhash):
-    if cmdhash == INVALID:
-        return cmdhash
-    try:
-        decode_cmdhash(cmdhash)
-    except ValueError as e:
-        raise SpecError("cmdhash", str(e), hint="pass the value `starter spool add` printed, or 'invalid'") from None
-    return cmdhash
 
 
 def file_digests(src, algorithms):
@@ -187,19 +79,11 @@ def file_digests(src, algorithms):
 
 def compute_cmdhash(src, hash_attrs=("CmdHashSHA256",)):
     """The CmdHash string of a file, e.g. 'CmdHashSHA256-<hex>'; 'invalid' for no attributes."""
-    attrs = _check_attrs(hash_attrs)
+    attrs = check_attrs(hash_attrs)
     if not attrs:
         return INVALID
     digests = file_digests(src, {HASH_ATTRS[a] for a in attrs})
     return encode_cmdhash((a, digests[HASH_ATTRS[a]]) for a in attrs)
-
-
-def _check_attrs(hash_attrs):
-    attrs = [hash_attrs] if isinstance(hash_attrs, str) else list(hash_attrs)
-    for a in attrs:
-        if a not in HASH_ATTRS:
-            raise SpecError("hash_attrs", f"unknown hash attribute {a!r}", hint="use one of " + ", ".join(HASH_ATTRS))
-    return attrs
 
 
 _SRC_HINT = "pass the file itself: no component of FILE may be a symlink"
@@ -358,11 +242,9 @@ class Spool:
 
     def __init__(self, dir, *, link_fail_limit=LINK_FAIL_LIMIT):
         self.dir = os.path.abspath(dir)
-        self.link_fail_limit = link_fail_limit
-        self._links_disabled = False  # sticky per instance once seen
-        self._links_ok = False  # link() has worked here once: no need to read .linkstate again
         self._dfd = None
         self._open_dir()
+        self._links = spoollinks.LinkState(self.dir, self._dfd, link_fail_limit)
 
     # -- setup
 
@@ -523,7 +405,7 @@ class Spool:
         `dest`, also give the job its copy there (see link_into).
         """
         check_owner(owner)
-        attrs = _check_attrs(hash_attrs)
+        attrs = check_attrs(hash_attrs)
         target = _dest(dest) if dest is not None else None
         source = _Source(file, owner)
         try:
@@ -569,15 +451,15 @@ class Spool:
         return dest
 
     def _link_locked(self, name, path, target):
-        if self._links_enabled():
+        if self._links.enabled():
             try:
                 os.link(name, target.name, src_dir_fd=self._dfd, dst_dir_fd=target.dfd, follow_symlinks=False)
             except OSError as e:
                 if e.errno not in _LINK_ERRNOS:
                     raise StagingError(f"spool: cannot link {path} to {target.path}: {e.strerror}") from None
-                self._note_link(False, e, target.path)
+                self._links.note(False, e, target.path)
             else:
-                self._note_link(True)
+                self._links.note(True)
                 return
         sfd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=self._dfd)
         try:
@@ -687,67 +569,9 @@ class Spool:
             if stat.S_ISREG(st.st_mode):
                 yield name, st
 
-    # -- link() bookkeeping (don't try link() if it never works)
-
     def link_state(self):
-        """(ever_succeeded, failures) as persisted in the spool."""
-        try:
-            fd = os.open(LINKSTATE_NAME, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=self._dfd)
-        except FileNotFoundError:
-            return False, 0
-        try:
-            text = os.read(fd, 64).decode("ascii", "replace").split()
-        finally:
-            os.close(fd)
-        try:
-            return text[0] == "1", int(text[1])
-        except (IndexError, ValueError):
-            return False, 0
-
-    def _links_enabled(self):
-        if self._links_ok:
-            return True
-        if self._links_disabled:
-            return False
-        ok, fails = self.link_state()
-        self._links_ok = ok
-        if not ok and fails >= self.link_fail_limit:
-            self._links_disabled = True
-            return False
-        return True
-
-    def _note_link(self, success, err=None, dest=None):
-        if success and self._links_ok:
-            return
-        ok, fails = self.link_state()
-        if success:
-            if not ok:
-                self._save_link_state(True, fails)
-            self._links_ok = True
-            return
-        fails += 1
-        self._save_link_state(ok, fails)
-        log.warning(
-            "spool: cannot hard-link into %s (%s); the job gets a private copy", dest, errno.errorcode.get(err.errno)
-        )
-        if not ok and fails >= self.link_fail_limit:
-            self._links_disabled = True
-            log.warning(
-                "spool: link() failed %d times and never worked in %s; copying from now on "
-                "(delete %s to try links again)",
-                fails,
-                self.dir,
-                os.path.join(self.dir, LINKSTATE_NAME),
-            )
-
-    def _save_link_state(self, ok, fails):
-        tmp = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=self._dfd)
-        try:
-            os.write(fd, f"{int(ok)} {fails}\n".encode())
-        finally:
-            os.close(fd)
-        os.rename(tmp, LINKSTATE_NAME, src_dir_fd=self._dfd, dst_dir_fd=self._dfd)
+        """(ever_succeeded, failures) as persisted in the spool (spoollinks.py)."""
+        return self._links.read()
 
 
 class _Flock:

@@ -30,9 +30,35 @@ def starter_in_python(*python_flags):
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 
 
-def pytest_configure(config):
+# The fast tier: tests marked `fast` (a whole file: `pytestmark = pytest.mark.fast`)
+# are pure (parsers, validators, renderers, codecs on fixture text), need no
+# root and make nothing on the node.  `scripts/test --fast` runs them as
+# nobody; the full `scripts/test` runs them first, as nobody, then the rest
+# as root with `--tier root`, which leaves them out (docs/testing.md).
+def pytest_addoption(parser):
+    parser.addoption("--tier", choices=("all", "fast", "root"), default="all",
+                     help="fast: only the tests marked fast; root: all but those; all (default): both")
+
+
+def _fast(item):
+    return item.get_closest_marker("fast") is not None
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_collection_modifyitems(config, items):
+    tier = config.getoption("--tier")
+    if tier != "all":
+        drop = [i for i in items if _fast(i) != (tier == "fast")]
+        if drop:
+            config.hook.pytest_deselected(items=drop)
+            items[:] = [i for i in items if _fast(i) == (tier == "fast")]
     if os.geteuid() != 0:
-        raise pytest.UsageError("the tests use real namespaces, cgroups and nftables: run them as root")
+        # The rest use real namespaces, cgroups and nftables: as root only
+        # (no root-skip markers: a test that needs root fails loudly here).
+        root = [i.nodeid for i in items if not _fast(i)]
+        if root:
+            raise pytest.UsageError(f"{len(root)} selected tests need root (e.g. {root[0]}): as another "
+                                    "user only the fast tier runs (pytest --tier fast, scripts/test --fast)")
 
 
 # ---------------------------------------------------------------- helpers
@@ -264,7 +290,7 @@ def _state_entries():
             found |= {os.path.join(base, n) for n in os.listdir(base)}
             # the transient uids its jobs leased (starter/uids.py: the node's leases)
             found |= {f"uid lease {u}" for u in leases(base)}
-        except (FileNotFoundError, NotADirectoryError):
+        except (FileNotFoundError, NotADirectoryError, PermissionError):  # the last: the fast tier, as nobody
             pass
     return found
 
@@ -312,8 +338,21 @@ NODE_WIDE = ("veth", "netns", "nft tables", "job cgroups")
 SHARED_NODE = bool(os.environ.get("STARTER_TEST_SHARED_NODE"))
 
 
+# What a fast test is checked for: it runs as any user and makes nothing on
+# the node, so only what is cheap to read and the run's own (no `ip`, `nft`).
+FAST_KEYS = ("child processes", "state entries")
+
+
 @pytest.fixture(autouse=True)
 def leak_check(request, state_root):
+    if _fast(request.node):
+        before = {"child processes": _children(), "state entries": _state_entries()}
+        yield
+        after = {"child processes": _children(), "state entries": _state_entries()}
+        leaks = {k: sorted(after[k] - before[k]) for k in FAST_KEYS if after[k] - before[k]}
+        if leaks:
+            pytest.fail(f"fast test left: {leaks}", pytrace=False)
+        return
     before = snapshot()
     yield
     after = snapshot()
@@ -336,9 +375,12 @@ def leak_check(request, state_root):
 
 
 @pytest.fixture(scope="session", autouse=True)
-def node_clean_at_end(state_root):
-    """After the whole run: gc, then nothing of ours may remain at all."""
+def node_clean_at_end(request, state_root):
+    """After the whole run: gc, then nothing of ours may remain at all (a
+    run of the fast tier alone makes nothing: nothing to check)."""
     yield
+    if all(_fast(i) for i in request.session.items):
+        return
     if os.path.exists(STARTER):
         subprocess.run([STARTER, "gc", "--state-dir", state_root], capture_output=True, timeout=60)
     if SHARED_NODE:

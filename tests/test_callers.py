@@ -369,6 +369,7 @@ def _policy(text):
     return P.parse(text.encode(), "/etc/starter/starter.toml")
 
 
+@pytest.mark.fast
 def test_reference_example_policy_parses():
     """The example in docs/reference.md is a policy this starter accepts."""
     text = open(os.path.join(os.path.dirname(__file__), "..", "docs", "reference.md")).read()
@@ -383,6 +384,7 @@ def test_reference_example_policy_parses():
     assert pol.defaults["execute-dir"] == "/var/lib/starter/execute"
 
 
+@pytest.mark.fast
 def test_defaults_fill_only_what_is_not_given():
     pol = _policy('[defaults]\nmemory = "1G"\nuplink = ["eth9"]\nrlimits = { nofile = "100:200", core = 0 }\n'
                   'execute_dir = "/srv/x"\n')
@@ -393,6 +395,7 @@ def test_defaults_fill_only_what_is_not_given():
     assert raw["uplink"] == ["eth9"] and "execute-dir" not in raw and raw["memory"] == "1G"
 
 
+@pytest.mark.fast
 def test_caller_limits_capped_and_refused():
     from starter.caller import Caller
     from starter.policy import PolicyError
@@ -418,6 +421,7 @@ def test_caller_limits_capped_and_refused():
     (("tmpfs", "/tmp/t"), True),
     (("tmpfs", "/usr"), False),
 ])
+@pytest.mark.fast
 def test_caller_mounts(mount, ok):
     from starter.caller import Caller
     from starter.errors import StarterError

@@ -41,6 +41,7 @@ def fixture(name):
 # pure logic on fixture text
 
 
+@pytest.mark.fast
 def test_detect_hybrid():
     lay = files.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
     assert lay.kind == "hybrid"
@@ -58,6 +59,7 @@ def test_detect_hybrid():
     assert be.job_paths("x1")["cpu"] == "/sys/fs/cgroup/cpu/starter/job-x1"
 
 
+@pytest.mark.fast
 def test_detect_v2_nests_under_slurm_task():
     lay = files.detect_layout(fixture("mountinfo.v2"), fixture("proc_cgroup.v2"))
     assert lay.kind == "v2"
@@ -68,6 +70,7 @@ def test_detect_v2_nests_under_slurm_task():
     assert be.job_paths("7")["unified"].endswith("/task_0/starter/job-7")
 
 
+@pytest.mark.fast
 def test_detect_v1_combined_hierarchies():
     lay = files.detect_layout(fixture("mountinfo.v1"), fixture("proc_cgroup.v1"))
     assert lay.kind == "v1"
@@ -82,6 +85,7 @@ def test_detect_v1_combined_hierarchies():
     assert len(job.dirs()) == len(set(job.paths.values())) == 5
 
 
+@pytest.mark.fast
 def test_detect_container_mount_root_and_escapes():
     lay = files.detect_layout(fixture("mountinfo.container"), fixture("proc_cgroup.container"))
     assert lay.kind == "v2"
@@ -92,11 +96,13 @@ def test_detect_container_mount_root_and_escapes():
     assert mounts[1].mount_point == "/mnt/my cgroup"
 
 
+@pytest.mark.fast
 def test_detect_nothing_mounted():
     with pytest.raises(CgroupError, match="no cgroup hierarchy"):
         files.detect_layout(fixture("mountinfo.none"), "1:name=systemd:/\n")
 
 
+@pytest.mark.fast
 def test_explicit_parent():
     lay = files.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
     be = cgroups.backend_for(lay, parent="/htcondor//starter/")
@@ -110,6 +116,7 @@ def test_explicit_parent():
             cgroups.backend_for(lay, parent=bad)
 
 
+@pytest.mark.fast
 def test_proc_cgroup():
     lines = files.parse_proc_cgroup(fixture("proc_cgroup.v1"))
     assert lines[0].controllers == ("net_cls", "net_prio")
@@ -117,6 +124,7 @@ def test_proc_cgroup():
     assert files.parse_proc_cgroup("0::/a:b\n")[0].path == "/a:b"
 
 
+@pytest.mark.fast
 def test_flat_keyed_files():
     cpu = files.parse_flat_keyed(fixture("cpu.stat"))
     assert cpu["user_usec"] == 1990000 and cpu["system_usec"] == 13456
@@ -128,6 +136,7 @@ def test_flat_keyed_files():
     assert files.parse_flat_keyed(None) == {}
 
 
+@pytest.mark.fast
 def test_io_totals():
     assert files.io_stat_totals(fixture("io.stat")) == (1459200 + 90430464, 314773504 + 299008000)
     assert files.io_stat_totals("") == (0, 0)
@@ -138,6 +147,7 @@ def test_io_totals():
     assert files.blkio_totals("Total 0\n") == (0, 0)
 
 
+@pytest.mark.fast
 def test_pressure():
     assert files.pressure_totals(fixture("cpu.pressure")) == {"some": 76445, "full": 75144}
     assert files.pressure_totals(fixture("cpu.pressure.old")) == {"some": 12}
@@ -147,6 +157,7 @@ def test_pressure():
     assert nested["some"]["avg10"] == 1.53
 
 
+@pytest.mark.fast
 def test_cpu_weight_to_shares_is_runc_inverse():
     assert base.weight_to_shares(100) == 1024
     assert base.weight_to_shares(1) == 2
@@ -160,6 +171,7 @@ def test_cpu_weight_to_shares_is_runc_inverse():
         prev = s
 
 
+@pytest.mark.fast
 def test_limits_validation_names_the_field():
     Limits(memory_bytes=1 << 30, cpus=1.5, cpu_weight=100, pids=10).validate()
     for kw, field in [
@@ -179,6 +191,7 @@ def test_limits_validation_names_the_field():
 
 
 @pytest.mark.parametrize("bad", ["", "..", ".", "a/b", "-x", "a..b", "x" * 65, "a b", None])
+@pytest.mark.fast
 def test_job_id_refused(bad):
     with pytest.raises(SpecError):
         base.check_job_id(bad)
@@ -477,6 +490,7 @@ def test_kept_files_serve_the_end_of_a_job(backend, jobs):
     assert cg.is_empty() and cg.stats()["cpu_user_s"] is None
 
 
+@pytest.mark.fast
 def test_kept_reads_again_and_says_absent(tmp_path):
     f = tmp_path / "value"
     f.write_text("1\n")

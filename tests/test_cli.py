@@ -39,6 +39,7 @@ def one_error_line(p):
     "10.0.0.0/8", "10.0.0.0/08", "10.0.0.0/255.0.0.0", "0.0.0.0/0", "1.2.3.4", "192.168.7.0/24",
     "fd00::/64", "FD00:0:0::/64", "::/0", "::1", "2001:db8:0:0:1:0:0:1/128", "1:0:2:3:4:5:6:7/128",
     "fd70:7639:1864::/64"])
+@pytest.mark.fast
 def test_cidr_matches_ipaddress(text):
     import ipaddress
 
@@ -52,12 +53,14 @@ def test_cidr_matches_ipaddress(text):
     ("10.0.0.0/+8", "prefix length"), ("10.0.0.0 /8", "does not appear"), ("256.0.0.0/8", "does not appear"),
     ("fe80::%eth0/64", "does not appear"), ("1.2.3", "does not appear"), ("10.0.0.0/1234", "prefix length"),
     ("١.2.3.4/8", "ASCII"), ("10.0.0.0/" + "9" * 100, "ASCII")])
+@pytest.mark.fast
 def test_cidr_refused(text, why):
     with pytest.raises(SpecError, match=why):
         values.cidr("lan", text)
 
 
 @pytest.mark.parametrize("text, canon", [("1.2.3.4", "1.2.3.4"), ("FE80::1", "fe80::1"), ("::1", "::1")])
+@pytest.mark.fast
 def test_ip_address_canonical(text, canon):
     assert values.ip_address("resolver", text) == canon
     for bad in ("01.2.3.4", "1.2.3.4/32", " 1.2.3.4", "fe80::1%eth0", "x"):
@@ -66,17 +69,20 @@ def test_ip_address_canonical(text, canon):
 
 
 @pytest.mark.parametrize("good", ["a", "job-1", "cluster42.proc7", "A_b.c-d", "x" * 64])
+@pytest.mark.fast
 def test_job_id_accepted(good):
     assert values.job_id("id", good) == good
 
 
 @pytest.mark.parametrize("bad", ["", ".", "..", "a..b", "-x", ".x", "a/b", "../x", "$(id)", "a b",
                                  "x" * 65, "é", "a\nb", "a\0b", None, 5, ["a"]])
+@pytest.mark.fast
 def test_job_id_refused(bad):
     with pytest.raises(SpecError):
         values.job_id("id", bad)
 
 
+@pytest.mark.fast
 def test_the_other_modules_use_the_same_job_id_rule():
     from starter import scratch
     from starter.cgroups import check_job_id
@@ -91,12 +97,14 @@ def test_the_other_modules_use_the_same_job_id_rule():
 
 
 @pytest.mark.parametrize("bad", ["²", "١", "١٢", "+1", " 1", "1_0", "0x10", "4294967295", "-1", ""])
+@pytest.mark.fast
 def test_numeric_ids_are_ascii_digits(bad):
     assert not values.is_numeric_id(bad) or int(bad) > values.MAX_NUMERIC_ID
     with pytest.raises(SpecError):
         values.numeric_id("user", bad)
 
 
+@pytest.mark.fast
 def test_numeric_id_range():
     assert values.numeric_id("user", "0") == 0
     assert values.numeric_id("user", "4294967294") == 4294967294
@@ -105,6 +113,7 @@ def test_numeric_id_range():
 @pytest.mark.parametrize("text,want", [("512M", 512 << 20), ("2G", 2 << 30), ("1.5g", 3 << 29),
                                        ("64MiB", 64 << 20), ("1048576", 1 << 20), (4096, 4096),
                                        ("1P", None), ("1e3", 1000)])
+@pytest.mark.fast
 def test_size(text, want):
     if want is None:
         with pytest.raises(SpecError):
@@ -115,6 +124,7 @@ def test_size(text, want):
 
 @pytest.mark.parametrize("bad", ["inf", "-inf", "nan", "1e400", "Infinity", "0", "-1", "", "M", "１G",
                                  "²", "1 G G", True, float("inf"), float("nan"), 10**400, [1]])
+@pytest.mark.fast
 def test_size_refused(bad):
     with pytest.raises(SpecError):
         values.size("memory", bad)
@@ -122,11 +132,13 @@ def test_size_refused(bad):
 
 @pytest.mark.parametrize("bad", ["inf", "nan", "1e400", "١", "1_0", "0x10", float("nan"), float("inf"),
                                  True, None, [], "", 10**400])
+@pytest.mark.fast
 def test_number_refused(bad):
     with pytest.raises(SpecError):
         values.number("cpus", bad, 0.01, 4096)
 
 
+@pytest.mark.fast
 def test_paths(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     assert values.host_path("report", "r.json") == str(tmp_path / "r.json")
@@ -253,6 +265,7 @@ def test_internal_error_is_one_line(tmp_path, monkeypatch, capsys):
     assert "Traceback" in capsys.readouterr().err
 
 
+@pytest.mark.fast
 def test_oserror_in_a_subcommand_is_one_line(monkeypatch, capsys):
     from starter import admin
 
@@ -305,6 +318,7 @@ def test_help_everywhere(starter, cmd, flag):
 
 # ------------------------------------------------------------ relative paths, cwd
 
+@pytest.mark.fast
 def test_relative_paths_resolve_against_the_callers_cwd(tmp_path, monkeypatch):
     from starter import spec
 

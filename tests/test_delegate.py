@@ -55,6 +55,7 @@ def test_job_file_delegate_must_be_a_boolean(starter, tmp_path):
     assert p.returncode == 125 and len(p.stderr.splitlines()) == 1 and "delegate" in p.stderr
 
 
+@pytest.mark.fast
 def test_nsdelegate_is_read_from_the_mount():
     mi = ("26 24 0:23 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot\n"
           "27 24 0:24 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
@@ -78,6 +79,7 @@ def _fixture_backend(kind):
 
 
 @pytest.mark.parametrize("kind", ["v1", "hybrid"])
+@pytest.mark.fast
 def test_backends_without_v2_refuse(kind):
     from starter.errors import CgroupError
 
@@ -86,6 +88,7 @@ def test_backends_without_v2_refuse(kind):
         be.check_delegation(mi)
 
 
+@pytest.mark.fast
 def test_v2_without_nsdelegate_fails_closed():
     """Without nsdelegate the job's namespace root is no delegation boundary:
     refused, with the remount that fixes it."""
@@ -129,6 +132,7 @@ def test_payload_walk_escapes_names_and_follows_no_link(tmp_path):
     assert len(files.show_name(b"\xff" * 255)) == files.NAME_MAX_SHOWN
 
 
+@pytest.mark.fast
 def test_classad_report_lists_payload_figures():
     from starter import classad
 

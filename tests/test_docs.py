@@ -20,6 +20,8 @@ import pytest
 from conftest import REPO
 from starter import cli, spec
 
+pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
+
 DOCS = os.path.join(REPO, "docs")
 REFERENCE = os.path.join(DOCS, "reference.md")
 

@@ -322,6 +322,7 @@ def _backend(kind):
     return cgroups.open_backend(None, text(f"mountinfo.{kind}"), text(f"proc_cgroup.{kind}"))
 
 
+@pytest.mark.fast
 def test_cgroup_view_per_layout():
     from starter import mounts as M
 
@@ -341,6 +342,7 @@ def test_cgroup_view_per_layout():
     assert not any("ro" in m.flags for m in M.cgroup_view(_backend("v2").view(), writable=True))
 
 
+@pytest.mark.fast
 def test_private_dirs_and_hide_entries():
     from starter import mounts as M
 

@@ -13,7 +13,11 @@ calling netd) stays above them.
 import ast
 import os
 
+import pytest
+
 import starter
+
+pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(starter.__file__)))
 

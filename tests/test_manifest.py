@@ -179,6 +179,7 @@ H = "a" * 64
         (f"{H}  ok", "line 3: ok is listed twice"),
     ],
 )
+@pytest.mark.fast
 def test_malformed_lines(line, match):
     text = f"{'b' * 64}  first\n{line}\n"
     if "twice" in match:
@@ -187,6 +188,7 @@ def test_malformed_lines(line, match):
         manifest.parse(text.encode())
 
 
+@pytest.mark.fast
 def test_parse_accepts_sha256sum_output():
     text = f"{H}  plain\n{H.upper()} *bin\r\n{H} xexe\n\n# comment\n{H}  with space\n"
     assert manifest.parse(text.encode()) == [

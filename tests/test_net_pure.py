@@ -19,6 +19,8 @@ from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
 from starter.net import conntrack, ipam, netlink, nft, wiring  # noqa: E402
 
+pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
+
 PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
 
 

@@ -35,6 +35,7 @@ def _cmds(cmds):
     return [(verb, next(iter(obj))) for c in cmds for verb, obj in c.items()]
 
 
+@pytest.mark.fast
 def test_the_table_renders_as_its_fixture():
     """The whole table as JSON commands for libnftables, one per line of
     table.json.  A change to the rules changes this file: regenerate it
@@ -47,6 +48,7 @@ def test_the_table_renders_as_its_fixture():
         assert g == w, (i, g, w)
 
 
+@pytest.mark.fast
 def test_a_jobs_changes_encode_as_their_fixture():
     """A dual-stack job's add and delete as nf_tables messages numbered from
     100, one per line of job.netlink: `verb kind name hex`."""
@@ -58,6 +60,7 @@ def test_a_jobs_changes_encode_as_their_fixture():
         got += [f"{verb} {c[0]} {c[1]} {m.hex()}" for c, m in zip(changes, msgs)]
     with open(os.path.join(FIX, "job.netlink")) as f:
         assert got == f.read().splitlines()
+@pytest.mark.fast
 def test_rule_rendering_table():
     t = nftrules.Table("starter")
     cmds = t.create("10.213.0.0/16", lan=("10.77.0.0/16",), uplinks=("up0",), guard_ifs=("up0",),
@@ -91,6 +94,7 @@ def test_rule_rendering_table():
     assert capped == {"job_out", "job_to_host"}
 
 
+@pytest.mark.fast
 def test_rule_rendering_job_adds_no_rules():
     t = nftrules.Table("starter")
     add = t.add_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2")
@@ -108,6 +112,7 @@ def test_rule_rendering_job_adds_no_rules():
     assert len(dele) == len(add)
 
 
+@pytest.mark.fast
 def test_job_changes_as_netlink():
     """The per-job transaction over netlink: the keys as nf_tables stores them
     (`nft --debug=netlink add element ... { "stjabc" . 10.1.2.3 }` shows
@@ -136,6 +141,7 @@ def test_job_changes_as_netlink():
         nftwire.job_messages("starter", "add", t.job_changes("add", "k", "x" * 16, "10.1.2.3"), 1)
 
 
+@pytest.mark.fast
 def test_counter_read_messages():
     req = nftwire.getobj_request("starter", "stjaaaaaaaaaaaa_lan_in", 7)
     length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", req)
@@ -149,6 +155,7 @@ def test_counter_read_messages():
     assert nftwire.parse_getobj_replies(ok + err) == {1: {"bytes": 1500, "packets": 3}, 2: -2}
 
 
+@pytest.mark.fast
 def test_rule_rendering_ipv6():
     t = nftrules.Table("starter")
     cmds = t.create("10.213.0.0/16", lan=("10.77.0.0/16", "2001:db8:1::/48"), uplinks=("up0",),
@@ -179,6 +186,7 @@ def test_rule_rendering_ipv6():
     assert _cmds(t.add_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2")).count(("add", "counter")) == 5
 
 
+@pytest.mark.fast
 def test_counters_combined_and_per_family():
     c = lambda b, p: {"bytes": b, "packets": p}  # noqa: E731
     raw = {"lan_in": c(100, 1), "lan_out": c(0, 0), "wan_in": c(10, 1), "wan_out": c(5, 1), "drop": c(3, 1),
@@ -190,6 +198,7 @@ def test_counters_combined_and_per_family():
     assert "ipv6" not in no6 and no6["lan_in"] == c(100, 1)
 
 
+@pytest.mark.fast
 def test_max_flows_from_the_environment_or_the_conntrack_table(tmp_path):
     f = tmp_path / "nf_conntrack_max"
     f.write_text("262144\n")

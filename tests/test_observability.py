@@ -34,6 +34,7 @@ PROMTOOL = "/usr/bin/promtool"
 
 # ---------------------------------------------------------------- pure
 
+@pytest.mark.fast
 def test_label_values_are_escaped_per_the_exposition_format():
     assert M.escape_label('a"b\\c\nd') == 'a\\"b\\\\c\\nd'
     text = M.render({"starter_job_pids": [(M.labels(job_id='x"y', user="a\\b\nc"), 3)]})
@@ -44,6 +45,7 @@ def test_label_values_are_escaped_per_the_exposition_format():
     ]
 
 
+@pytest.mark.fast
 def test_job_samples_from_fixture_values():
     entry = {"id": "j1", "user": None, "uid": 65534, "state": "suspended", "started_at": 1700000000.5}
     usage = {"cpu_user_s": 1.5, "cpu_system_s": 0.25, "memory_current_bytes": 4096, "memory_peak_bytes": 8192,
@@ -66,6 +68,7 @@ def test_job_samples_from_fixture_values():
     assert M.job_samples(entry, False, None, None)[1] == "dead"
 
 
+@pytest.mark.fast
 def test_classad_strings_and_values():
     assert CA.value("plain") == '"plain"'
     assert CA.value('say "hi"') == '"say \\"hi\\""'
@@ -76,6 +79,7 @@ def test_classad_strings_and_values():
     assert CA.value(1.5) == "1.5"
 
 
+@pytest.mark.fast
 def test_metrics_serves_the_other_jobs_past_a_broken_or_hostile_entry(tmp_path):
     # Entries not as the starter writes them (found by fuzzing): a value that
     # is not a number, a FIFO and a link to /dev/zero in its place.  Each is
@@ -96,12 +100,14 @@ def test_metrics_serves_the_other_jobs_past_a_broken_or_hostile_entry(tmp_path):
         assert "Traceback" not in q.stderr and "internal error" not in q.stderr, (cmd, q.stderr)
 
 
+@pytest.mark.fast
 def test_top_replaces_control_characters():
     assert T.printable("a\x1b]0;owned\x07b\x9bc") == "a?]0;owned?b?c"
     # a right-to-left override and an isolate reorder what follows on the line
     assert T.printable("ok\u202egnp.exe\u2066x\u200by\u2028z é") == "ok?gnp.exe?x?y?z é"
 
 
+@pytest.mark.fast
 def test_listen_address_defaults_to_loopback():
     assert M.parse_listen("9110") == ("127.0.0.1", 9110, True)
     assert M.parse_listen("[::1]:9110") == ("::1", 9110, True)

@@ -79,6 +79,7 @@ class _Out:
         self.status, self.reason, self.unkillable, self.job_status = status, reason, list(unkillable), None
 
 
+@pytest.mark.fast
 def test_classify():
     from starter.supervisor import classify
 

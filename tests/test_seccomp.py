@@ -305,6 +305,7 @@ def parse(text):
     return P.parse(text.encode(), "t.json", resolve=lambda n: NUMBERS.get(n, -1))
 
 
+@pytest.mark.fast
 def test_parse_default_profile_shape():
     prof = P.parse(open(DEFAULT, "rb").read(), "default")
     assert prof.default_action == P.ACT_ALLOW and prof.flags == 0
@@ -315,6 +316,7 @@ def test_parse_default_profile_shape():
     assert newuser.args == ((0, P.OPS["SCMP_CMP_MASKED_EQ"], P.CLONE_NEWUSER, P.CLONE_NEWUSER),)
 
 
+@pytest.mark.fast
 def test_parse_actions_flags_and_pseudo_syscalls():
     prof = parse('''{"defaultAction": "SCMP_ACT_ERRNO", "defaultErrnoRet": 38,
         "flags": ["SECCOMP_FILTER_FLAG_LOG"], "architectures": ["SCMP_ARCH_X86_64"],
@@ -347,6 +349,7 @@ def test_parse_actions_flags_and_pseudo_syscalls():
     ('{"defaultAction": "SCMP_ACT_TRACE"}', "SCMP_ACT_TRACE is not supported"),
     (b'{"defaultAction": "\xff"}', "not UTF-8"),
 ])
+@pytest.mark.fast
 def test_parse_errors(text, message):
     data = text if isinstance(text, bytes) else text.encode()
     with pytest.raises(P.SpecError) as e:
@@ -354,6 +357,7 @@ def test_parse_errors(text, message):
     assert str(e.value).startswith("seccomp: t.json: ") and message in str(e.value), str(e.value)
 
 
+@pytest.mark.fast
 def test_without_userns_drops_only_user_namespace_rules():
     prof = parse('''{"defaultAction": "SCMP_ACT_ALLOW", "syscalls": [
         {"names": ["unshare", "clone"], "action": "SCMP_ACT_ERRNO",
@@ -364,3 +368,18 @@ def test_without_userns_drops_only_user_namespace_rules():
         {"names": ["unshare"], "action": "SCMP_ACT_ALLOW"}]}''')
     out = P.without_userns(prof)
     assert [[n for n, _ in r.names] for r in out.rules] == [["keyctl"], ["clone"], ["unshare"]]
+
+
+@pytest.mark.fast
+def test_compiling_to_bpf_needs_no_root():
+    """native/seccomp.c compiles in the parent with libseccomp: no privilege,
+    so it is in the fast tier.  One sock_filter is 8 bytes; dropping the
+    user-namespace rules makes a different, shorter program."""
+    from starter import seccomp
+
+    data = open(DEFAULT, "rb").read()
+    full, userns = seccomp.compile_bytes(data, "default"), seccomp.compile_bytes(data, "default", allow_userns=True)
+    assert full.bpf and len(full.bpf) % 8 == 0 and full.flags == 0
+    assert len(userns.bpf) < len(full.bpf)
+    with pytest.raises(P.SpecError, match="seccomp: bad.json: "):
+        seccomp.compile_bytes(b'{"defaultAction": "SCMP_ACT_NOPE"}', "bad.json")

@@ -259,6 +259,7 @@ SCONTROL_JOB = (
     "TRES=cpu=1,node=1,billing=1 CPUs/Task=1 Command=/tmp/a dir/job.sh Power= \n")
 
 
+@pytest.mark.fast
 def test_parse_scontrol_record():
     rec = parse_scontrol_record(SCONTROL_JOB)
     assert rec["JobState"] == "FAILED"
@@ -271,6 +272,7 @@ def test_parse_scontrol_record():
     assert rec["Power"] == ""
 
 
+@pytest.mark.fast
 def test_parse_exit_code():
     assert parse_exit_code("7:0") == (7, 0)
     assert parse_exit_code("0:15") == (0, 15)

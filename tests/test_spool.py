@@ -1,11 +1,11 @@
-"""Shared executables in the spool: escaping, refcounts by hard link, gc, link fallback."""
+"""Shared executables in the spool: refcounts by hard link, gc, link fallback (the
+names' escaping: test_spoolname.py)."""
 
 import hashlib
 import logging
 import multiprocessing
 import os
 import queue
-import random
 import stat
 import subprocess
 import sys
@@ -15,98 +15,6 @@ import pytest
 
 from starter import spool as sp
 from starter.errors import SpecError, StagingError, StarterError
-
-
-# ---------------------------------------------------------------- escaping (pure)
-
-
-@pytest.mark.parametrize(
-    "raw, escaped",
-    [
-        ("de-smet", "de%2Dsmet"),
-        ("+", "%2B"),
-        (":", "%3A"),
-        ("/", "%2F"),
-        ("%", "%25"),
-        ("\\", "%5C"),
-        ("adesmet", "adesmet"),
-        ("a b", "a%20b"),
-        ("CmdHashMD5", "CmdHashMD5"),
-        ("d41d8cd98f00b204e9800998ecf8427e", "d41d8cd98f00b204e9800998ecf8427e"),
-        ("x_y.z", "x_y.z"),
-        ("", ""),
-    ],
-)
-def test_escape_seed_examples(raw, escaped):
-    assert sp.escape(raw) == escaped
-    assert sp.unescape(escaped) == raw
-
-
-def test_escape_every_ascii_character():
-    allowed = set("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789_.")
-    for code in range(128):
-        c = chr(code)
-        want = c if c in allowed else "%%%02X" % code
-        assert sp.escape(c) == want, (code, sp.escape(c))
-        assert sp.unescape(want) == c
-
-
-def test_escape_non_ascii_is_per_utf8_byte():
-    assert sp.escape("é") == "%C3%A9"
-    assert sp.escape("日") == "%E6%97%A5"
-    assert sp.escape(b"\xff\x00") == "%FF%00"
-    for s in ["é", "日本", "ünïcødé-x", "\U0001f600"]:
-        assert sp.unescape(sp.escape(s)) == s
-        assert all(ord(c) < 128 for c in sp.escape(s))
-
-
-def test_unescape_rejects_what_escape_cannot_produce():
-    for bad in ["%", "%2", "%zz", "a-b", "a b", "%2d"]:  # lowercase hex is never produced
-        with pytest.raises(ValueError):
-            sp.unescape(bad)
-
-
-def test_cmdhash_format_and_seed_example():
-    md5 = "d41d8cd98f00b204e9800998ecf8427e"
-    assert sp.encode_cmdhash([("CmdHashMD5", md5)]) == f"CmdHashMD5-{md5}"
-    assert sp.hash_name("adesmet", f"CmdHashMD5-{md5}") == f"exe-adesmet-CmdHashMD5-{md5}"
-    assert sp.hash_name("de-smet", "K-V") == "exe-de%2Dsmet-K-V"
-    assert sp.parse_name("exe-de%2Dsmet-K-V") == ("de-smet", "K-V")
-    assert sp.encode_cmdhash([]) == sp.INVALID
-    assert sp.encode_cmdhash([("a-b", "c"), ("d", "")]) == "a%2Db-c-d-"
-
-
-def test_separator_tricks_do_not_collide():
-    # owner "a-b" + hash "c-d" must differ from owner "a" + hash "b-c-d"
-    names = {
-        sp.hash_name("a-b", sp.encode_cmdhash([("c", "d")])),
-        sp.hash_name("a", sp.encode_cmdhash([("b", "c-d")])),
-        sp.hash_name("a", sp.encode_cmdhash([("b-c", "d")])),
-        sp.hash_name("a%2Db", sp.encode_cmdhash([("c", "d")])),
-        sp.hash_name("a", sp.encode_cmdhash([("b", "c"), ("d", "")])),
-    }
-    assert len(names) == 5
-
-
-def test_escape_injective_randomized():
-    rnd = random.Random(31)
-    alphabet = "aZ9_.-%+:/ é\x00\x7f-%2D"
-    seen = {}
-    for _ in range(20000):
-        owner = "".join(rnd.choice(alphabet) for _ in range(rnd.randint(1, 6)))
-        if owner in (".", "..") or "/" in owner or "\0" in owner:
-            continue
-        pairs = [
-            ("".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 4))),
-             "".join(rnd.choice(alphabet) for _ in range(rnd.randint(0, 4))))
-            for _ in range(rnd.randint(1, 3))
-        ]
-        name = sp.hash_name(owner, sp.encode_cmdhash(pairs))
-        key = (owner, tuple(pairs))
-        assert seen.setdefault(name, key) == key, f"collision: {seen[name]} vs {key}"
-        o, ch = sp.parse_name(name)
-        assert (o, sp.decode_cmdhash(ch)) == (owner, pairs)
-        assert "/" not in name and "\0" not in name
 
 
 @pytest.mark.parametrize("owner", ["", ".", "..", "a/b", "/", "a\0b", None])

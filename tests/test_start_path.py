@@ -129,6 +129,7 @@ def _layout(name):
         return files.detect_layout(m.read(), c.read())
 
 
+@pytest.mark.fast
 def test_warm_up_target_is_a_v1_tasks_file_only_where_jobs_join_v1():
     assert cgroups._warm_target(_layout("v2")) is None
     for name in ("hybrid", "v1"):
@@ -200,6 +201,7 @@ def _own_cgroups():
 
 
 @pytest.mark.parametrize("cmd", [["--version"], ["ps", "--help"]])
+@pytest.mark.fast
 def test_entry_exits_with_mains_code_and_flushes(cmd):
     p = subprocess.run([sys.executable, "-m", "starter", *cmd], capture_output=True, text=True, cwd=REPO)
     assert p.returncode == 0 and p.stdout.strip(), p

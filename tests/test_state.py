@@ -230,6 +230,7 @@ def test_create_refuses_while_the_predecessor_still_holds_something(state_dir):
     S.remove_entry(state_dir, "pred2")
 
 
+@pytest.mark.fast
 def test_loads_without_the_json_module():
     assert S.loads(' {"a": [1, 2.5, null, true, "\\u00e9"]} \n') == {"a": [1, 2.5, None, True, "é"]}
     for bad in ("", "{", "NaN", '{"a": 1} x'):
@@ -237,6 +238,7 @@ def test_loads_without_the_json_module():
             S.loads(bad)
 
 
+@pytest.mark.fast
 def test_dumps_writes_strings_json_reads_back():
     import json
     import random

@@ -139,6 +139,7 @@ def _payload(c):
     return c["bytes"] - 52 * c["packets"]
 
 
+@pytest.mark.fast
 def test_uplink_option_and_job_file_key():
     """--uplink repeats; the job file's network.uplink is a name or a list;
     flags add to the file's, repeats are dropped; hostile names refused."""
