@@ -47,7 +47,7 @@
 /* What the child writes on the error pipe when a step fails: 256 bytes,
  * less than PIPE_BUF, so it arrives whole or not at all.  With --userns-root
  * also the request for the user namespace's maps: err 0, exit_code 0, step
- * "map user namespace" (shim.c, enter_userns_root); the starter answers
+ * "map user namespace" (shim_creds.c, enter_userns_root); the starter answers
  * with a byte on sync. */
 struct shim_report {
     int err;                  /* errno of the failed step */
@@ -77,7 +77,7 @@ struct shim_mount {
 };
 
 /* Resource limits the shim sets (issue 10): resource is a SHIM_RLIMIT_*
- * (shim.c maps them to RLIMIT_*), 2**64-1 is unlimited. */
+ * (shim_reset.c maps them to RLIMIT_*), 2**64-1 is unlimited. */
 #define SHIM_RLIMIT_CPU 0
 #define SHIM_RLIMIT_FSIZE 1
 #define SHIM_RLIMIT_DATA 2
@@ -145,7 +145,7 @@ struct shim_spec {
     unsigned int seccomp_flags; /* SECCOMP_FILTER_FLAG_* (LOG, SPEC_ALLOW) */
     /* The privilege boundary (issue 10); appended, other fields may follow. */
     int userns_root;          /* job is 0:0 in a new user namespace mapping 0 to uid/gid */
-    int reset_inherited;      /* oom_score_adj, nice, sched, affinity, umask, ... (see shim.c) */
+    int reset_inherited;      /* oom_score_adj, nice, sched, affinity, umask, ... (see shim_reset.c) */
     const struct shim_rlimit *rlimits; /* set while still root; needs reset_inherited */
     int nrlimits;
     /* --delegate (issue 15): make the cgroup namespace at clone time, rooted
@@ -184,6 +184,9 @@ void shim_test_no_open_tree(int on);
  * read-only bind is pinned and mounted by fd, a tree made a slave once
  * attached, by its own fd (1), or as this kernel is (0). */
 void shim_test_no_mount_setattr(int on);
+/* Tests: close the job's fds one close() at a time, as on kernels without
+ * close_range (before 5.9) (1), or with close_range again (0). */
+void shim_test_no_close_range(int on);
 
 /* native/devices.c: the job's device allow list as a BPF_CGROUP_DEVICE
  * program, attached to its cgroup2 directory (v2 and hybrid hosts).  A

@@ -1,4 +1,4 @@
-"""The cffi shim (native/shim.c), and -errno returns turned into OSError.
+"""The cffi shim (native/shim_*.c, interface native/shim.h), and -errno returns turned into OSError.
 
 Every shim call returns 0 (or a fd) on success and -errno on failure;
 `check` raises OSError(errno, "<operation> failed") so the message names what

@@ -1,7 +1,7 @@
 """Spawn a child in fresh namespaces; enter a running job's namespaces.
 
-The window between clone() and execve() belongs to native/shim.c (no Python
-runs in the child).  The protocol, in short (the full picture is in shim.c):
+The window between clone() and execve() belongs to the native shim (no Python
+runs in the child).  The protocol, in short (the full picture is in native/shim_clone.c):
 
     starter                                child
     spawn(): clone3 ──────────────────►    blocks on sync
@@ -51,7 +51,7 @@ CLONE_NEWPID = lib.SHIM_NEWPID
 CLONE_NEWNET = lib.SHIM_NEWNET
 CLONE_NEWCGROUP = lib.SHIM_NEWCGROUP
 # "cgroup" is unshare()d by the child after the release byte, so that it is
-# rooted at the job's cgroups in every hierarchy (see child_main in shim.c).
+# rooted at the job's cgroups in every hierarchy (see child_main in shim_clone.c).
 NAMESPACES = {"pid": CLONE_NEWPID, "net": CLONE_NEWNET, "mnt": CLONE_NEWNS,
               "uts": CLONE_NEWUTS, "ipc": CLONE_NEWIPC, "cgroup": CLONE_NEWCGROUP}
 DEFAULT_NAMESPACES = frozenset({"pid", "net", "mnt"})
@@ -61,8 +61,8 @@ _NS_SLOTS = {"ipc": lib.SHIM_NS_IPC, "uts": lib.SHIM_NS_UTS, "net": lib.SHIM_NS_
 
 _REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
 _CREDS = struct.Struct("iII")  # struct ucred
-_USERNS_STEP = b"map user namespace"  # SHIM_STEP_USERNS in shim.c: a request, not a failure
-# fail_link() in shim.c: a mount destination with a link on it
+_USERNS_STEP = b"map user namespace"  # SHIM_STEP_USERNS in shim_internal.h: a request, not a failure
+# fail_link() in shim_mountfd.c: a mount destination with a link on it
 _LINK_STEP, _LINK_END = "mount destination ", " is a symlink (not followed)"
 
 

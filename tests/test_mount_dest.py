@@ -1,5 +1,5 @@
 """Mount destinations are walked once, in the job's view, without following
-links (native/shim.c, walk_dest): a link planted anywhere on the path of a
+links (native/shim_mountfd.c, walk_dest): a link planted anywhere on the path of a
 --bind, --ro-bind or --tmpfs destination, the last component included, is
 refused with one line naming it, and a link swapped in while jobs start
 never carries a mount over /usr/bin (runc's CVE-2021-30465).

@@ -80,7 +80,7 @@ def test_root_owned_files_not_writable(starter, tmp_path, who):
     d, f = _root_tree(tmp_path)
     own = [os.path.join(REPO, "starter", n) for n in sorted(os.listdir(os.path.join(REPO, "starter")))
            if n.endswith(".py")]
-    own += [STARTER, os.path.join(REPO, "native", "shim.c")]
+    own += [STARTER, os.path.join(REPO, "native", "shim_clone.c")]
     before = {p: os.stat(p) for p in own}
     p = starter("run", *opts, "--bind", f"{d}:/mnt", "--", "sh", "-c", _PROBE, "probe",
                 "/mnt/file", "trunc:/mnt/file", "new:/mnt/new", *own)
