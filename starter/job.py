@@ -526,6 +526,11 @@ def _end_named(uid, since, action, report):
 
 
 def _say_escaped(job_id, found, action):
+    """One line on stderr where the starter acted (killed them); escapes it
+    only reports are in the report alone: a named user's other sessions
+    started meanwhile are found too, and the job's stderr is not for them."""
+    if action != "kill":
+        return
     shown = ", ".join(f"{p['pid']} ({p['comm']})" for p in found[:10]) + (" ..." if len(found) > 10 else "")
     sys.stderr.write(f"starter: job {job_id}: {len(found)} process(es) of its uid outside its cgroup "
                      f"(escaped): {shown}; {'killed' if action == 'kill' else 'reported'}\n")
