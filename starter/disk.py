@@ -206,7 +206,9 @@ def _mkfs(mkfs, fd, img, uid, gid, inodes):
     try:
         os.set_inheritable(fd, True)
         try:
-            pid = os.posix_spawn(mkfs, argv, {"PATH": ":".join(MKFS_DIRS), "LC_ALL": "C"}, file_actions=[
+            # setsigmask: not setup's blocked signals (deadline.py) for mkfs
+            pid = os.posix_spawn(mkfs, argv, {"PATH": ":".join(MKFS_DIRS), "LC_ALL": "C"}, setsigmask=(),
+                                 file_actions=[
                 (os.POSIX_SPAWN_OPEN, 0, "/dev/null", os.O_RDONLY, 0),
                 (os.POSIX_SPAWN_DUP2, w, 1), (os.POSIX_SPAWN_DUP2, w, 2)])
         finally:

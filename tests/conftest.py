@@ -343,8 +343,27 @@ SHARED_NODE = bool(os.environ.get("STARTER_TEST_SHARED_NODE"))
 FAST_KEYS = ("child processes", "state entries")
 
 
+def _blocked_signals():
+    """This thread's blocked signal mask: a test that leaves signals blocked
+    in the test process makes every process it starts later deaf to them
+    (a netd that never sees its SIGTERM)."""
+    with open("/proc/thread-self/status") as f:
+        for line in f:
+            if line.startswith("SigBlk:"):
+                return int(line.split()[1], 16)
+    return 0
+
+
 @pytest.fixture(autouse=True)
 def leak_check(request, state_root):
+    blocked = _blocked_signals()
+    yield from _leak_check(request)
+    if _blocked_signals() != blocked:
+        pytest.fail(f"test left signals blocked in the test process: SigBlk {_blocked_signals():#x}",
+                    pytrace=False)
+
+
+def _leak_check(request):
     if _fast(request.node):
         before = {"child processes": _children(), "state entries": _state_entries()}
         yield

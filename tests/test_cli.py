@@ -248,6 +248,17 @@ def test_admin_commands_as_non_root(cmd, state_dir):
     assert "root" in one_error_line(p)
 
 
+@pytest.fixture(autouse=True)
+def no_setup_watchdog(monkeypatch):
+    """`starter run` in this process (cli.main): no setup watchdog.
+    deadline.start() blocks the ending signals in the calling thread, and
+    every process pytest starts afterwards would inherit that (a netd that
+    never sees its SIGTERM; the leak check looks)."""
+    import starter.deadline
+
+    monkeypatch.setattr(starter.deadline, "start", lambda timeout=None: None)
+
+
 def test_internal_error_is_one_line(tmp_path, monkeypatch, capsys):
     """A bug inside job.run: one line (the traceback only with STARTER_DEBUG)."""
     from starter import cgroups
