@@ -7,8 +7,28 @@ from version numbers.
 
     Backend.create(id) -> JobCgroup      make job-<id> under the parent in every hierarchy
     Backend.view() -> [(fstype, path, options)]   the job's cgroup namespace view
-    JobCgroup: clone_fd add_pid set_limits set_devices freeze thaw frozen kill
-               is_empty pids events_fd stats oom_kills end_on_oom destroy paths
+    JobCgroup: add_pid holds pids kill destroy close stats keep_open paths,
+               the hooks below, and the optional ones with their defaults
+               (clone_fd events_fd drain_events end_on_oom oom_kills set_devices,
+               delegate open_leaf remove_leaf own_oom payload_stats)
+
+The hooks: what every backend must provide, marked @abstractmethod below
+(each with its contract in one line).  A backend's job class is composed of
+mixins (unified.py, v1.py, v2.py) ahead of JobCgroup; a class that misses a
+hook is refused when it is defined (TypeError naming the hook), not when a
+job first needs it.
+
+    JobCgroup  is_empty freeze thaw frozen set_limits _kill_round
+               _tracking_stats _resource_stats
+    Backend    roles supports_memory_peak supports_pids_peak; class
+               attributes kind and job_class
+
+Why not abc.ABC: ABCMeta refuses a class only when it is instantiated (on a
+node, at a job's start); a check in __init_subclass__ refuses it at import,
+in every test run.  abc.abstractmethod is only the marker (it sets
+__isabstractmethod__): `abc` costs nothing on the run path, the interpreter
+has imported it before the first line of the starter runs (io needs it;
+python -IS -X importtime -c pass lists it).
 
 Layout on disk (one `starter` parent per hierarchy, under the starter's own
 cgroup unless configured otherwise):
@@ -18,6 +38,7 @@ cgroup unless configured otherwise):
 
 import errno
 import math
+from abc import abstractmethod   # in sys.modules already: see above
 import os
 import time
 
@@ -309,6 +330,17 @@ class EventsWatch:
 # the interface
 
 
+def require_hooks(cls, interface):
+    """Refuse `cls`, a subclass of `interface`, unless it provides every
+    hook (@abstractmethod) of it: TypeError naming what is missing."""
+    missing = [name for name in dir(cls)
+               if getattr(getattr(cls, name, None), "__isabstractmethod__", False)]
+    if missing:
+        raise TypeError(f"{cls.__module__}.{cls.__qualname__} lacks the {interface.__name__} "
+                        f"hook{'s' if len(missing) > 1 else ''} {', '.join(missing)}: a backend "
+                        f"provides every hook (itself, or a mixin ahead of {interface.__name__})")
+
+
 class JobCgroup:
     """One job's cgroups: one directory per hierarchy, all named job-<id>.
 
@@ -317,7 +349,16 @@ class JobCgroup:
     mounted together (cpu,cpuacct) map to the same directory.  File
     descriptors handed out (clone_fd, events_fd) belong to this object and are
     closed by close()/destroy().
+
+    A subclass must provide every hook marked @abstractmethod (checked when
+    it is defined); `abstract=True` in its class statement puts that off to
+    its own subclasses.
     """
+
+    def __init_subclass__(cls, abstract=False, **kw):
+        super().__init_subclass__(**kw)
+        if not abstract:
+            require_hooks(cls, JobCgroup)
 
     def __init__(self, backend, job_id, paths):
         self.backend = backend
@@ -356,7 +397,40 @@ class JobCgroup:
         finally:
             self.kept.priming = False
 
-    # -- to be provided by tracking/resource mixins ---------------------
+    # -- hooks every backend provides (tracking and resource mixins) -----
+    @abstractmethod
+    def is_empty(self):
+        """No process left in the job or any cgroup below it (the tracking hierarchy's word)."""
+
+    @abstractmethod
+    def freeze(self, timeout=5.0):
+        """Freeze every process of the job and below; return once frozen, CgroupError after `timeout`."""
+
+    @abstractmethod
+    def thaw(self, timeout=5.0):
+        """Undo freeze(); return once thawed, CgroupError after `timeout`."""
+
+    @abstractmethod
+    def frozen(self):
+        """Is the job frozen now (by freeze(), as the kernel reports it)?"""
+
+    @abstractmethod
+    def set_limits(self, limits):
+        """Apply `limits` (a Limits, validated again) to every hierarchy; CgroupError if any cannot be."""
+
+    @abstractmethod
+    def _kill_round(self, left, deadline):
+        """SIGKILL what is in the job, sub-cgroups included; `left`: its pids just read (kill()'s loop)."""
+
+    @abstractmethod
+    def _tracking_stats(self):
+        """-> {stats() key: value} from the tracking side: cpu_user_s, cpu_system_s, psi."""
+
+    @abstractmethod
+    def _resource_stats(self):
+        """-> {stats() key: value} from the resource controllers: memory, pids, io, oom_kills."""
+
+    # -- optional hooks, with what a backend without them does -------------
     def clone_fd(self):
         return None
 
@@ -500,10 +574,6 @@ class JobCgroup:
         None (kill() polls)."""
         return None
 
-    def _kill_round(self, left, deadline):
-        """Hook: SIGKILL what is in the job; `left` are its pids just read."""
-        raise NotImplementedError
-
     def _kill_tree(self):
         """Hook: SIGKILL the whole tree with one write, without reading its
         pids first, if the backend can (cgroup.kill).  -> whether it did."""
@@ -590,9 +660,21 @@ class Backend:
     (default: <hierarchy>/<starter's own cgroup>/starter).
     """
 
-    kind = None
-    job_class = JobCgroup
+    kind = None         # every backend names its kind: "v2", "v1", "hybrid"
+    job_class = None    # ... and its JobCgroup subclass
     cpuset = False      # v1 layouts: is the job's cgroup made in the cpuset hierarchy too?
+
+    def __init_subclass__(cls, abstract=False, **kw):
+        super().__init_subclass__(**kw)
+        if abstract:
+            return
+        require_hooks(cls, Backend)
+        if not isinstance(cls.kind, str):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__} lacks the Backend hook kind: "
+                            "a class attribute naming the layout (\"v2\", \"v1\", \"hybrid\")")
+        if not (isinstance(cls.job_class, type) and issubclass(cls.job_class, JobCgroup)):
+            raise TypeError(f"{cls.__module__}.{cls.__qualname__} lacks the Backend hook job_class: "
+                            "a class attribute naming its JobCgroup subclass")
 
     def __init__(self, layout, parent=None):
         self.layout = layout
@@ -605,8 +687,9 @@ class Backend:
         return f"<{type(self).__name__} {self.parents}>"
 
     # -- which hierarchies ------------------------------------------------
+    @abstractmethod
     def roles(self):
-        raise NotImplementedError
+        """-> the roles ("unified", v1 controller names) a job's cgroup is made in, tracking first."""
 
     def add_cpuset(self):
         """A job bound to CPUs or NUMA nodes (--cpuset, --mems).  On v2 the
@@ -749,6 +832,16 @@ class Backend:
                         pass
         cache[key] = found
         return found
+
+    @property
+    @abstractmethod
+    def supports_memory_peak(self):
+        """Will stats() report memory_peak_bytes (not None) for this host's jobs?"""
+
+    @property
+    @abstractmethod
+    def supports_pids_peak(self):
+        """Will stats() report pids_peak (not None) for this host's jobs?"""
 
     @property
     def supports_kill(self):
