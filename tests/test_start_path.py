@@ -27,7 +27,8 @@ RUN_IMPORTS = {
     "genericpath", "grp", "math", "os", "os.path", "posixpath", "pwd", "select", "stat", "struct",
     # the starter's own run path
     "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
-    "starter.cgroups", "starter.cgroups.base", "starter.cgroups.files",
+    "starter.cgroups", "starter.cgroups.backend", "starter.cgroups.base", "starter.cgroups.dirs",
+    "starter.cgroups.files", "starter.cgroups.kill", "starter.cgroups.limits",
     "starter.cli", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
     "starter.mounts", "starter.ns", "starter.paths", "starter.policy", "starter.report", "starter.seccomp",
     "starter.escapes",
