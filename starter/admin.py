@@ -191,7 +191,7 @@ def enter(state_dir, job_id, argv, user=None):
     (unshare in a user namespace of its own, --userns-root or --allow-userns)
     is refused, not joined.  The job's user namespace is never joined: the
     entering process has host credentials (the job's host uid by default)."""
-    from starter import ns
+    from starter import ns, nsidentity
     from starter.spec import DEFAULT_PATH, resolve_user, rlimit_table
 
     st = _entry(state_dir, job_id)
@@ -230,8 +230,8 @@ def enter(state_dir, job_id, argv, user=None):
             raise StarterError(f"job {job_id!r}: pid {pid} is not in the job's cgroup",
                                "its PID 1 is gone; `starter ps` shows its state")
         try:
-            nsfds = ns.open_namespaces(pidfd, recorded)
-        except ns.NamespacesChanged as e:
+            nsfds = nsidentity.open_namespaces(pidfd, recorded)
+        except nsidentity.NamespacesChanged as e:
             raise StarterError(f"job {job_id!r} changed its namespaces ({', '.join(sorted(e.changed))}) "
                                "since it started: `starter enter` joins only the namespaces the starter "
                                "made for it") from None
@@ -250,7 +250,7 @@ def enter(state_dir, job_id, argv, user=None):
         child = ns.enter(nsfds, list(argv), env, cwd="/", uid=uid, gid=gid,
                          groups=groups, cgroup_fd=cgroup_fd, released=False, seccomp=sc_filter,
                          rlimits=rlimit_table())
-        ns.close_namespaces(nsfds)
+        nsidentity.close_namespaces(nsfds)
         nsfds = {}
         try:
             cg.add_pid(child.pid, cloned=True)   # v1 hierarchies, before it runs anything
@@ -260,7 +260,7 @@ def enter(state_dir, job_id, argv, user=None):
         finally:
             child.close()
     finally:
-        ns.close_namespaces(nsfds)
+        nsidentity.close_namespaces(nsfds)
         if leaf_fd is not None:
             os.close(leaf_fd)
             cg.remove_leaf(leaf)

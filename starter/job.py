@@ -233,6 +233,7 @@ def run(spec, caller=None, policy=None):
 
 def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_Root, since=None):
     from starter import cgroups, ns
+    from starter.nsidentity import made_for
     from starter.mounts import Mount
     from starter.spec import rlimit_table
     from starter.supervisor import Supervisor, classify
@@ -367,7 +368,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     # read now: the child runs nothing of the job's before the release.  A
     # job with a user namespace of its own can later unshare its PID 1 into
     # namespaces of its own making; enter refuses those.
-    job_namespaces = ns.made_for(child.pid, child_spec)
+    job_namespaces = made_for(child.pid, child_spec)
     if since is not None:
         from starter.state import process_start_time
 

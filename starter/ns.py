@@ -1,4 +1,8 @@
-"""Spawn a child in fresh namespaces; enter a running job's namespaces.
+"""Spawn a child in fresh namespaces; enter a running job's namespaces: the
+Child's lifecycle (release, wait_started, signals, wait, close) around the
+shim.  Beside it: childspec.py (ChildSpec and its marshalling for the shim),
+nsidentity.py (which namespaces a job is in, checked before enter), nshints.py
+(errno -> hint, loaded only when a spawn fails).
 
 The window between clone() and execve() belongs to the native shim (no Python
 runs in the child).  The protocol, in short (the full picture is in native/shim_clone.c):
@@ -33,81 +37,20 @@ import os
 import _signal  # not `signal`: it builds enums at import (~3 ms per job)
 import struct
 
-from starter import mounts as _mounts
-from starter._native import cap_last_cap, check, ffi, lib
+from starter._native import check, ffi, lib
+# ChildSpec, Mount and the flags are re-exported: callers build a spec through ns.
+from starter.childspec import (CLONE_NEWCGROUP, CLONE_NEWIPC, CLONE_NEWNET, CLONE_NEWNS,
+                               CLONE_NEWPID, CLONE_NEWUTS, NAMESPACES, NS_SLOTS, ChildSpec, build)
 from starter.errors import SpawnError, SpecError, StarterError
 from starter.mounts import Mount
-from starter.values import MAX_NUMERIC_ID  # (uid_t)-1 means "unchanged" to setresuid
 
 __all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "decode_status",
            "NAMESPACES", "CLONE_NEWNS", "CLONE_NEWUTS", "CLONE_NEWIPC", "CLONE_NEWPID",
-           "CLONE_NEWNET", "CLONE_NEWCGROUP", "identities", "made_for", "open_namespaces", "close_namespaces",
-           "NamespacesChanged"]
-
-CLONE_NEWNS = lib.SHIM_NEWNS
-CLONE_NEWUTS = lib.SHIM_NEWUTS
-CLONE_NEWIPC = lib.SHIM_NEWIPC
-CLONE_NEWPID = lib.SHIM_NEWPID
-CLONE_NEWNET = lib.SHIM_NEWNET
-CLONE_NEWCGROUP = lib.SHIM_NEWCGROUP
-# "cgroup" is unshare()d by the child after the release byte, so that it is
-# rooted at the job's cgroups in every hierarchy (see child_main in shim_clone.c).
-NAMESPACES = {"pid": CLONE_NEWPID, "net": CLONE_NEWNET, "mnt": CLONE_NEWNS,
-              "uts": CLONE_NEWUTS, "ipc": CLONE_NEWIPC, "cgroup": CLONE_NEWCGROUP}
-DEFAULT_NAMESPACES = frozenset({"pid", "net", "mnt"})
-# shim_spec.enter_ns_fds's slots
-_NS_SLOTS = {"ipc": lib.SHIM_NS_IPC, "uts": lib.SHIM_NS_UTS, "net": lib.SHIM_NS_NET,
-             "pid": lib.SHIM_NS_PID, "cgroup": lib.SHIM_NS_CGROUP, "mnt": lib.SHIM_NS_MNT}
+           "CLONE_NEWNET", "CLONE_NEWCGROUP"]
 
 _REPORT = struct.Struct(f"ii{lib.SHIM_STEP_MAX}s")
 _CREDS = struct.Struct("iII")  # struct ucred
 _USERNS_STEP = b"map user namespace"  # SHIM_STEP_USERNS in shim_internal.h: a request, not a failure
-# fail_link() in shim_mountfd.c: a mount destination with a link on it
-_LINK_STEP, _LINK_END = "mount destination ", " is a symlink (not followed)"
-
-
-class ChildSpec:
-    """What to run and how to isolate it.  Plain class (no dataclasses import
-    on the hot path); fields as documented in the project brief."""
-
-    __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
-                 "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
-                 "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks", "seccomp",
-                 "userns_root", "reset_inherited", "rlimits", "cgroupns_at_clone")
-
-    def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
-                 namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
-                 keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
-                 drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=(), seccomp=None,
-                 userns_root=False, reset_inherited=True, rlimits=None, cgroupns_at_clone=False):
-        self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
-        self.env = env                # dict[str, str]: exactly the job's environment
-        self.cwd = cwd
-        self.uid = uid
-        self.gid = gid
-        self.groups = groups          # supplementary groups, exactly these
-        self.namespaces = namespaces  # subset of NAMESPACES
-        self.hostname = hostname      # needs "uts"
-        self.mounts = mounts          # tuple[Mount]; needs "mnt"
-        self.private_tmp = private_tmp  # fresh tmpfs /tmp; only with "mnt"
-        self.keep_fds = keep_fds      # besides 0-2, open in the job (CLOEXEC cleared)
-        self.init = init              # shim stays PID 1, job is PID 2
-        self.cgroup_fd = cgroup_fd    # cgroup2 dir fd: CLONE_INTO_CGROUP
-        self.die_with_parent = die_with_parent
-        self.drop_privileges = drop_privileges  # False: keep uid 0 and caps (ns-exec)
-        self.stdio = stdio            # fds to become the job's 0, 1, 2 (None: inherit)
-        self.cwd_fallbacks = cwd_fallbacks  # cwd=None: the first of these the job can chdir to
-        self.seccomp = seccomp        # starter.seccomp.Filter installed before execve, or None
-        self.userns_root = userns_root  # uid/gid 0 in a new user namespace mapped to uid/gid
-        self.reset_inherited = reset_inherited  # oom_score_adj, nice, sched, affinity, umask...
-        self.rlimits = rlimits        # ((SHIM_RLIMIT index, soft, hard, asked), ...); None: keep
-        # cgroup namespace made by clone3 itself, rooted at cgroup_fd's cgroup
-        # (--delegate: the starter then moves the child into a leaf below it)
-        self.cgroupns_at_clone = cgroupns_at_clone
-
-    def __repr__(self):
-        fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
-        return f"ChildSpec({fields})"
 
 
 def decode_status(status):
@@ -311,13 +254,15 @@ def spawn(spec):
     keep = []
     src_fds = []  # bind sources, opened without following links
     try:
-        c = _build(spec, keep, src_fds=src_fds)
+        c = build(spec, keep, src_fds=src_fds)
         ns = c.nsflags
         out = ffi.new("struct shim_child *")
         try:
             check(lib.shim_spawn(c, out), "clone3")
         except OSError as e:
-            raise StarterError(str(e), _clone_hint(e.errno, ns, spec.cgroup_fd)) from None
+            from starter.nshints import clone_hint
+
+            raise StarterError(str(e), clone_hint(e.errno, ns, spec.cgroup_fd)) from None
     finally:
         for fd in src_fds:
             _close(fd)
@@ -336,7 +281,7 @@ def enter(namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=Non
     open_namespaces()) in a short-lived helper, and clone the process into
     `cgroup_fd`.  Returns a Child, already released unless released=False
     (then attach it to v1 cgroups first, and call release())."""
-    unknown = set(namespaces) - _NS_SLOTS.keys()
+    unknown = set(namespaces) - NS_SLOTS.keys()
     if unknown:
         raise SpecError("namespaces", f"cannot enter {', '.join(sorted(unknown))}")
     for name, fd in namespaces.items():
@@ -347,14 +292,16 @@ def enter(namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=Non
                      keep_fds=keep_fds, cgroup_fd=cgroup_fd, drop_privileges=drop_privileges,
                      stdio=stdio, seccomp=seccomp, rlimits=rlimits)
     keep = []
-    c = _build(spec, keep, entering=True)
+    c = build(spec, keep, entering=True)
     for name, fd in namespaces.items():
-        c.enter_ns_fds[_NS_SLOTS[name]] = fd
+        c.enter_ns_fds[NS_SLOTS[name]] = fd
     out = ffi.new("struct shim_child *")
     try:
         check(lib.shim_enter(c, out), "enter")
     except OSError as e:
-        raise StarterError(str(e), _clone_hint(e.errno, c.nsflags, cgroup_fd)) from None
+        from starter.nshints import clone_hint
+
+        raise StarterError(str(e), clone_hint(e.errno, c.nsflags, cgroup_fd)) from None
     if out.pid < 0:  # the helper failed (setns, clone3): its report is on err
         data = _read_report(out.err_fd)
         _close(out.err_fd)
@@ -371,259 +318,10 @@ def enter(namespaces, argv, env, cwd="/", uid=0, gid=0, groups=(), cgroup_fd=Non
     return child
 
 
-# ---- which namespaces a job is in ---------------------------------------------
-#
-# `starter enter` joins what the starter made for the job, never what the
-# job's PID 1 is in now: a job with a user namespace of its own (--userns-root,
-# --allow-userns) can unshare() its mount namespace and mount over /bin there,
-# and an admin who joined that namespace would run the job's binaries as
-# whoever they entered as.  So the starter records which namespaces it made
-# (identities(), right after clone, before the child runs anything of the
-# job's), and enter opens the PID 1's namespaces by path and joins them by
-# those fds only if every one is the recorded one (open_namespaces()).
-#
-# The cgroup namespace is made by the child after the release byte (where
-# the starter cannot read it before the job runs), so it has no identity on
-# record; it is checked by its owner instead: the child makes it as root of
-# the host's user namespace, before any --userns-root, so that namespace
-# owns it; every namespace the job could make or join is owned by a user
-# namespace of the job's (it has no capability in the host's).
-
-NS_GET_USERNS = 0xb701      # _IO(0xb7, 0x1), <linux/nsfs.h>
-
-
-class NamespacesChanged(StarterError):
-    """The job's PID 1 is no longer in the namespaces the starter made."""
-
-    def __init__(self, changed, message, hint=None):
-        super().__init__(message, hint)
-        self.changed = changed
-
-
-def identities(pid, names):
-    """name -> [st_dev, st_ino] of /proc/PID/ns/NAME: which namespace of that
-    type the process is in.  For a process that cannot have changed them
-    (the starter's child before the release byte)."""
-    out = {}
-    for name in names:
-        st = os.stat(f"/proc/{pid}/ns/{name}")
-        out[name] = [st.st_dev, st.st_ino]
-    return out
-
-
-def made_for(pid, spec):
-    """The record of what the starter made for its child `pid` (ChildSpec
-    `spec`), for open_namespaces(): identities() of the namespaces it was
-    cloned into; its cgroup namespace, made after the release unless at
-    clone, as None (checked by its owner)."""
-    later = set() if spec.cgroupns_at_clone else {"cgroup"} & spec.namespaces
-    out = identities(pid, spec.namespaces - later)
-    out.update(dict.fromkeys(later))
-    return out
-
-
-def _owned_by_our_user_namespace(fd):
-    import fcntl
-
-    owner = fcntl.ioctl(fd, NS_GET_USERNS)
-    try:
-        st, ours = os.fstat(owner), os.stat("/proc/self/ns/user")
-    finally:
-        os.close(owner)
-    return (st.st_dev, st.st_ino) == (ours.st_dev, ours.st_ino)
-
-
-def open_namespaces(pidfd, recorded):
-    """fds of the namespaces `recorded` names (name -> [st_dev, st_ino]; a
-    cgroup namespace may be None: made after the release, checked by its
-    owner), opened from the process of `pidfd`, each checked to be the
-    recorded one.  The process is checked to be alive after the opens, so
-    /proc/PID named it throughout (a pid is not reused before its process
-    is reaped).  Raises NamespacesChanged if any differs, StarterError if
-    the process is gone."""
-    pid = _pid_of_pidfd(pidfd)
-    fds = {}
-    changed = []
-    try:
-        for name, ident in recorded.items():
-            if name not in _NS_SLOTS:
-                raise StarterError(f"cannot enter a {name} namespace")
-            if ident is None and name != "cgroup":
-                raise StarterError(f"no record of the job's {name} namespace")
-            if pid <= 0:
-                raise ProcessLookupError
-            fd = fds[name] = os.open(f"/proc/{pid}/ns/{name}", os.O_RDONLY | os.O_CLOEXEC)
-            if ident is None:
-                same = _owned_by_our_user_namespace(fd)
-            else:
-                st = os.fstat(fd)
-                same = [st.st_dev, st.st_ino] == list(ident)
-            if not same:
-                changed.append(name)
-        _signal.pidfd_send_signal(pidfd, 0)
-    except (ProcessLookupError, FileNotFoundError):
-        close_namespaces(fds)
-        raise StarterError(f"the job's PID 1 (pid {pid}) is gone") from None
-    except BaseException:
-        close_namespaces(fds)
-        raise
-    if changed:
-        close_namespaces(fds)
-        raise NamespacesChanged(changed, f"the job's PID 1 (pid {pid}) left the "
-                                f"{', '.join(sorted(changed))} namespace{'s' if len(changed) > 1 else ''} "
-                                "the starter made for it")
-    return fds
-
-
-def close_namespaces(fds):
-    for fd in fds.values():
-        _close(fd)
-
-
 def setns(fd, nstype=0):
     """setns(2) for the calling thread.  The starter itself should not move:
     use enter(), which does this in a helper process."""
     check(lib.shim_setns(fd, nstype), "setns")
-
-
-# ---- building the C spec ----------------------------------------------------
-
-def _build(spec, keep, entering=False, src_fds=None):
-    """A `struct shim_spec` for `spec`; every buffer goes to `keep`."""
-    argv = spec.argv
-    if not argv or not isinstance(argv, (list, tuple)):
-        raise SpecError("argv", "the command is empty")
-    env = spec.env
-    if not isinstance(env, dict):
-        raise SpecError("env", "must be a dict of str to str")
-    names = spec.namespaces
-    unknown = set(names) - NAMESPACES.keys()
-    if unknown:
-        raise SpecError("namespaces", f"unknown {', '.join(sorted(unknown))}; "
-                        f"choose from {', '.join(sorted(NAMESPACES))}")
-    nsflags = 0
-    for n in names:
-        nsflags |= NAMESPACES[n]
-    if spec.hostname is not None and "uts" not in names:
-        raise SpecError("hostname", "needs the uts namespace")
-    if spec.mounts and "mnt" not in names:
-        raise SpecError("mounts", "need the mnt namespace (they would land on the host)")
-    if len(spec.mounts) > lib.SHIM_MAX_MOUNTS:
-        raise SpecError("mounts", f"at most {lib.SHIM_MAX_MOUNTS}")
-    for field in ("uid", "gid"):
-        v = getattr(spec, field)
-        if not isinstance(v, int) or not 0 <= v <= MAX_NUMERIC_ID:
-            raise SpecError(field, f"{v!r} is not a valid id")
-    for g in spec.groups:
-        if not isinstance(g, int) or not 0 <= g <= MAX_NUMERIC_ID:
-            raise SpecError("groups", f"{g!r} is not a valid group id")
-    if len(spec.groups) > 65536:
-        raise SpecError("groups", "more than 65536 groups")
-    kfds = sorted(set(spec.keep_fds))
-    if len(kfds) > lib.SHIM_MAX_KEEP:
-        raise SpecError("keep_fds", f"at most {lib.SHIM_MAX_KEEP}")
-    for fd in kfds:
-        if not isinstance(fd, int) or fd < 3:
-            raise SpecError("keep_fds", f"{fd!r}: 0-2 are always kept; give fds >= 3")
-        try:
-            os.fstat(fd)
-        except OSError:
-            raise SpecError("keep_fds", f"fd {fd} is not open") from None
-    stdio = tuple(spec.stdio)
-    if len(stdio) != 3:
-        raise SpecError("stdio", "give three fds (or None) for stdin, stdout, stderr")
-    for fd in stdio:
-        if fd is not None and (not isinstance(fd, int) or fd < 0):
-            raise SpecError("stdio", f"{fd!r} is not a fd")
-    if spec.cgroup_fd is not None and (not isinstance(spec.cgroup_fd, int) or spec.cgroup_fd < 0):
-        raise SpecError("cgroup_fd", f"{spec.cgroup_fd!r} is not a fd")
-    if spec.userns_root and (entering or not spec.drop_privileges or spec.uid == 0):
-        raise SpecError("userns_root", "needs a job that drops privileges to a non-root uid")
-    rlimits = tuple(spec.rlimits or ())
-    if rlimits and not spec.reset_inherited:
-        raise SpecError("rlimits", "are set with reset_inherited")
-    for r in rlimits:
-        if (len(r) != 4 or not all(isinstance(v, int) for v in r)
-                or not 0 <= r[0] < lib.SHIM_NRLIMITS or not 0 <= r[1] <= r[2] < 2**64):
-            raise SpecError("rlimits", f"{r!r} is not (resource, soft, hard, asked), soft <= hard")
-
-    c = ffi.new("struct shim_spec *")
-    keep.append(c)
-    c.argv = _strv("argv", argv, keep)
-    c.envp = _strv("env", [_env_item(k, v) for k, v in env.items()], keep)
-    path = env.get("PATH")
-    c.path = _cstr("env", path, keep) if path is not None else ffi.NULL
-    c.cwd = _cstr("cwd", spec.cwd, keep) if spec.cwd else ffi.NULL
-    c.uid = spec.uid
-    c.gid = spec.gid
-    groups = ffi.new("unsigned int[]", list(spec.groups) or [0])
-    keep.append(groups)
-    c.groups = groups
-    c.ngroups = len(spec.groups)
-    c.nsflags = nsflags
-    c.hostname = _cstr("hostname", spec.hostname, keep) if spec.hostname is not None else ffi.NULL
-    if not entering and "mnt" in names:
-        c.private_tmp = 1 if spec.private_tmp else 0
-        c.mounts = _mounts.to_c(ffi, spec.mounts, keep, src_fds)
-        c.nmounts = len(spec.mounts)
-    c.stdio = [-1 if fd is None else fd for fd in stdio]
-    kf = ffi.new("int[]", kfds or [0])
-    keep.append(kf)
-    c.keep_fds = kf
-    c.nkeep = len(kfds)
-    c.init = 1 if spec.init else 0
-    c.cgroup_fd = -1 if spec.cgroup_fd is None else spec.cgroup_fd
-    c.die_with_parent = 1 if spec.die_with_parent else 0
-    c.drop_privileges = 1 if spec.drop_privileges else 0
-    c.cap_last_cap = cap_last_cap()
-    c.enter_ns_fds = [-1] * lib.SHIM_NNS
-    if not spec.cwd and spec.cwd_fallbacks:
-        c.cwd_fallbacks = _strv("cwd", list(spec.cwd_fallbacks), keep)
-        c.ncwd_fallbacks = len(spec.cwd_fallbacks)
-    if spec.seccomp is not None:  # the job's process installs it last, before execve
-        n = len(spec.seccomp.bpf)
-        if not 0 < n <= lib.SHIM_SECCOMP_MAX_BYTES or n % 8:
-            raise SpecError("seccomp", f"a BPF program of {n} bytes is not 1..4096 instructions")
-        bpf = ffi.from_buffer(spec.seccomp.bpf)
-        keep.append(bpf)
-        c.seccomp_filter = bpf
-        c.seccomp_len = len(spec.seccomp.bpf)
-        c.seccomp_flags = spec.seccomp.flags
-    c.userns_root = 1 if spec.userns_root else 0
-    c.reset_inherited = 1 if spec.reset_inherited else 0
-    c.cgroupns_at_clone = 1 if spec.cgroupns_at_clone else 0
-    rl = ffi.new("struct shim_rlimit[]", max(len(rlimits), 1))
-    keep.append(rl)
-    for i, (res, soft, hard, asked) in enumerate(rlimits):
-        rl[i].resource, rl[i].soft, rl[i].hard, rl[i].asked = res, soft, hard, 1 if asked else 0
-    c.rlimits = rl
-    c.nrlimits = len(rlimits)
-    return c
-
-
-def _cstr(field, s, keep):
-    b = os.fsencode(s)
-    if b"\0" in b:
-        raise SpecError(field, f"{s!r} contains a NUL byte")
-    p = ffi.new("char[]", b)
-    keep.append(p)
-    return p
-
-
-def _env_item(k, v):
-    if not isinstance(k, str) or not k or "=" in k:
-        raise SpecError("env", f"bad variable name {k!r}")
-    if not isinstance(v, str):
-        raise SpecError("env", f"{k}: value must be a string")
-    return f"{k}={v}"
-
-
-def _strv(field, items, keep):
-    ptrs = [_cstr(field, s, keep) for s in items]
-    ptrs.append(ffi.NULL)
-    arr = ffi.new("char *[]", ptrs)
-    keep.append(arr)
-    return arr
 
 
 # ---- parent-side helpers ----------------------------------------------------
@@ -690,13 +388,15 @@ def _spawn_error(data, spec):
     if len(data) < _REPORT.size:
         return StarterError("the child died during setup without a report",
                             "see the kernel log (dmesg) for a killed process")
+    from starter.nshints import LINK_END, LINK_STEP, step_hint
+
     err, _code, raw = _REPORT.unpack(data)
     step = raw.split(b"\0", 1)[0].decode(errors="replace")
-    if step.startswith(_LINK_STEP) and step.endswith(_LINK_END):
+    if step.startswith(LINK_STEP) and step.endswith(LINK_END):
         # The shim's walk of a mount destination met a link: the step is the
         # whole message ("mount destination /a/b/c: /a/b is a symlink (not followed)").
-        return SpawnError(step, err, _step_hint(step, err, spec), message=step)
-    return SpawnError(step, err, _step_hint(step, err, spec))
+        return SpawnError(step, err, step_hint(step, err, spec), message=step)
+    return SpawnError(step, err, step_hint(step, err, spec))
 
 
 def _attach_by_pid(child, cgroup_fd):
@@ -713,89 +413,8 @@ def _attach_by_pid(child, cgroup_fd):
                            "check that cgroup_fd is a cgroup2 directory the starter created") from None
 
 
-def _pid_of_pidfd(pidfd):
-    try:
-        with open(f"/proc/self/fdinfo/{pidfd}", "rb") as f:
-            for line in f:
-                if line.startswith(b"Pid:"):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return -1
-
-
 def _close(fd):
     try:
         os.close(fd)
     except OSError:
         pass
-
-
-# ---- hints: what the admin can do about it ------------------------------------
-
-def _clone_hint(err, nsflags, cgroup_fd):
-    import errno as E
-    if err == E.EPERM:
-        return "creating namespaces needs root (CAP_SYS_ADMIN): run the starter as root"
-    if err == E.ENOSPC:
-        return ("the namespace limit is reached: raise user.max_pid_namespaces, "
-                "user.max_net_namespaces, user.max_mnt_namespaces (sysctl), or gc old jobs")
-    if err == E.EBUSY and cgroup_fd is not None:
-        return ("the target cgroup has controllers enabled for children "
-                "(cgroup v2 no-internal-process rule): use a leaf cgroup")
-    if err in (E.EINVAL, E.EOPNOTSUPP) and cgroup_fd is not None:
-        return "cgroup_fd must be a directory fd of a cgroup2 (unified) hierarchy"
-    if err == E.EAGAIN:
-        return "process limit reached (pids cgroup, ulimit -u or kernel.pid_max)"
-    if err == E.ENOMEM:
-        return "the kernel is out of memory, or pid namespace init already exited"
-    return None
-
-
-def _step_hint(step, err, spec):
-    import errno as E
-    uid = getattr(spec, "uid", 0)
-    if step.startswith("execve"):
-        if err == E.ENOENT:
-            path = spec.env.get("PATH") if spec is not None else None
-            if "/" in step[7:]:
-                return "no such file in the job's view of the filesystem"
-            return f"not found in the job's PATH={path}" if path else "the job's env has no PATH: give an absolute path"
-        if err == E.EACCES:
-            return f"not executable for uid {uid}, or on a noexec mount"
-        if err == E.ENOEXEC:
-            return "not a binary this kernel can run; scripts need a #! line"
-        return None
-    if step.startswith("chdir"):
-        return f"the working directory must exist in the job's view and be searchable by uid {uid}"
-    if step.startswith(_LINK_STEP) and err == E.ELOOP:
-        return ("mount destinations are resolved in the job's view without following links, "
-                "the last component included: give the path the link leads to; a link a job or "
-                "user made is refused on purpose")
-    if step.startswith("bind source") and err == E.ENOENT:
-        return "the source of the bind does not exist on the host"
-    if step.startswith(_mounts.KINDS + ("mkdir",)):
-        if err == E.ENOENT:
-            return ("the source or the mount point does not exist; mount points are "
-                    "created only inside a tmpfs the job mounts (e.g. the private /tmp)")
-        if err == E.ENOTDIR:
-            return "a directory can only be bound onto a directory, a file onto a file"
-    if step.startswith("mount") and err == E.EPERM:
-        return "mounting needs CAP_SYS_ADMIN; is the starter itself in a restricted container?"
-    if step in ("setresuid", "setresgid", "setgroups", "capset") and err == E.EPERM:
-        return "changing credentials needs root: run the starter as root"
-    if step == "unshare cgroup namespace" and err == E.EINVAL:
-        return "the kernel lacks cgroup namespaces (CONFIG_CGROUPS, Linux 4.6+)"
-    if step.startswith("mount /sys/fs/cgroup") and err == E.EBUSY:
-        return "the host's cgroup hierarchies changed since the starter probed them (mount options differ)"
-    if step.startswith("keyctl") and err == E.EDQUOT:
-        return "the job user's key quota is full (kernel.keys.maxkeys/maxbytes): old keys of that user remain"
-    if step == "unshare user namespace" and err in (E.EPERM, E.ENOSPC, E.EACCES):
-        return ("--userns-root needs unprivileged user namespaces: sysctl user.max_user_namespaces > 0 "
-                "(and kernel.unprivileged_userns_clone=1 where it exists)")
-    if step.startswith("setrlimit") and err == E.EPERM:
-        return ("--rlimit above what the starter may grant: raising a hard limit needs "
-                "CAP_SYS_RESOURCE, and nofile cannot exceed the sysctl fs.nr_open")
-    if step.startswith("setns") and err == E.EINVAL:
-        return "not a namespace of that type: the namespaces given to enter are wrong"
-    return None

@@ -214,7 +214,7 @@ def job_cgroup(st, job_id, backends=None):
     Anything else is not ours: StarterError, and nothing is touched.
     backends: a dict to reuse probed backends in (metrics reads many jobs)."""
     from starter import cgroups
-    from starter.cgroups.base import JOB_PREFIX, check_parent
+    from starter.cgroups.backend import JOB_PREFIX, check_parent
 
     paths, parents, setting = st.get("cgroup"), st.get("cgroup_parents"), st.get("cgroup_parent")
 

@@ -23,7 +23,8 @@ import time
 import pytest
 
 from starter import cgroups
-from starter.cgroups import Limits, base, files
+from starter.cgroups import Limits, base, files, limits
+from starter.cgroups.backend import Backend
 from starter.errors import CgroupError, SpecError
 
 from conftest import SLOWDOWN
@@ -159,14 +160,14 @@ def test_pressure():
 
 @pytest.mark.fast
 def test_cpu_weight_to_shares_is_runc_inverse():
-    assert base.weight_to_shares(100) == 1024
-    assert base.weight_to_shares(1) == 2
-    assert base.weight_to_shares(10000) == 262144
+    assert limits.weight_to_shares(100) == 1024
+    assert limits.weight_to_shares(1) == 2
+    assert limits.weight_to_shares(10000) == 262144
     for w in (1, 2, 5, 39, 50, 100, 101, 500, 1000, 5000, 9999, 10000):
-        assert base.shares_to_weight(base.weight_to_shares(w)) == w
+        assert limits.shares_to_weight(limits.weight_to_shares(w)) == w
     prev = 0
     for w in range(1, 10001, 37):
-        s = base.weight_to_shares(w)
+        s = limits.weight_to_shares(w)
         assert s >= prev
         prev = s
 
@@ -187,7 +188,7 @@ def test_limits_validation_names_the_field():
         with pytest.raises(SpecError) as ei:
             Limits(**kw).validate()
         assert ei.value.field == field
-    assert base.cpu_quota_us(1.5) == 150000
+    assert limits.cpu_quota_us(1.5) == 150000
 
 
 @pytest.mark.parametrize("bad", ["", "..", ".", "a/b", "-x", "a..b", "x" * 65, "a b", None])
@@ -195,6 +196,51 @@ def test_limits_validation_names_the_field():
 def test_job_id_refused(bad):
     with pytest.raises(SpecError):
         base.check_job_id(bad)
+
+
+# Every hook of the interface, and a backend's class that provides it.
+JOB_HOOKS = {"is_empty": "V1Tracking", "freeze": "V1Tracking", "thaw": "V1Tracking", "frozen": "V1Tracking",
+             "_kill_round": "V1Tracking", "_tracking_stats": "V1Tracking",
+             "set_limits": "V1Resources", "_resource_stats": "V1Resources"}
+BACKEND_HOOKS = {"roles", "supports_memory_peak", "supports_pids_peak"}
+
+
+@pytest.mark.fast
+def test_the_interface_declares_every_hook_and_the_backends_provide_them():
+    from starter.cgroups import hybrid, unified, v1, v2
+
+    def hooks(cls):
+        return {n for n in dir(cls) if getattr(getattr(cls, n), "__isabstractmethod__", False)}
+
+    assert hooks(base.JobCgroup) == set(JOB_HOOKS)
+    assert hooks(Backend) == BACKEND_HOOKS
+    for be in (v1.V1Backend, v2.V2Backend, hybrid.HybridBackend):
+        assert not hooks(be) and not hooks(be.job_class), be
+    assert not hooks(unified.UnifiedTracking)   # a mixin: it only provides
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("hook", sorted(JOB_HOOKS))
+def test_a_job_class_missing_a_hook_is_refused_when_defined(hook):
+    from starter.cgroups import v1
+
+    # V1Job's mixins, one of them without `hook`
+    mixins = [type(m.__name__, (), {k: v for k, v in vars(m).items() if k != hook})
+              for m in (v1.V1Tracking, v1.V1Devices, v1.V1Resources)]
+    with pytest.raises(TypeError, match=rf"lacks the JobCgroup hook {hook}:"):
+        type("Partial", (*mixins, base.JobCgroup), {})
+    type("Whole", (v1.V1Tracking, v1.V1Devices, v1.V1Resources, base.JobCgroup), {})   # all there: fine
+    type("Later", (base.JobCgroup,), {}, abstract=True)                               # put off: fine
+
+
+@pytest.mark.fast
+@pytest.mark.parametrize("hook", sorted(BACKEND_HOOKS) + ["kind", "job_class"])
+def test_a_backend_missing_a_hook_is_refused_when_defined(hook):
+    from starter.cgroups import v2
+
+    body = {k: v for k, v in vars(v2.V2Backend).items() if k not in (hook, "__dict__", "__weakref__")}
+    with pytest.raises(TypeError, match=rf"lacks the Backend hook {hook}:"):
+        type("Partial", (Backend,), body)
 
 
 # ==========================================================================

@@ -308,7 +308,7 @@ STARTER = os.path.join(os.path.dirname(__file__), "..", ".venv", "bin", "starter
 def _start_pilot(tmp_path, state_dir, job_id):
     """Start VACATE_PILOT; once it says ready -> (proc, its cgroup, the host
     pids in its subtree, the cgroups in it)."""
-    from starter.cgroups.base import subdirs_bottom_up
+    from starter.cgroups.dirs import subdirs_bottom_up
 
     shared = tmp_path / "shared"
     shared.mkdir()
@@ -465,7 +465,8 @@ def test_freeze_kill_fallback_reaches_frozen_and_threaded_descendants():
     empties a frozen sub-cgroup and a threaded one."""
     _pure_v2_or_skip()
     from starter import cgroups
-    from starter.cgroups.base import EventsWatch, Limits
+    from starter.cgroups.dirs import EventsWatch
+    from starter.cgroups.limits import Limits
 
     be = cgroups.backend_for(_layout(), f"starter-test-{os.getpid()}")
     cg = be.create(f"t{os.getpid()}-fallback", Limits(pids=50))

@@ -1,4 +1,4 @@
-"""ns.enter and ns.open_namespaces against the real kernel, as root: what
+"""ns.enter and nsidentity.open_namespaces against the real kernel, as root: what
 `starter enter` rests on (a process joins the namespaces a running job was
 cloned with, and only those).  The jobs and the leak check (no fd, no child
 outlives a test) are test_ns.py's."""
@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from starter import ns
+from starter import ns, nsidentity
 from starter.errors import SpawnError, SpecError, StarterError
 from test_ns import ENV, NOBODY, Running, _read_all, no_leaks  # noqa: F401  (no_leaks: autouse)
 
@@ -17,8 +17,8 @@ def test_enter_sees_the_jobs_processes_network_and_mounts():
                  namespaces=frozenset({"pid", "net", "mnt", "uts"}), hostname="jobhost") as job:
         os.read(job.out_r, 100)
         r, w = os.pipe()
-        fds = ns.open_namespaces(job.child.pidfd,
-                                 ns.identities(job.child.pid, {"pid", "net", "mnt", "uts"}))
+        fds = nsidentity.open_namespaces(job.child.pidfd,
+                                         nsidentity.identities(job.child.pid, {"pid", "net", "mnt", "uts"}))
         try:
             entered = ns.enter(fds,
                                ["sh", "-c", "ps -e -o pid=,comm=; ip -o link | wc -l; hostname; "
@@ -26,7 +26,7 @@ def test_enter_sees_the_jobs_processes_network_and_mounts():
                                ENV, uid=NOBODY, gid=NOBODY, stdio=(None, w, None))
         finally:
             os.close(w)
-            ns.close_namespaces(fds)
+            nsidentity.close_namespaces(fds)
         with entered:
             entered.wait_started()
             out = _read_all(r)
@@ -49,12 +49,12 @@ def test_enter_sees_the_jobs_processes_network_and_mounts():
 
 def test_enter_failure_names_the_step():
     with Running() as job:
-        made = ns.identities(job.child.pid, {"pid", "mnt"})
-        fds = ns.open_namespaces(job.child.pidfd, made)
+        made = nsidentity.identities(job.child.pid, {"pid", "mnt"})
+        fds = nsidentity.open_namespaces(job.child.pidfd, made)
         try:
             entered = ns.enter(fds, ["true"], ENV, cwd="/nope")
         finally:
-            ns.close_namespaces(fds)
+            nsidentity.close_namespaces(fds)
         with entered, pytest.raises(SpawnError) as e:
             entered.wait_started()
         assert e.value.step == "chdir /nope"
@@ -62,7 +62,7 @@ def test_enter_failure_names_the_step():
         job.finish()
         # The job is gone: its namespaces cannot be opened.
         with pytest.raises(StarterError, match="is gone"):
-            ns.open_namespaces(job.child.pidfd, made)
+            nsidentity.open_namespaces(job.child.pidfd, made)
 
 
 def test_open_namespaces_refuses_namespaces_other_than_the_recorded_ones():
@@ -70,20 +70,20 @@ def test_open_namespaces_refuses_namespaces_other_than_the_recorded_ones():
     not the one recorded at clone is refused, each by name, and no fd stays
     open (no_leaks)."""
     with Running(namespaces=frozenset({"pid", "mnt", "net", "ipc"})) as job:
-        made = ns.identities(job.child.pid, {"pid", "mnt", "net", "ipc"})
+        made = nsidentity.identities(job.child.pid, {"pid", "mnt", "net", "ipc"})
         other = dict(made, mnt=[made["mnt"][0], made["mnt"][1] + 1],
-                     net=ns.identities(os.getpid(), {"net"})["net"])
-        with pytest.raises(ns.NamespacesChanged) as e:
-            ns.open_namespaces(job.child.pidfd, other)
+                     net=nsidentity.identities(os.getpid(), {"net"})["net"])
+        with pytest.raises(nsidentity.NamespacesChanged) as e:
+            nsidentity.open_namespaces(job.child.pidfd, other)
         assert sorted(e.value.changed) == ["mnt", "net"]
-        fds = ns.open_namespaces(job.child.pidfd, made)
+        fds = nsidentity.open_namespaces(job.child.pidfd, made)
         assert sorted(fds) == ["ipc", "mnt", "net", "pid"]
-        ns.close_namespaces(fds)
+        nsidentity.close_namespaces(fds)
         # Only the cgroup namespace may go unrecorded (then its owner is
         # checked: the host's user namespace, as here).
         with pytest.raises(StarterError, match="no record"):
-            ns.open_namespaces(job.child.pidfd, dict(made, mnt=None))
-        ns.close_namespaces(ns.open_namespaces(job.child.pidfd, {"cgroup": None}))
+            nsidentity.open_namespaces(job.child.pidfd, dict(made, mnt=None))
+        nsidentity.close_namespaces(nsidentity.open_namespaces(job.child.pidfd, {"cgroup": None}))
         with pytest.raises(SpecError):
             ns.enter({"mnt": None}, ["true"], ENV)
         job.finish()

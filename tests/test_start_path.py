@@ -27,9 +27,10 @@ RUN_IMPORTS = {
     "genericpath", "grp", "math", "os", "os.path", "posixpath", "pwd", "select", "stat", "struct",
     # the starter's own run path
     "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
-    "starter.cgroups", "starter.cgroups.base", "starter.cgroups.files",
-    "starter.cli", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
-    "starter.mounts", "starter.ns", "starter.paths", "starter.policy", "starter.report", "starter.seccomp",
+    "starter.cgroups", "starter.cgroups.backend", "starter.cgroups.base", "starter.cgroups.dirs",
+    "starter.cgroups.files", "starter.cgroups.kill", "starter.cgroups.limits",
+    "starter.childspec", "starter.cli", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
+    "starter.mounts", "starter.ns", "starter.nsidentity", "starter.paths", "starter.policy", "starter.report", "starter.seccomp",
     "starter.escapes",
     "starter.spec", "starter.state", "starter.supervisor", "starter.trace", "starter.values",
 }

@@ -6,7 +6,7 @@
     ...
     stats = cg.stats(); cg.destroy(); be.close()
 
-See base.py for the interface, v2.py / v1.py / hybrid.py for the backends.
+See base.py for the interface (backend.py: Backend), v2.py / v1.py / hybrid.py for the backends.
 """
 
 import os
@@ -24,10 +24,18 @@ __all__ = ["open_backend", "backend_for", "Limits", "Backend", "JobCgroup", "che
 # ~2.5 ms of importing base/v1/v2/hybrid then runs after the warm-up thread
 # has started instead of before it.
 def __getattr__(name):
-    if name in ("Backend", "JobCgroup", "Limits", "check_job_id"):
+    if name in ("JobCgroup", "check_job_id"):
         from . import base
 
         return getattr(base, name)
+    if name == "Backend":
+        from .backend import Backend
+
+        return Backend
+    if name == "Limits":
+        from .limits import Limits
+
+        return Limits
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

@@ -13,7 +13,8 @@ Nothing is ever written to a cgroup.subtree_control here: the cgroup2 side
 has no controllers to enable.
 """
 
-from .base import Backend, JobCgroup
+from .backend import Backend
+from .base import JobCgroup
 from .v1 import HYBRID_V1_ROLES, V1Resources, V1ResourcesBackend
 from .unified import UnifiedTracking
 

@@ -12,7 +12,8 @@ import time
 
 from ..errors import CgroupError
 from . import files
-from .base import EventsWatch, kill_pids, subdirs_bottom_up
+from .dirs import EventsWatch, subdirs_bottom_up
+from .kill import kill_pids
 
 
 class UnifiedTracking:

@@ -22,17 +22,11 @@ import time
 from .. import values
 from ..errors import CgroupError
 from . import files
-from .base import (
-    CPU_PERIOD_US,
-    IO_V1_FILES,
-    Backend,
-    JobCgroup,
-    check_within,
-    cpu_quota_us,
-    kill_pids,
-    subdirs_bottom_up,
-    weight_to_shares,
-)
+from .backend import Backend
+from .base import JobCgroup
+from .dirs import subdirs_bottom_up
+from .kill import kill_pids
+from .limits import CPU_PERIOD_US, IO_V1_FILES, check_within, cpu_quota_us, weight_to_shares
 
 V1_ROLES = ("freezer", "memory", "pids", "cpu", "cpuacct", "blkio", "devices")
 # The hybrid backend freezes and kills through cgroup2; it needs no v1 freezer.

@@ -27,17 +27,10 @@ import os
 from ..errors import CgroupError
 from . import files
 from .. import values
-from .base import (
-    CPU_PERIOD_US,
-    DELEGATE_LEAF,
-    IO_KEYS,
-    Backend,
-    EventsWatch,
-    JobCgroup,
-    check_within,
-    cpu_quota_us,
-    mkdir,
-)
+from .backend import Backend
+from .base import DELEGATE_LEAF, JobCgroup
+from .dirs import EventsWatch, mkdir
+from .limits import CPU_PERIOD_US, IO_KEYS, check_within, cpu_quota_us
 from .unified import UnifiedTracking
 
 CONTROLLERS = ("cpu", "cpuset", "io", "memory", "pids")
