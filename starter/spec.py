@@ -1,9 +1,10 @@
-"""The job description: every field, validated once, here.
-
-A JobSpec comes from the command line, from a job file (JSON), or both (the
-command line overrides the file).  Everything that later reaches the kernel,
-a file name, nft or a cgroup path has been checked in this module; other
-modules trust a JobSpec.
+"""The job description: JobSpec (and its parts Limits and Network), every
+field validated once, and build(): a job file's values and the command
+line's (the command line wins) merged, the node policy applied, and one
+checked JobSpec made.  Everything that later reaches the kernel, a file
+name, nft or a cgroup path has been checked here or in the parsers this
+module calls (specopts.py: one option each; jobfile.py: the job file);
+other modules trust a JobSpec.
 
 Plain classes with __slots__ instead of dataclasses: `import dataclasses`
 costs ~13 ms of interpreter time here, and every job pays it.
@@ -14,9 +15,13 @@ import os
 from starter import mounts as M
 from starter import values as V
 from starter.errors import SpecError
+# The option parsers; policy, admin, job, cli and tests name some as spec.X.
+from starter.specopts import (DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS,  # noqa: F401
+                              caller_user, check_cwd, parse_env, parse_host_port, parse_io_max,
+                              parse_mount, parse_on_signal, parse_rlimit, resolve_user, rlimit_table,
+                              state_dir, thread_count)
 
 MAX_ARGS = 4096
-MAX_ENV = 4096
 MAX_MEMORY = V.MAX_SIZE
 MAX_CPUS = 4096
 MAX_PIDS = 4194304            # pid_max limit of the kernel
@@ -26,20 +31,12 @@ MIN_DISK = 1 << 20             # --disk: smaller than an ext4 image's metadata i
 MAX_DISK_INODES = (1 << 32) - 1
 KILL_TIMEOUT = 10.0           # $STARTER_KILL_TIMEOUT: then the job's processes are "unkillable"
 
-# The job's user when no --user is given: a system account of its own, with
-# its own group, no home, no login shell, owning no files (scripts/setup).
-JOB_ACCOUNT = "starter-job"
-JOB_ACCOUNT_CMD = (f"useradd --system --user-group --no-create-home --home-dir /nonexistent "
-                   f"--shell /usr/sbin/nologin {JOB_ACCOUNT}")
-
 NET_MODES = ("none", "host", "nat")
 IPV6_MODES = ("auto", "on", "off")   # network.ipv6 / --ipv6 (see starter.net.NetConfig)
 REPORT_FORMATS = ("json", "classad")
-ACTIONS = ("vacate", "suspend", "resume", "kill")
 OOM_POLICIES = ("kill", "continue")
 # The PATH a job (and `starter enter`, `ns-exec`) gets unless one is given.
 DEFAULT_PATH = "/usr/local/bin:/usr/bin:/bin:/usr/local/sbin:/usr/sbin:/sbin"
-
 
 
 class Spec:
@@ -115,265 +112,6 @@ class JobSpec(Spec):
     }
 
 
-# ---------------------------------------------------------------- checks
-# The rules for single values live in values.py (V); here what a job spec adds.
-
-
-# /proc and /sys hold magic links (/proc/self/cwd, /proc/1/root, /proc/PID/fd/N)
-# that lead to directories of other processes and namespaces without any
-# path to them; /dev/fd is a link into /proc.  No job starts there.
-_MAGIC_DIRS = ("/proc", "/sys", "/dev/fd")
-
-
-def check_cwd(field, value):
-    value = V.path(field, value)
-    norm = "/" + "/".join(c for c in value.split("/") if c not in ("", "."))
-    for d in _MAGIC_DIRS:
-        if norm == d or norm.startswith(d + "/"):
-            raise SpecError(field, f"{V.show(value)} is under {d}, whose magic links lead outside the job",
-                            "give a real directory, e.g. the job's scratch")
-    return value
-
-
-def state_dir(value=None):
-    """--state-dir, else $STARTER_STATE_DIR, else /run/starter."""
-    return V.host_path("state-dir", value or os.environ.get("STARTER_STATE_DIR") or "/run/starter")
-
-
-def parse_env(field, items):
-    env = {}
-    for item in items:
-        if isinstance(item, tuple):
-            k, v = item
-        else:
-            item = V.string(field, item)
-            k, sep, v = item.partition("=")
-            if not sep:
-                raise SpecError(field, f"{V.show(item)} must be KEY=VALUE")
-        env[V.env_name(field, k)] = V.string(field, v)
-    if len(env) > MAX_ENV:
-        raise SpecError(field, "too many variables")
-    return env
-
-
-def parse_mount(field, kind, value):
-    """--bind SRC[:DST]  --ro-bind SRC[:DST]  --tmpfs DST[:OPTIONS]: Mount.parse
-    splits and checks the paths; here what only a job spec asks on top."""
-    if kind not in M.KINDS:
-        raise SpecError(field, f"unknown mount type {V.show(kind)} (one of {', '.join(M.KINDS)})")
-    try:
-        m = M.Mount.parse(kind, V.string(field, value))
-    except SpecError as e:
-        raise SpecError(field, e.detail, e.hint) from None
-    if kind == "tmpfs":
-        for opt in filter(None, m.options.split(",")):
-            if opt.partition("=")[0] not in ("size", "mode", "nr_inodes"):
-                raise SpecError(field, f"tmpfs option {V.show(opt)} not allowed (size, mode, nr_inodes)")
-    else:  # the starter mounts it as root: no link of anyone's is followed
-        from starter import paths
-
-        try:
-            os.close(paths.open_path(m.src, "bind source")[0])
-        except paths.LinkError as e:
-            raise SpecError(field, e.args[0], e.hint) from None
-        except FileNotFoundError:
-            raise SpecError(field, f"{V.show(m.src)} does not exist") from None
-    return m
-
-
-def parse_on_signal(field, items):
-    """USR1=vacate -> ((10, "vacate"),)"""
-    import _signal
-
-    out = []
-    for item in items:
-        name, sep, action = V.string(field, item).partition("=")
-        if not sep or action not in ACTIONS:
-            raise SpecError(field, f"{V.show(item)} must be SIGNAL=ACTION, ACTION one of {', '.join(ACTIONS)}")
-        name = name.upper()
-        if not name.startswith("SIG"):
-            name = "SIG" + name
-        # Only signal names: _signal also holds SIG_DFL, SIG_IGN and the
-        # sigprocmask constants (SIG_BLOCK ...), which are not signals.
-        num = getattr(_signal, name, None) if name[3:].isalnum() and name.isascii() else None
-        if (not isinstance(num, int) or not 0 < num < _signal.NSIG
-                or num in (_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD)):
-            raise SpecError(field, f"{V.show(item)}: {V.show(name)} cannot be used")
-        out.append((num, action))
-    return tuple(out)
-
-
-# The resource limits every job starts with (issue 10), whatever the node
-# daemon that started the starter had: systemd's defaults for a service.
-# Order and names as native/shim.h's SHIM_RLIMIT_*.  --rlimit changes them.
-RLIMIT_NAMES = ("cpu", "fsize", "data", "stack", "core", "rss", "nproc", "nofile", "memlock",
-                "as", "locks", "sigpending", "msgqueue", "nice", "rtprio", "rttime")
-RLIM_INFINITY = V.RLIM_INFINITY
-DEFAULT_RLIMITS = {
-    "stack": (8 << 20, RLIM_INFINITY),
-    "core": (0, RLIM_INFINITY),
-    "nofile": (1024, 524288),       # select() needs fds < 1024; raise the soft limit at will
-    "memlock": (8 << 20, 8 << 20),
-    "sigpending": None,             # the kernel's own default: threads-max / 2
-    "msgqueue": (819200, 819200),   # the kernel's default, bytes in POSIX message queues
-    "nice": (0, 0),
-    "rtprio": (0, 0),
-}                                   # all others unlimited (nproc too: the pids cgroup limits)
-
-
-def parse_rlimit(field, item):
-    """nofile=4096 | nofile=1024:65536 | core=unlimited | stack=16M -> (name, soft, hard)."""
-    name, sep, value = V.string(field, item).partition("=")
-    name = name.strip().lower()
-    if name.startswith("rlimit_"):
-        name = name[7:]
-    if not sep or name not in RLIMIT_NAMES:
-        raise SpecError(field, f"{V.show(item)} must be NAME=SOFT[:HARD], NAME one of {', '.join(RLIMIT_NAMES)}")
-    soft_s, colon, hard_s = value.partition(":")
-    soft = V.rlimit_value(field, name, soft_s)
-    hard = V.rlimit_value(field, name, hard_s) if colon else soft
-    if soft > hard:
-        raise SpecError(field, f"{V.show(item)}: the soft limit is above the hard limit")
-    return (name, soft, hard)
-
-
-def rlimit_table(overrides=()):
-    """The job's full limit table: ((SHIM_RLIMIT index, soft, hard, asked), ...),
-    DEFAULT_RLIMITS with the (name, soft, hard) overrides on top (asked=True:
-    the shim fails rather than cap them at the starter's own hard limit)."""
-    given = {name: (soft, hard) for name, soft, hard in overrides}
-    table = []
-    for i, name in enumerate(RLIMIT_NAMES):
-        if name in given:
-            table.append((i, *given[name], True))
-            continue
-        lim = DEFAULT_RLIMITS.get(name, (RLIM_INFINITY, RLIM_INFINITY))
-        if lim is None:  # sigpending
-            try:
-                with open("/proc/sys/kernel/threads-max", "rb") as f:
-                    n = max(int(f.read()) // 2, 1)
-            except (OSError, ValueError):
-                n = 63936  # threads-max / 2 of a machine with 4 GiB
-            lim = (n, n)
-        table.append((i, lim[0], lim[1], False))
-    return tuple(table)
-
-
-# What common runtimes read for their thread pools' size (OpenMP, the BLAS
-# libraries, numexpr, numba, Julia, Go, Python 3.13's os.cpu_count()): set
-# for a job limited to some CPUs (--cpus, --cpuset), unless its --env sets
-# them.  Without them a job that sees 64 CPUs starts 64 threads on 2 CPUs' worth
-# of quota.  The list is docs/reference.md's ("Thread-count variables").
-THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS",
-               "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS",
-               "JULIA_NUM_THREADS", "GOMAXPROCS", "PYTHON_CPU_COUNT")
-
-
-def thread_count(cpus, cpuset):
-    """The value of THREAD_VARS: ceil(--cpus), the number of CPUs in
-    --cpuset, the smaller of the two when both are given; None: neither."""
-    counts = []
-    if cpus is not None:
-        import math         # built in; cgroups.base has it loaded already
-
-        counts.append(max(1, math.ceil(cpus)))
-    if cpuset is not None:
-        counts.append(len(cpuset))
-    return min(counts) if counts else None
-
-
-IO_KEYS = ("rbps", "wbps", "riops", "wiops")   # as cgroups.base.IO_KEYS (not imported: the run path)
-MAX_IOPS = 1 << 40
-
-
-def parse_io_max(field, item):
-    """DEVICE:KEY=VALUE[,KEY=VALUE...] (KEY rbps, wbps: bytes/s, a size like
-    10M; riops, wiops: operations/s) -> (path, major, minor, rbps, wbps,
-    riops, wiops).  The device is a block device node, looked up by stat()
-    (links followed: /dev/disk/by-id/... names are links); the path may
-    hold ':' (by-path names do), the limits never do."""
-    import stat
-
-    item = V.string(field, item)
-    dev, sep, rest = item.rpartition(":")
-    if not sep or not dev or not rest:
-        raise SpecError(field, f"{V.show(item)} must be DEVICE:KEY=VALUE[,KEY=VALUE...] "
-                        f"(KEY one of {', '.join(IO_KEYS)}), e.g. /dev/sda:rbps=10M,wiops=100")
-    rates = dict.fromkeys(IO_KEYS)
-    for pair in rest.split(","):
-        k, eq, v = pair.strip().partition("=")
-        if not eq or k not in rates:
-            raise SpecError(field, f"{V.show(item)}: {V.show(pair)} must be KEY=VALUE, KEY one of {', '.join(IO_KEYS)}")
-        rates[k] = V.size(f"{field} {k}", v) if k.endswith("bps") else V.number(f"{field} {k}", v, 1, MAX_IOPS, integer=True)
-    dev = V.path(field, dev)
-    try:
-        st = os.stat(dev)
-    except OSError as e:
-        raise SpecError(field, f"{V.show(dev)}: {e.strerror}") from None
-    if not stat.S_ISBLK(st.st_mode):
-        raise SpecError(field, f"{V.show(dev)} is not a block device", "name a disk's device node, e.g. /dev/sda")
-    return (dev, os.major(st.st_rdev), os.minor(st.st_rdev), *rates.values())
-
-
-def parse_host_port(field, value):
-    proto, sep, port = V.string(field, value).partition(":")
-    if not sep or proto not in ("tcp", "udp"):
-        raise SpecError(field, f"{V.show(value)} must be tcp:PORT or udp:PORT")
-    return (proto, V.number(field, port, 1, 65535, integer=True))
-
-
-def resolve_user(user, group):
-    """-> (uid, gid, groups, home, name).  Numeric ids are taken as given.
-    No user: the JOB_ACCOUNT, never the starter's own uid (root)."""
-    import pwd
-    import grp
-
-    if user is None:
-        try:
-            pw = pwd.getpwnam(JOB_ACCOUNT)
-        except KeyError:
-            raise SpecError("user", f"no --user given and the default job account {JOB_ACCOUNT!r} "
-                            f"does not exist", f"pass --user USER, or create the account: "
-                            f"scripts/setup, or {JOB_ACCOUNT_CMD}") from None
-        if pw.pw_uid == 0 or pw.pw_gid == 0:
-            raise SpecError("user", f"the default job account {JOB_ACCOUNT!r} has uid or gid 0",
-                            "it must be an unprivileged system account; fix it, or pass --user USER")
-        uid, gid, name, home = pw.pw_uid, pw.pw_gid, pw.pw_name, pw.pw_dir
-        groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
-    else:
-        numeric = V.is_numeric_id(user)
-        try:
-            pw = pwd.getpwuid(V.numeric_id("user", user)) if numeric else pwd.getpwnam(V.name("user", user))
-        except KeyError:
-            if numeric:
-                uid, gid, name, home, groups = int(user), int(user), None, "/", ()
-                pw = None
-            else:
-                raise SpecError("user", f"no such user {V.show(user)}") from None
-        if pw is not None:
-            uid, gid, name, home = pw.pw_uid, pw.pw_gid, pw.pw_name, pw.pw_dir
-            groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
-    if group is not None:
-        try:
-            gid = V.numeric_id("group", group) if V.is_numeric_id(group) else grp.getgrnam(V.name("group", group)).gr_gid
-        except KeyError:
-            raise SpecError("group", f"no such group {V.show(group)}") from None
-        groups = ()
-    return uid, gid, groups, home, name
-
-
-def caller_user(caller):
-    """-> (uid, gid, groups, home, name) of a caller that is not root."""
-    import pwd
-
-    try:
-        pw = pwd.getpwuid(caller.uid)
-        home, name = pw.pw_dir, pw.pw_name
-    except KeyError:
-        home, name = "/", None
-    return caller.uid, caller.gid, tuple(sorted(set(caller.groups) - {caller.gid})), home, name
-
-
 # ---------------------------------------------------------------- building
 
 # Option name -> (JobSpec path, parser).  The job file uses the same names.
@@ -383,7 +121,12 @@ def build(cli, job_file=None, policy=None, caller=None):
     the node policy's defaults where neither gives a value; for a caller
     that is not root (starter/caller.py), the policy's [callers] table
     decides what it may ask for, and the job runs as the caller."""
-    raw = dict(_flatten_file(job_file)) if job_file else {}
+    if job_file:
+        from starter import jobfile
+
+        raw = dict(jobfile.flatten(job_file))
+    else:
+        raw = {}
     for k, v in cli.items():
         if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit", "io-max",
                  "device") and k in raw:
@@ -395,88 +138,6 @@ def build(cli, job_file=None, policy=None, caller=None):
     if policy is not None:
         policy.apply(raw, caller)
     return _make(raw, caller)
-
-
-_FILE_KEYS = {
-    "id": "id", "command": "command", "user": "user", "group": "group",
-    "cwd": "cwd", "env": "env", "hostname": "hostname", "init": "init",
-    "limits": None, "network": None, "mounts": None, "report": "report",
-    "report_format": "report-format",
-    "events": "events", "grace": "grace", "on_signal": "on-signal",
-    "state_dir": "state-dir", "cgroup_parent": "cgroup-parent",
-    "scratch": "scratch", "execute_dir": "execute-dir",
-    "keep_scratch": "keep-scratch", "manifest": "manifest",
-    "manifest_digest": "manifest-digest", "inputs": "inputs",
-    "seccomp": "seccomp", "allow_userns": "allow-userns",
-    "userns_root": "userns-root", "rlimits": None,
-    "oom_policy": "oom-policy", "delegate": "delegate",
-    "devices": "device", "gpus": "gpus",
-}
-_LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
-               "pids": "pids", "wall_time": "wall-time", "cpuset": "cpuset", "mems": "mems",
-               "io_max": "io-max", "disk": "disk", "disk_inodes": "disk-inodes"}
-_NET_KEYS = {"mode": "net", "lan": "lan", "pool": "pool", "uplink": "uplink",
-             "allow_host_ports": "allow-host-port", "resolver": "resolver",
-             "ipv6": "ipv6", "pool6": "pool6"}
-
-
-def _flatten_file(doc):
-    if not isinstance(doc, dict):
-        raise SpecError("job", "the job file must hold a JSON object")
-    for key, val in doc.items():
-        if key not in _FILE_KEYS:
-            raise SpecError(key, f"unknown key (known: {', '.join(sorted(_FILE_KEYS))})")
-        if key == "env":
-            if not isinstance(val, dict):
-                raise SpecError("env", "must be an object of NAME: value")
-            yield "env", [(k, v) for k, v in val.items()]
-        elif key == "limits":
-            yield from _sub(val, "limits", _LIMIT_KEYS)
-        elif key == "network":
-            if isinstance(val, str):
-                yield "net", val
-            else:
-                yield from _sub(val, "network", _NET_KEYS)
-        elif key == "mounts":
-            if not isinstance(val, list):
-                raise SpecError("mounts", "must be a list")
-            mounts = []
-            for i, m in enumerate(val):
-                f = f"mounts[{i}]"
-                if not isinstance(m, dict) or set(m) - {"type", "src", "dst", "options"} or "type" not in m:
-                    raise SpecError(f, "must be {type, src, dst[, options]}")
-                kind = m["type"]
-                if kind not in M.KINDS:
-                    raise SpecError(f + ".type", f"{V.show(kind)} is not one of {', '.join(M.KINDS)}")
-                if kind == "tmpfs":
-                    mounts.append((kind, V.string(f, m.get("dst", "")) + (":" + V.string(f, m["options"]) if m.get("options") else "")))
-                else:
-                    mounts.append((kind, V.string(f, m.get("src", "")) + ":" + V.string(f, m.get("dst", m.get("src", "")))))
-            yield "mounts", mounts
-        elif key == "rlimits":
-            if not isinstance(val, dict):
-                raise SpecError("rlimits", 'must be an object of NAME: "SOFT[:HARD]" (or a number)')
-            items = []
-            for k, v in val.items():
-                if isinstance(v, int) and not isinstance(v, bool):
-                    v = str(v)
-                items.append(f"{V.string('rlimits', k)}={V.string('rlimits.' + k, v)}")
-            yield "rlimit", items
-        elif key == "command":
-            if not isinstance(val, list) or not all(isinstance(a, str) for a in val):
-                raise SpecError("command", "must be a list of strings")
-            yield "command", val
-        else:
-            yield _FILE_KEYS[key], val
-
-
-def _sub(val, name, keys):
-    if not isinstance(val, dict):
-        raise SpecError(name, "must be an object")
-    for k, v in val.items():
-        if k not in keys:
-            raise SpecError(f"{name}.{k}", f"unknown key (known: {', '.join(sorted(keys))})")
-        yield keys[k], v
 
 
 def _bool(field, v):
@@ -730,54 +391,7 @@ def _seccomp_choice(value):
 
 
 def load_job_file(path):
-    """Parse a job file strictly: JSON (duplicate keys are an error), or TOML
-    when the name ends in .toml (TOML itself forbids duplicate keys)."""
-    import json
+    """jobfile.load_job_file: the job file read and parsed (loaded only then)."""
+    from starter import jobfile
 
-    def no_dups(pairs):
-        seen = {}
-        for k, v in pairs:
-            if k in seen:
-                raise SpecError(k, "duplicate key in job file")
-            seen[k] = v
-        return seen
-
-    path = V.string("job", path)          # relative: to the caller's cwd, as open() does
-    import stat
-
-    try:
-        # A regular file only, looked at before it is opened (non-blocking):
-        # a FIFO or a device there must not hang the start or arm anything.
-        if not stat.S_ISREG(os.stat(path).st_mode):
-            raise SpecError("job", f"{V.show(path)} is not a regular file")
-        with open(os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK), "rb") as f:
-            if not stat.S_ISREG(os.fstat(f.fileno()).st_mode):
-                raise SpecError("job", f"{V.show(path)} is not a regular file")
-            data = f.read((1 << 20) + 1)
-    except OSError as e:
-        raise SpecError("job", f"cannot read {V.show(path)}: {e.strerror}") from None
-    if len(data) > 1 << 20:
-        raise SpecError("job", "job file larger than 1 MiB")
-    if path.endswith(".toml"):
-        try:
-            import tomllib
-        except ImportError:
-            raise SpecError("job", "TOML job files need Python 3.11 or later; use JSON") from None
-        try:
-            return tomllib.loads(data.decode("utf-8"))
-        except UnicodeDecodeError:
-            raise SpecError("job", "job file is not UTF-8") from None
-        except tomllib.TOMLDecodeError as e:
-            raise SpecError("job", f"not valid TOML: {e}") from None
-        except ValueError as e:         # e.g. an integer of more than 4300 digits
-            raise SpecError("job", f"not usable TOML: {e}") from None
-        except RecursionError:
-            raise SpecError("job", "job file nested too deeply") from None
-    try:
-        return json.loads(data.decode("utf-8"), object_pairs_hook=no_dups)
-    except UnicodeDecodeError:
-        raise SpecError("job", "job file is not UTF-8") from None
-    except ValueError as e:
-        raise SpecError("job", f"not valid JSON: {e}") from None
-    except RecursionError:
-        raise SpecError("job", "job file nested too deeply") from None
+    return jobfile.load_job_file(path)

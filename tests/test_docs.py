@@ -18,7 +18,7 @@ import re
 import pytest
 
 from conftest import REPO
-from starter import cli, spec
+from starter import cli, jobfile
 
 pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
 
@@ -71,7 +71,7 @@ def test_every_run_option_has_a_row_in_the_reference():
 
 def test_every_job_file_key_is_in_the_reference():
     reference = read(REFERENCE)
-    keys = set(spec._FILE_KEYS) | set(spec._LIMIT_KEYS) | set(spec._NET_KEYS)
+    keys = set(jobfile.FILE_KEYS) | set(jobfile.LIMIT_KEYS) | set(jobfile.NET_KEYS)
     missing = sorted(k for k in keys if f"`{k}`" not in reference)
     assert not missing, f"job-file keys missing from docs/reference.md: {missing}"
 

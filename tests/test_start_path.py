@@ -32,7 +32,7 @@ RUN_IMPORTS = {
     "starter.childspec", "starter.cli", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
     "starter.mounts", "starter.ns", "starter.nsidentity", "starter.paths", "starter.policy", "starter.report", "starter.seccomp",
     "starter.escapes",
-    "starter.spec", "starter.state", "starter.supervisor", "starter.trace", "starter.values",
+    "starter.spec", "starter.specopts", "starter.state", "starter.supervisor", "starter.trace", "starter.values",
 }
 # Only the host's cgroup backend is loaded (with the cgroup2 tracking where it has one).
 BACKEND_IMPORTS = {"v2": {"starter.cgroups.v2", "starter.cgroups.unified"},
