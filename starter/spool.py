@@ -53,14 +53,14 @@ import stat
 from starter import paths, spoollinks
 from starter.errors import SpecError, StagingError
 from starter.fileio import NoRoom, TooLarge, copy_hashing, sized_to_fit, unlink_best_effort, unlink_quiet
-# The name codec, also the spool's interface (cli.py: spool.INVALID, spool.parse_name)
+# The name codec, also the spool's interface (clispool.py: spool.INVALID, spool.parse_name)
 from starter.spoolname import (HASH_ATTRS, INVALID, LOCK_NAME, NAME_MAX, PREFIX, TMP_PREFIX,  # noqa: F401
                                check_attrs, check_cmdhash, check_owner, decode_cmdhash, encode_cmdhash,
                                escape, hash_name, parse_name, unescape)
 
 LINK_FAIL_LIMIT = spoollinks.LINK_FAIL_LIMIT
 DEFAULT_GC_MIN_AGE = 600  # seconds an unlinked file is kept: room between add and link
-DEFAULT_SPOOL = "/var/lib/starter/spool"  # or $STARTER_SPOOL (cli.py)
+DEFAULT_SPOOL = "/var/lib/starter/spool"  # or $STARTER_SPOOL (clispool.py)
 _LINK_ERRNOS = (errno.EXDEV, errno.EPERM, errno.EMLINK)
 
 

@@ -29,7 +29,7 @@ RUN_IMPORTS = {
     "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
     "starter.cgroups", "starter.cgroups.backend", "starter.cgroups.base", "starter.cgroups.dirs",
     "starter.cgroups.files", "starter.cgroups.kill", "starter.cgroups.limits",
-    "starter.childspec", "starter.cli", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
+    "starter.childspec", "starter.cli", "starter.cliparse", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
     "starter.mounts", "starter.ns", "starter.nsidentity", "starter.paths", "starter.policy", "starter.report", "starter.seccomp",
     "starter.escapes",
     "starter.spec", "starter.specopts", "starter.state", "starter.supervisor", "starter.trace", "starter.values",
