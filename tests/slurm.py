@@ -38,13 +38,11 @@ import random
 import re
 import shutil
 import signal as _signal
-import socket
 import string
 import subprocess
 import tempfile
 import time
 
-CGROUP_ROOT = "/sys/fs/cgroup"
 
 # Terminal job states as `scontrol show job` prints them (JobState=...).
 FINAL_STATES = frozenset({
@@ -55,87 +53,9 @@ FINAL_STATES = frozenset({
 # Directory names Slurm's cgroup/v1 plugin makes below <ctrl>/slurm_<node>.
 _SLURM_CGROUP = re.compile(r"^(uid_\d+|job_\d+|step_(\d+|batch|extern|interactive)|task_\d+|system)$")
 
-_BINARIES = ("munged", "slurmctld", "slurmd", "srun", "sbatch", "scontrol",
-             "scancel", "sinfo")
-
-
-class SlurmError(RuntimeError):
-    """The private Slurm did not start, or a command against it failed."""
-
-
-def missing_binaries():
-    """Names of the programs the harness needs that are not installed."""
-    path = os.environ.get("PATH", "") + ":/usr/sbin:/sbin"
-    return [b for b in _BINARIES if shutil.which(b, path=path) is None]
-
-
-def skip_reason(proctrack=None):
-    """Why a SlurmCluster (with this proctrack) cannot run here, or None when it can."""
-    missing = missing_binaries()
-    if missing:
-        return ("Slurm/munge not installed (missing %s); install slurmd slurmctld "
-                "slurm-client munge" % ", ".join(missing))
-    if os.geteuid() != 0:
-        return "the private Slurm runs slurmd as root (SlurmdUser=root)"
-    if proctrack == "cgroup" and not _cgroup_v1_controllers():
-        return ("proctrack/cgroup is configured here with CgroupPlugin=cgroup/v1 and this "
-                "host has no v1 controllers (Slurm 22.05's cgroup/v2 needs systemd and dbus)")
-    return None
-
-
-def _which(name):
-    found = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
-    if found is None:
-        raise SlurmError("%s not found; install slurmd slurmctld slurm-client munge" % name)
-    return found
-
-
-def _free_ports(n):
-    """n distinct free TCP ports on 127.0.0.1 (held open together so they differ)."""
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
-
-
-def _cgroup_v1_controllers():
-    """Mounted v1 hierarchies under /sys/fs/cgroup (directories that are not cgroup2)."""
-    out = []
-    try:
-        with open("/proc/self/mounts") as f:
-            for line in f:
-                dev, mnt, fstype = line.split()[:3]
-                if fstype == "cgroup" and mnt.startswith(CGROUP_ROOT + "/"):
-                    out.append(mnt)
-    except OSError:
-        pass
-    return sorted(out)
-
-
-def parse_scontrol_record(text):
-    """`scontrol show -o ...` one-line record -> dict of Key=Value.
-
-    Values may contain spaces (JobName=, Command=, Reason=): a value runs up to the
-    next ' Key=' (Key an identifier), so it stays whole unless it itself contains
-    ' word=' -- unavoidable in this format, and never the case for JobState/ExitCode.
-    """
-    fields = {}
-    for m in re.finditer(r"(?:^|\s)([A-Za-z][A-Za-z0-9_:/]*)=(.*?)(?=\s+[A-Za-z][A-Za-z0-9_:/]*=|\s*$)",
-                         text.strip()):
-        fields[m.group(1)] = m.group(2)
-    return fields
-
-
-def parse_exit_code(value):
-    """Slurm's 'ExitCode=7:0' -> (7, 0): exit status and terminating signal."""
-    code, _, sig = value.partition(":")
-    return int(code), int(sig or 0)
+from slurmhost import (CGROUP_ROOT, SlurmError, _cgroup_v1_controllers, _free_ports, _which,  # noqa: E402,F401
+                       missing_binaries, skip_reason)
+from slurmparse import parse_exit_code, parse_scontrol_record  # noqa: E402,F401 (re-exported)
 
 
 class SlurmCluster:
