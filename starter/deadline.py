@@ -12,9 +12,9 @@ out; another thread has to act for it.
 
     main thread                              watchdog thread (start())
     -----------                              ---------------
-    blocks SIGTERM, SIGINT, SIGHUP, SIGQUIT  sigtimedwait(those, the deadline)
-      and vacate/kill's SIGRTMIN+1/+4
-    with region("bind source /x"):           a signal, or the deadline:
+    blocks SIGTERM, SIGINT, SIGHUP, SIGQUIT  sigtimedwait(those, the region's
+      and vacate/kill's SIGRTMIN+1/+4          deadline, or 1 s out of a region)
+    with region("bind source /x"):           a signal, or the region's deadline:
         a call that may wait on a path         failing = "interrupted by SIGTERM
     check() between steps                        during setup" / "bind source /x:
                                                  no answer within 60 s ..."
@@ -35,10 +35,12 @@ What is guaranteed, and what is not:
 
   * the start ends with exit 125 and one line, and nothing it made is left
     (cgroup, state entry, scratch, network: the same Undo as any failure),
-    at the deadline ($STARTER_SETUP_TIMEOUT, default 60 s) or right after a
-    signal, when main is waiting in a region (every path the starter opens
-    as root, paths.py; a verified input's copy; the child's steps up to its
-    exec), or at main's next step otherwise;
+    when one wait in a region (every path the starter opens as root,
+    paths.py; a verified input's copy; the child's steps up to its exec) has
+    lasted $STARTER_SETUP_TIMEOUT (default 60 s), or right after a signal,
+    when main is waiting in a region, or at main's next step otherwise.  The
+    deadline is per wait, not for the whole setup: a start that is slow but
+    moves (200 at once on an emulated 2-CPU VM) is not a hung one;
   * a wait in TASK_KILLABLE (NFS, a FUSE request no daemon has read) ends
     with the exit.  A FUSE request a daemon has read and never answers is
     D state: the starter's exit, and so its exit code, waits until the
@@ -59,6 +61,9 @@ import time
 from starter.errors import StarterError, one_line
 
 DEFAULT_TIMEOUT = 60.0
+# The watchdog's wake-up while main waits on no path: to see a region start
+# (and, once the job runs, to end).
+IDLE_WAKE_S = 1.0
 _RTMIN = _signal.SIGRTMIN
 # What ends a start: the signals whose default action is vacate or kill, and
 # the internal ones of `starter vacate` and `starter kill` (supervisor.py),
@@ -136,7 +141,7 @@ _NOOP = _NoRegion()
 class _Guard:
     def __init__(self, timeout):
         self.timeout = timeout
-        self.deadline = time.monotonic() + timeout
+        self.region_deadline = None   # main's current wait on a path must end by then
         self.lock = _thread.allocate_lock()
         self.failing = None      # the one line, once the start is to fail
         self.owner = None        # who unwinds: "main" or "watchdog"
@@ -171,13 +176,14 @@ class _Guard:
             self.depth += 1
             if self.depth == 1:
                 self.current, self.ran = what, ran
+                self.region_deadline = time.monotonic() + self.timeout
         return self
 
     def __exit__(self, *exc):
         with self.lock:
             self.depth -= 1
             if self.depth == 0:
-                self.current = self.ran = None
+                self.current = self.ran = self.region_deadline = None
             if self.owner == "watchdog":
                 self._wait_for_exit()
             if self.failing is not None and self.owner is None and exc[0] is None:
@@ -224,16 +230,20 @@ class _Guard:
 
     def _watch(self):
         while True:
-            left = self.deadline - time.monotonic()
+            with self.lock:
+                until = self.region_deadline
+            left = until - time.monotonic() if until is not None else IDLE_WAKE_S
             info = _signal.sigtimedwait(ENDING, max(left, 0)) if left > 0 else None
             with self.lock:
                 if self.running:
                     if info is None:
-                        return           # the deadline passed, the job runs: done
+                        return           # the job runs and nothing came: done
                     self._forward(info.si_signo)
                     continue
                 if self.owner is not None:
                     return               # main unwinds (its signals stay blocked: ignored)
+                if info is None and (self.region_deadline is None or time.monotonic() < self.region_deadline):
+                    continue             # no wait on a path has run out: a slow setup is not a hung one
                 if info is not None and self.ran is not None and self.ran():
                     # The job has exec'd; main is about to see it: the signal is
                     # the job's (a vacate ...), passed on at finish().
@@ -245,16 +255,12 @@ class _Guard:
                 if self.failing is None:
                     if info is None:
                         self.failing = (f"{self.current}: no answer within {self.timeout:g} s (a hung NFS or "
-                                        "FUSE mount?)" if self.current else
-                                        f"setup did not finish within {self.timeout:g} s "
-                                        "($STARTER_SETUP_TIMEOUT)")
+                                        "FUSE mount?)")
                     else:
                         self.pending = info.si_signo
                         self.failing = f"interrupted by {_NAMES.get(info.si_signo, info.si_signo)} during setup"
                 if self.current is None:
-                    if info is None:
-                        return           # main fails at its next step
-                    continue             # (and a later deadline finds it in a region)
+                    continue             # a signal: main fails at its next step
                 self.owner = "watchdog"
             self._take_over()
 
