@@ -219,7 +219,8 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 	};
 	size_t size = 64 + 12 * (size_t)ngroups;
 	char *who = malloc(size), *e_who = malloc(size + 16), e_fd[40], e_warm[48];
-	char *args[argc + 5], *env[5];
+	char *args[argc + 5], *env[6];
+	int trace = getenv("STARTER_TRACE") && *getenv("STARTER_TRACE");
 	const char *warm;
 	size_t len;
 	int n = 0, ne = 0;
@@ -264,6 +265,8 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 	env[ne++] = e_who;
 	snprintf(e_fd, sizeof e_fd, "STARTER_CALLER_FD=%d", sock);
 	env[ne++] = e_fd;
+	if (trace)
+		env[ne++] = "STARTER_TRACE=1";
 	if (warm) {
 		snprintf(e_warm, sizeof e_warm, "STARTER_WARM_FD=%s", warm);
 		env[ne++] = e_warm;
@@ -371,9 +374,10 @@ static int caller_run(int argc, char **argv)
 
 	check_install();
 	/* The starter's own variables are root's to set: said, not silently
-	 * dropped, so a user who sets one learns it does nothing here. */
+	 * dropped, so a user who sets one learns it does nothing here.  But
+	 * STARTER_TRACE, which only prints the start's phases on stderr. */
 	for (char **e = environ; *e; e++)
-		if (!strncmp(*e, "STARTER_", 8)) {
+		if (!strncmp(*e, "STARTER_", 8) && strncmp(*e, "STARTER_TRACE=", 14)) {
 			int len = (int)strcspn(*e, "=");
 
 			fprintf(stderr, "starter: %.*s is set: the starter's variables are for root callers only; "

@@ -269,12 +269,36 @@ def resolve_user(user, group):
 
 
 def caller_user(caller):
-    """-> (uid, gid, groups, home, name) of a caller that is not root."""
-    import pwd
+    """-> (uid, gid, groups, home, name) of a caller that is not root: its
+    name and home from /etc/passwd read directly where it is there (the first
+    NSS lookup of a process costs ~5 ms here, a quarter of a start), else
+    from NSS (a directory service's user)."""
+    found = _passwd_entry(caller.uid)
+    if found is None:
+        import pwd
 
-    try:
-        pw = pwd.getpwuid(caller.uid)
-        home, name = pw.pw_dir, pw.pw_name
-    except KeyError:
-        home, name = "/", None
+        try:
+            pw = pwd.getpwuid(caller.uid)
+            found = (pw.pw_name, pw.pw_dir)
+        except KeyError:
+            found = (None, "/")
+    name, home = found
     return caller.uid, caller.gid, tuple(sorted(set(caller.groups) - {caller.gid})), home, name
+
+
+def _passwd_entry(uid, path="/etc/passwd"):
+    """(name, home) of uid's first line in /etc/passwd, or None."""
+    want = str(uid).encode()
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16 << 20)
+    except OSError:
+        return None
+    for line in data.split(b"\n"):
+        f = line.split(b":")
+        if len(f) >= 7 and f[2] == want and not f[0].startswith((b"+", b"-")):
+            try:
+                return f[0].decode(), f[5].decode()
+            except UnicodeDecodeError:
+                return None
+    return None
