@@ -290,6 +290,11 @@ def _image_loops():
 def _state_entries():
     d = os.environ.get("STARTER_STATE_DIR")
     found = set()
+    # The node's default state directory is not the tests' (they use their
+    # own, and the node policy a test writes names it): whatever appears in
+    # it at any depth is a leak, a directory a test made there included.
+    for root, dirs, files in os.walk("/run/starter"):
+        found |= {os.path.join(root, n) for n in dirs + files}
     for base in filter(None, (d, "/run/starter")):
         try:
             found |= {os.path.join(base, n) for n in os.listdir(base)}
