@@ -18,3 +18,41 @@ def state_dir(stack, prefix, tmpfs):
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=64m", "starter-bench", path], check=True)
         stack.callback(subprocess.run, ["umount", "-l", path], check=False)
     return path
+
+
+def interleaved_pair(variants, runs, env, warmup=5, each=None):
+    """Run two commands (variants: {name: argv}, base first) once a round,
+    the order alternating, `runs` rounds after `warmup`; each(name, proc)
+    sees every measured run.  -> ({name: [seconds]}, [second - base per
+    round]).  Exits on a failed run, with its stderr."""
+    import sys
+    import time
+
+    base, other = list(variants)
+    times = {k: [] for k in variants}
+    diffs = []
+    for i in range(runs + warmup):
+        got = {}
+        for name in (base, other) if i % 2 == 0 else (other, base):
+            t = time.perf_counter()
+            p = subprocess.run(variants[name], env=env, cwd="/", capture_output=True, text=True)
+            got[name] = time.perf_counter() - t
+            if p.returncode != 0:
+                sys.exit(f"{name}: exit {p.returncode}: {p.stderr.strip()}")
+            if i >= warmup and each is not None:
+                each(name, p)
+        if i >= warmup:
+            for k, v in got.items():
+                times[k].append(v)
+            diffs.append(got[other] - got[base])
+    return times, diffs
+
+
+def print_difference(label, diffs):
+    """The per-round difference's median and interquartile range."""
+    import statistics
+
+    q = statistics.quantiles(diffs, n=4)
+    print()
+    print(f"{label}, per round: median {statistics.median(diffs) * 1e3:+.2f} ms, "
+          f"IQR {q[0] * 1e3:+.2f}..{q[2] * 1e3:+.2f} ms")

@@ -23,14 +23,14 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTER = os.path.join(ROOT, ".venv", "bin", "starter")
 POLICY = "/etc/starter/starter.toml"
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _state import interleaved_pair, print_difference  # noqa: E402
 
 
 def main():
@@ -56,22 +56,8 @@ def main():
         "user": ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", STARTER, "run", "--net",
                  "none", "--", "/bin/true"],
     }
-    times = {k: [] for k in variants}
-    diffs = []
     try:
-        for i in range(args.runs + 5):
-            order = list(variants) if i % 2 == 0 else list(variants)[::-1]
-            got = {}
-            for name in order:
-                t = time.perf_counter()
-                p = subprocess.run(variants[name], env=env, cwd="/", capture_output=True, text=True)
-                got[name] = time.perf_counter() - t
-                if p.returncode != 0:
-                    sys.exit(f"{name}: exit {p.returncode}: {p.stderr.strip()}")
-            if i >= 5:      # warm-up
-                for k, v in got.items():
-                    times[k].append(v)
-                diffs.append(got["user"] - got["root"])
+        times, diffs = interleaved_pair(variants, args.runs, env)
     finally:
         if made_policy:
             os.unlink(POLICY)
@@ -86,11 +72,7 @@ def main():
     for k in variants:
         m = statistics.median(times[k])
         print(f"| {k} | {m * 1e3:.2f} | {m / root:.2f} |")
-    q = statistics.quantiles(diffs, n=4)
-    print()
-    print(f"user - root, per round: median {statistics.median(diffs) * 1e3:+.2f} ms, "
-          f"IQR {q[0] * 1e3:+.2f}..{q[2] * 1e3:+.2f} ms")
-
+    print_difference("user - root", diffs)
 
 if __name__ == "__main__":
     main()

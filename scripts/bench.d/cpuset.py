@@ -19,14 +19,14 @@ import argparse
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
-import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STARTER = os.path.join(ROOT, ".venv", "bin", "starter")
 PHASES = ("cgroup", "attach", "teardown")
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _state import interleaved_pair, print_difference  # noqa: E402
 
 
 def cpu_list():
@@ -46,28 +46,16 @@ def main():
         "plain": [STARTER, "run", "--net", "none", "--", "/bin/true"],
         "cpuset": [STARTER, "run", "--net", "none", "--cpuset", cpu_list(), "--", "/bin/true"],
     }
-    times = {k: [] for k in variants}
     phases = {k: {p: [] for p in PHASES} for k in variants}
-    diffs = []
+
+    def trace(name, p):     # starter: trace <phase> <ms> ms
+        for line in p.stderr.splitlines():
+            w = line.split()
+            if len(w) == 5 and w[1] == "trace" and w[2] in PHASES:
+                phases[name][w[2]].append(float(w[3]))
+
     try:
-        for i in range(args.runs + 5):
-            order = list(variants) if i % 2 == 0 else list(variants)[::-1]
-            got = {}
-            for name in order:
-                t = time.perf_counter()
-                p = subprocess.run(variants[name], env=env, cwd="/", capture_output=True, text=True)
-                got[name] = time.perf_counter() - t
-                if p.returncode != 0:
-                    sys.exit(f"{name}: exit {p.returncode}: {p.stderr.strip()}")
-                if i >= 5:
-                    for line in p.stderr.splitlines():     # starter: trace <phase> <ms> ms
-                        w = line.split()
-                        if len(w) == 5 and w[1] == "trace" and w[2] in PHASES:
-                            phases[name][w[2]].append(float(w[3]))
-            if i >= 5:      # warm-up
-                for k, v in got.items():
-                    times[k].append(v)
-                diffs.append(got["cpuset"] - got["plain"])
+        times, diffs = interleaved_pair(variants, args.runs, env, each=trace)
     finally:
         shutil.rmtree(state, ignore_errors=True)
     plain = statistics.median(times["plain"])
@@ -79,11 +67,7 @@ def main():
         m = statistics.median(times[k])
         ph = " | ".join(f"{statistics.median(phases[k][p]):.2f}" if phases[k][p] else "-" for p in PHASES)
         print(f"| {k} | {m * 1e3:.2f} | {m / plain:.2f} | {ph} |")
-    q = statistics.quantiles(diffs, n=4)
-    print()
-    print(f"cpuset - plain, per round: median {statistics.median(diffs) * 1e3:+.2f} ms, "
-          f"IQR {q[0] * 1e3:+.2f}..{q[2] * 1e3:+.2f} ms")
-
+    print_difference("cpuset - plain", diffs)
 
 if __name__ == "__main__":
     main()
