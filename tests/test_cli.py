@@ -480,22 +480,31 @@ def test_fuzz_job_file(dry_run, tmp_path):
     assert seen[0] > 20 and seen[125] > 500, seen      # both paths are exercised
 
 
+def _fuzz_run_argv(rng, counts, spellings=True):
+    """`run` with hostile options drawn by rng: randrange(*counts) of them,
+    values from HOSTILE and NUMBERS; spellings: also --name=value and junk
+    after a flag, and a hostile command (or none); else a plain `-- true`."""
+    opts = [o for o in cli.RUN_OPTIONS if o != "--job"]
+    argv = ["run"]
+    for _ in range(rng.randrange(*counts)):
+        o = rng.choice(opts)
+        if cli.RUN_OPTIONS[o][1] == "flag":
+            argv.append(o if not spellings or rng.random() < 0.9 else o + "=" + rng.choice(HOSTILE))
+        else:
+            v = rng.choice(HOSTILE + [str(n) for n in NUMBERS])
+            argv += [o, v] if not spellings or rng.random() < 0.5 else [f"{o}={v}"]
+    if not spellings:
+        argv += ["--", "true"]
+    elif rng.random() < 0.9:
+        argv += ["--"] + [rng.choice(HOSTILE) or "true" for _ in range(rng.randrange(1, 3))]
+    return [a.replace("\0", "") for a in argv]      # execve cannot pass a NUL
+
+
 def test_fuzz_run_options(dry_run):
     rng = random.Random(7)
-    opts = [o for o in cli.RUN_OPTIONS if o != "--job"]
     seen = {0: 0, 125: 0}
     for i in range(1500):
-        argv = ["run"]
-        for _ in range(rng.randrange(1, 4)):
-            o = rng.choice(opts)
-            if cli.RUN_OPTIONS[o][1] == "flag":
-                argv.append(o if rng.random() < 0.9 else o + "=" + rng.choice(HOSTILE))
-            else:
-                v = rng.choice(HOSTILE + [str(n) for n in NUMBERS])
-                argv += [o, v] if rng.random() < 0.5 else [f"{o}={v}"]
-        if rng.random() < 0.9:
-            argv += ["--"] + [rng.choice(HOSTILE) or "true" for _ in range(rng.randrange(1, 3))]
-        argv = [a.replace("\0", "") for a in argv]      # execve cannot pass a NUL
+        argv = _fuzz_run_argv(rng, (1, 4))
         rc, _, err = dry_run(argv)
         _check(rc, err, argv)
         seen[rc] += 1
@@ -507,18 +516,9 @@ def test_fuzz_run_options_as_a_caller(dry_run, monkeypatch):
     launcher's variables set by hand, policy checks and its rights in
     force): 0 or one line, and the test process is root again after each."""
     rng = random.Random(9)
-    opts = [o for o in cli.RUN_OPTIONS if o != "--job"]
     seen = {0: 0, 125: 0}
     for i in range(600):
-        argv = ["run"]
-        for _ in range(rng.randrange(0, 3)):
-            o = rng.choice(opts)
-            if cli.RUN_OPTIONS[o][1] == "flag":
-                argv.append(o)
-            else:
-                argv += [o, rng.choice(HOSTILE + [str(n) for n in NUMBERS])]
-        argv += ["--", "true"]
-        argv = [a.replace("\0", "") for a in argv]
+        argv = _fuzz_run_argv(rng, (0, 3), spellings=False)
         monkeypatch.setenv("STARTER_CALLER", "65534:65534:65534")
         monkeypatch.setenv("STARTER_POLICY", "/nonexistent/starter.toml")
         rc, _, err = dry_run(argv)

@@ -215,8 +215,10 @@ def test_exec_wrapper_sigterm_vacates(condor, state_dir):
     assert r["reason"] == "vacated", r
 
 
-def test_exec_wrapper_usr1_usr2_suspend_and_resume(condor, state_dir):
-    p = condor.start("exec", "sh", "-c", TRAP + "echo up; read x; echo resumed; sleep 60 & wait")
+def suspend_resume_vacate(condor, state_dir, wrapper):
+    """USR1 suspends the job through the wrapper, USR2 resumes it, TERM
+    vacates it (143, the job's trap)."""
+    p = condor.start(wrapper, "sh", "-c", TRAP + "echo up; sleep 60 & wait")
     wait_line(p, "up")
     p.send_signal(signal.SIGUSR1)
     wait_entry_state(state_dir, "suspended")
@@ -224,6 +226,10 @@ def test_exec_wrapper_usr1_usr2_suspend_and_resume(condor, state_dir):
     wait_entry_state(state_dir, "running")
     p.send_signal(signal.SIGTERM)
     assert p.wait(30 * SLOWDOWN) == 143, p.stderr.read()
+
+
+def test_exec_wrapper_usr1_usr2_suspend_and_resume(condor, state_dir):
+    suspend_resume_vacate(condor, state_dir, "exec")
 
 
 # ---------------------------------------------------------------- the ClassAd wrapper
@@ -249,14 +255,7 @@ def test_classad_wrapper_publishes_network_and_starter_attributes(condor):
 
 
 def test_classad_wrapper_forwards_signals(condor, state_dir):
-    p = condor.start("classad", "sh", "-c", TRAP + "echo up; sleep 60 & wait")
-    wait_line(p, "up")
-    p.send_signal(signal.SIGUSR1)
-    wait_entry_state(state_dir, "suspended")
-    p.send_signal(signal.SIGUSR2)
-    wait_entry_state(state_dir, "running")
-    p.send_signal(signal.SIGTERM)
-    assert p.wait(30 * SLOWDOWN) == 143, p.stderr.read()
+    suspend_resume_vacate(condor, state_dir, "classad")
     ad = open(os.path.join(condor.scratch, ".starter-report.ad")).read()
     assert 'StarterReason = "vacated"' in ad, ad
     assert ["set_job_attr", "StarterReason", '"vacated"'] in chirp_calls(condor)
