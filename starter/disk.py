@@ -158,7 +158,7 @@ def _images_dir(parent_fd, parent):
         fd = os.open(IMAGES, _DIR_FLAGS, dir_fd=parent_fd)
     except OSError as e:
         raise StagingError(f"--disk: {path} is not a directory ({e.strerror})",
-                           f"remove it; the starter makes it, root's, mode 0700") from None
+                           "remove it; the starter makes it, root's, mode 0700") from None
     st, pst = os.fstat(fd), os.fstat(parent_fd)
     if st.st_uid != 0 or stat.S_IMODE(st.st_mode) & 0o077 or st.st_dev != pst.st_dev:
         os.close(fd)
@@ -475,28 +475,15 @@ def _clear_loops(ident, path, candidates=None):
                            "the kernel detaches it when the last user goes; `starter gc` checks again")
 
 
-def _unescape(s):
-    """A mountinfo field: spaces, tabs, newlines and backslashes as \\ooo."""
-    if "\\" not in s:
-        return s
-    out, i = [], 0
-    while i < len(s):
-        if s[i] == "\\" and i + 4 <= len(s) and s[i + 1:i + 4].isdigit():
-            out.append(chr(int(s[i + 1:i + 4], 8)))
-            i += 4
-        else:
-            out.append(s[i])
-            i += 1
-    return "".join(out)
-
-
 def mounts_at(path):
     """[(major, minor)] of what is mounted at `path` (this mount namespace)."""
+    from starter.cgroups.files import unescape_mountinfo   # the one mountinfo unescaping
+
     out = []
     with open("/proc/self/mountinfo") as f:
         for line in f:
             fields = line.split()
-            if len(fields) > 4 and _unescape(fields[4]) == path:
+            if len(fields) > 4 and unescape_mountinfo(fields[4]) == path:
                 major, _, minor = fields[2].partition(":")
                 out.append((int(major), int(minor)))
     return out

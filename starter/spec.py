@@ -18,7 +18,7 @@ from starter.errors import SpecError
 # The option parsers; policy, admin, job, cli and tests name some as spec.X.
 from starter.specopts import (DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS,  # noqa: F401
                               caller_user, check_cwd, parse_env, parse_host_port, parse_io_max,
-                              parse_mount, parse_on_signal, parse_rlimit, resolve_user, rlimit_table,
+                              parse_mount, parse_on_signal, parse_rlimit, resolve_group, resolve_user, rlimit_table,
                               state_dir, thread_count)
 
 MAX_ARGS = 4096
@@ -187,7 +187,7 @@ def _make(raw, caller=None):
         uid = gid = None
         groups, home, uname = (), "/", None
         if group is not None:
-            gid = resolve_user("0", group)[1]
+            gid = resolve_group(group)     # a transient uid in a named group
     else:
         uid, gid, groups, home, uname = resolve_user(user, group)
     if user is None:

@@ -232,7 +232,6 @@ def resolve_user(user, group):
     """-> (uid, gid, groups, home, name).  Numeric ids are taken as given.
     No user: the JOB_ACCOUNT, never the starter's own uid (root)."""
     import pwd
-    import grp
 
     if user is None:
         try:
@@ -260,12 +259,18 @@ def resolve_user(user, group):
             uid, gid, name, home = pw.pw_uid, pw.pw_gid, pw.pw_name, pw.pw_dir
             groups = tuple(sorted(g for g in os.getgrouplist(name, gid) if g != gid))
     if group is not None:
-        try:
-            gid = V.numeric_id("group", group) if V.is_numeric_id(group) else grp.getgrnam(V.name("group", group)).gr_gid
-        except KeyError:
-            raise SpecError("group", f"no such group {V.show(group)}") from None
-        groups = ()
+        gid, groups = resolve_group(group), ()
     return uid, gid, groups, home, name
+
+
+def resolve_group(group):
+    """--group: a name or a number -> the gid."""
+    import grp
+
+    try:
+        return V.numeric_id("group", group) if V.is_numeric_id(group) else grp.getgrnam(V.name("group", group)).gr_gid
+    except KeyError:
+        raise SpecError("group", f"no such group {V.show(group)}") from None
 
 
 def caller_user(caller):

@@ -354,8 +354,8 @@ def parse_proc_cgroup(text):
     return out
 
 
-def _unescape_mountinfo(s):
-    # mountinfo escapes space, tab, newline and backslash as \ooo octal.
+def unescape_mountinfo(s):
+    """A mountinfo field: space, tab, newline and backslash come as \\ooo octal."""
     out = []
     i = 0
     while i < len(s):
@@ -391,8 +391,8 @@ def parse_mountinfo(text):
         fstype = rf[0]
         if fstype not in ("cgroup", "cgroup2"):
             continue
-        root = _unescape_mountinfo(lf[3])
-        mount_point = _unescape_mountinfo(lf[4])
+        root = unescape_mountinfo(lf[3])
+        mount_point = unescape_mountinfo(lf[4])
         opts = rf[2].split(",")
         controllers = ()
         name = None
@@ -513,7 +513,7 @@ def super_options(mountinfo_text, mount_point):
     for line in (mountinfo_text or "").splitlines():
         left, sep, right = line.partition(" - ")
         lf, rf = left.split(), right.split()
-        if sep and len(lf) >= 5 and len(rf) >= 3 and _unescape_mountinfo(lf[4]) == mount_point:
+        if sep and len(lf) >= 5 and len(rf) >= 3 and unescape_mountinfo(lf[4]) == mount_point:
             opts = set(rf[2].split(","))
     return opts
 
