@@ -122,3 +122,15 @@ def copy_hashing(src_fd, dst_fd, algorithms, limit=None):
             while mv:
                 mv = mv[os.write(dst_fd, mv):]
     return {a: h.hexdigest() for a, h in hs.items()}
+
+
+def account_entries(path):
+    """The colon-separated lines of an account file (/etc/passwd, /etc/group)
+    as lists of bytes fields, read directly, not through NSS: the first NSS
+    lookup of a process costs ~5 ms here.  [] if it cannot be read."""
+    try:
+        with open(path, "rb") as f:
+            data = f.read(16 << 20)
+    except OSError:
+        return []
+    return [line.split(b":") for line in data.split(b"\n") if line and not line.startswith((b"#", b"+", b"-"))]

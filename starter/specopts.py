@@ -293,15 +293,11 @@ def caller_user(caller):
 
 def _passwd_entry(uid, path="/etc/passwd"):
     """(name, home) of uid's first line in /etc/passwd, or None."""
+    from starter.fileio import account_entries
+
     want = str(uid).encode()
-    try:
-        with open(path, "rb") as f:
-            data = f.read(16 << 20)
-    except OSError:
-        return None
-    for line in data.split(b"\n"):
-        f = line.split(b":")
-        if len(f) >= 7 and f[2] == want and not f[0].startswith((b"+", b"-")):
+    for f in account_entries(path):
+        if len(f) >= 7 and f[2] == want:
             try:
                 return f[0].decode(), f[5].decode()
             except UnicodeDecodeError:

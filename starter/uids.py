@@ -99,18 +99,9 @@ def acquire(state_dir, job_id, first=DEFAULT_FIRST, last=DEFAULT_FIRST + DEFAULT
 
 def _local_ids(files=("/etc/passwd", "/etc/group")):
     """The ids (third field) of /etc/passwd and /etc/group."""
-    out = set()
-    for path in files:
-        try:
-            with open(path, "rb") as f:
-                data = f.read(16 << 20)
-        except OSError:
-            continue
-        for line in data.split(b"\n"):
-            parts = line.split(b":", 3)
-            if len(parts) > 2 and parts[2].isdigit():
-                out.add(int(parts[2]))
-    return out
+    from starter.fileio import account_entries
+
+    return {int(f[2]) for path in files for f in account_entries(path) if len(f) > 2 and f[2].isdigit()}
 
 
 def holder(uid):
