@@ -69,14 +69,12 @@ class Undo:
         return err
 
 
-class _Root:
-    """A no-op context: what a root caller names is opened as root."""
+def _root_rights(why=None):
+    """What a root caller names is opened as root: paths.as_user with no
+    one to switch to (a caller's own is Caller.rights)."""
+    from starter.paths import as_user
 
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        pass
+    return as_user(None)
 
 
 def run(spec, caller=None, policy=None):
@@ -89,7 +87,7 @@ def run(spec, caller=None, policy=None):
 
     t0 = time.time()
     undo = Undo()
-    rights = caller.rights if caller is not None else _Root
+    rights = caller.rights if caller is not None else _root_rights
     # Closed at the very end, after the report: a SIGTERM during teardown
     # must not kill the starter before it reports (Signals.close).
     signals = Signals(spec.on_signal)
@@ -231,7 +229,7 @@ def run(spec, caller=None, policy=None):
     return code
 
 
-def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_Root, since=None):
+def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_root_rights, since=None):
     from starter import cgroups, ns
     from starter.nsidentity import made_for
     from starter.mounts import Mount
@@ -251,7 +249,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         job_state.update(scratch=path, scratch_parent=os.path.dirname(path),
                          scratch_kind="scratch" if spec.scratch else "execute-dir")
         fault("scratch-record")
-        if rights is not _Root:
+        if rights is not _root_rights:
             # A caller's execute directory (one of the policy's) must be one
             # it can reach itself: walked with its rights before root makes
             # anything there.
