@@ -548,8 +548,11 @@ def _caller_slot(state_dir, caller, policy):
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         limit = policy.callers["max_jobs"] if policy is not None else None
-        if limit is not None:
-            running = sum(1 for i in state.list_ids(state_dir)
+        ids = state.list_ids(state_dir) if limit is not None else []
+        # Fewer jobs on the node than the limit: none to read (reading every
+        # entry is a file and a JSON parse each, on every caller's start).
+        if limit is not None and len(ids) >= limit:
+            running = sum(1 for i in ids
                           if state.load(state_dir, i).get("caller") == caller.uid and state.is_live(state_dir, i))
             if running >= limit:
                 from starter.policy import PolicyError
