@@ -37,10 +37,12 @@ What is guaranteed, and what is not:
     (cgroup, state entry, scratch, network: the same Undo as any failure),
     when one wait in a region (every path the starter opens as root,
     paths.py; a verified input's copy; the child's steps up to its exec) has
-    lasted $STARTER_SETUP_TIMEOUT (default 60 s), or right after a signal,
-    when main is waiting in a region, or at main's next step otherwise.  The
-    deadline is per wait, not for the whole setup: a start that is slow but
-    moves (200 at once on an emulated 2-CPU VM) is not a hung one;
+    lasted $STARTER_SETUP_TIMEOUT (default 60 s) with the waiting task
+    asleep (a runnable one is starved of CPU on a loaded node, and gets
+    another round), or right after a signal, when main is waiting in a
+    region, or at main's next step otherwise.  The deadline is per wait, not
+    for the whole setup: a start that is slow but moves (200 at once on an
+    emulated 2-CPU VM) is not a hung one;
   * a wait in TASK_KILLABLE (NFS, a FUSE request no daemon has read) ends
     with the exit.  A FUSE request a daemon has read and never answers is
     D state: the starter's exit, and so its exit code, waits until the
@@ -93,12 +95,12 @@ def start(timeout=None):
     return _guard
 
 
-def region(what, ran=None):
+def region(what, ran=None, task=None):
     """`with region("bind source /x"):` around a call that may wait on a
     path; a no-op outside `starter run`.  ran: a callable that says, without
     blocking, whether the job already runs (ns.Child.exec_probe): a signal
     that comes then is the job's (passed on at finish()), not a failure."""
-    return _guard(what, ran) if _guard is not None and not _guard.running else _NOOP
+    return _guard(what, ran, task) if _guard is not None and not _guard.running else _NOOP
 
 
 def check():
@@ -138,10 +140,23 @@ class _NoRegion:
 _NOOP = _NoRegion()
 
 
+def _runnable(tid):
+    """Is task tid (a thread of ours, or a process) running or runnable?"""
+    try:
+        with open(f"/proc/{tid}/stat", "rb") as f:
+            data = f.read()
+        return data[data.rindex(b")") + 2:data.rindex(b")") + 3] == b"R"
+    except (OSError, ValueError):
+        return False
+
+
 class _Guard:
     def __init__(self, timeout):
         self.timeout = timeout
         self.region_deadline = None   # main's current wait on a path must end by then
+        self.main_tid = _thread.get_native_id()
+        self.task = None              # who waits in the region (main, or the child in its exec)
+        self._task = None
         self.lock = _thread.allocate_lock()
         self.failing = None      # the one line, once the start is to fail
         self.owner = None        # who unwinds: "main" or "watchdog"
@@ -160,13 +175,14 @@ class _Guard:
 
     # -- main thread
 
-    def __call__(self, what, ran=None):
-        self._what, self._ran = what, ran
+    def __call__(self, what, ran=None, task=None):
+        self._what, self._ran, self._task = what, ran, task
         return self
 
     def __enter__(self):
         what, self._what = self._what, None
         ran, self._ran = self._ran, None
+        task, self._task = self._task, None
         with self.lock:
             if self.owner == "watchdog":
                 self._wait_for_exit()
@@ -176,6 +192,7 @@ class _Guard:
             self.depth += 1
             if self.depth == 1:
                 self.current, self.ran = what, ran
+                self.task = task or self.main_tid
                 self.region_deadline = time.monotonic() + self.timeout
         return self
 
@@ -244,6 +261,11 @@ class _Guard:
                     return               # main unwinds (its signals stay blocked: ignored)
                 if info is None and (self.region_deadline is None or time.monotonic() < self.region_deadline):
                     continue             # no wait on a path has run out: a slow setup is not a hung one
+                if info is None and _runnable(self.task):
+                    # Out of time but runnable: starved of CPU (a loaded node),
+                    # not waiting on a path.  A hung NFS or FUSE wait sleeps.
+                    self.region_deadline = time.monotonic() + self.timeout
+                    continue
                 if info is not None and self.ran is not None and self.ran():
                     # The job has exec'd; main is about to see it: the signal is
                     # the job's (a vacate ...), passed on at finish().

@@ -407,7 +407,8 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         # The child's chdir and exec may wait on a path too.  A signal that
         # comes once it has exec'd (the job may run, and print, before we
         # see it) is the job's: a vacate, not a failed start (the probe).
-        with deadline.region(f"the job's working directory {cwd or '(default)'} or command {argv[0]}", probe):
+        with deadline.region(f"the job's working directory {cwd or '(default)'} or command {argv[0]}", probe,
+                             child.pid):
             child.wait_started()
     except StarterError as e:
         report.update(error=str(e), exit_code=e.exit_code)

@@ -70,11 +70,6 @@ def state_root(tmp_path_factory):
     # Root's starts read no node policy but the one a test writes (the
     # `policy` fixture): a policy of this machine's must not change them.
     os.environ["STARTER_POLICY"] = str(d / "no-policy.toml")
-    if os.environ.get("STARTER_VM"):
-        # Under TCG emulation (both VMs on 2 CPUs) a healthy job's exec can
-        # wait in the kernel past setup's 60 s per-wait deadline when 200
-        # start at once (test_state): slow, not hung.
-        os.environ.setdefault("STARTER_SETUP_TIMEOUT", "900")
     yield str(d / "run")
 
 
