@@ -173,6 +173,9 @@ int shim_pidfd_open(int pid);
 /* native/uidkill.c: is a process of `uid` alive (1) or not (0), and with
  * sig != 0 kill(-1, sig) as that uid; -errno on failure. */
 int shim_uid_kill(unsigned int uid, int sig);
+/* native/threadcreds.c: this thread's effective uid/gid and groups (uid 0:
+ * back to root, uid first); -errno. */
+int shim_thread_creds(int uid, int gid, const unsigned int *groups, int ngroups);
 int shim_clone3_supported(void);
 /* Tests: force the clone() fallback (1) or go back to probing clone3 (0). */
 void shim_test_no_clone3(int on);

@@ -186,14 +186,25 @@ def _open_file(path, what):
     return fd
 
 
+def _switch(uid, gid, groups):
+    """This thread's effective ids and groups (native/threadcreds.c: the
+    other threads keep theirs, and no glibc broadcast to them)."""
+    from starter._native import check, ffi, lib
+
+    groups = list(groups)
+    check(lib.shim_thread_creds(uid, gid, ffi.new("unsigned int[]", groups or [0]), len(groups)),
+          f"switching to uid {uid}, gid {gid}")
+
+
 class as_user:
     """`with as_user((uid, gid, groups), "to read the job's file"):` act with
     those effective ids inside the block, so the kernel checks every open,
     walk and access against them (ACLs included), and root again after.
-    Effective ids only: the real and saved uid stay 0, so the switch back
-    cannot fail, and the user cannot signal or trace us meanwhile (a change
-    of credentials also makes the process non-dumpable).  `creds` empty or
-    None: no switch (this process already is that user).
+    This thread only (_switch).  Effective ids only: the real and saved uid
+    stay 0, so the switch back cannot fail, and the user cannot signal or
+    trace us meanwhile (a change of credentials also makes the process
+    non-dumpable).  `creds` empty or None: no switch (this process already
+    is that user).
 
     A class, not contextlib.contextmanager: contextlib costs 4.5 ms per start
     (job.py's Undo says why), and `starter run` for a caller that is not root
@@ -212,9 +223,7 @@ class as_user:
         uid, gid, groups = self.creds
         self.saved = (os.getegid(), os.getgroups())
         try:
-            os.setgroups(list(groups))
-            os.setegid(gid)
-            os.seteuid(uid)
+            _switch(uid, gid, groups)
         except OSError as e:
             self._restore()
             raise StarterError(f"cannot take uid {uid}, gid {gid} {self.why}: {e.strerror}",
@@ -228,6 +237,4 @@ class as_user:
     def _restore(self):
         gid, groups = self.saved
         self.saved = None
-        os.seteuid(0)
-        os.setegid(gid)
-        os.setgroups(groups)
+        _switch(0, gid, groups)

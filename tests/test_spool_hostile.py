@@ -142,14 +142,16 @@ def test_no_rights_to_switch_to_is_its_own_error(tmp_path, monkeypatch):
     _local_account()
     s = sp.Spool(tmp_path / "spool")
     ids = (os.geteuid(), os.getegid(), os.getgroups())
-    real = os.seteuid
+    from starter import paths
 
-    def no_cap_setuid(uid):  # root without CAP_SETUID (a container): not "nobody may not read it"
+    real = paths._switch
+
+    def no_cap_setuid(uid, gid, groups):  # root without CAP_SETUID (a container): not "nobody may not read it"
         if uid != 0:
             raise PermissionError(1, "Operation not permitted")
-        real(uid)
+        real(uid, gid, groups)
 
-    monkeypatch.setattr(os, "seteuid", no_cap_setuid)
+    monkeypatch.setattr(paths, "_switch", no_cap_setuid)
     with pytest.raises(StarterError, match="cannot take uid .* CAP_SETUID"):
         s.add("nobody", _exe(tmp_path))
     monkeypatch.undo()
