@@ -200,7 +200,7 @@ def test_escape_of_a_transient_uid_is_killed_and_reported(policy, tmp_path):
     _range(policy, 1, uid)
     d = tempfile.mkdtemp(prefix="starter-tmux-", dir="/var/lib")
     os.chown(d, uid, uid)
-    server = None
+    server = job = None
     try:
         server = _host_tmux(uid, f"{d}/s")
         report = tmp_path / "r.json"
@@ -208,10 +208,18 @@ def test_escape_of_a_transient_uid_is_killed_and_reported(policy, tmp_path):
                                 "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 1234' && echo asked; read x"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert job.stdout.readline() == "asked\n"
-        # While the job runs, `starter status` shows it too (the job's own processes never)
-        st = json.loads(subprocess.run([STARTER, "status", "esc-t", "--json"], capture_output=True, text=True,
-                                       check=True, timeout=30).stdout)
-        assert "sleep" in {e["comm"] for e in st["escaped"]} and "sh" not in {e["comm"] for e in st["escaped"]}
+        # While the job runs, `starter status` shows it too (the job's own
+        # processes never). tmux starts the window through `sh -c`, which
+        # becomes sleep a moment later: ask until it has.
+        deadline = time.monotonic() + 5 * SLOWDOWN
+        while True:
+            st = json.loads(subprocess.run([STARTER, "status", "esc-t", "--json"], capture_output=True, text=True,
+                                           check=True, timeout=30).stdout)
+            comms = {e["comm"] for e in st["escaped"]}
+            if "sh" not in comms or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert "sleep" in comms and "sh" not in comms, st["escaped"]
         out, err = job.communicate("\n", timeout=60)
         p = subprocess.CompletedProcess(job.args, job.returncode, out, err)
         assert p.returncode == 0, (p.stdout, p.stderr)
@@ -224,6 +232,9 @@ def test_escape_of_a_transient_uid_is_killed_and_reported(policy, tmp_path):
             time.sleep(0.05)
         assert not _pids_of(uid, "sleep") and not process_alive(server)
     finally:
+        if job is not None and job.poll() is None:
+            job.terminate()             # vacate: the starter kills the job and cleans up
+            job.communicate(timeout=60)
         if server and process_alive(server):
             os.kill(server, signal.SIGKILL)
         for pid in _pids_of(uid, "sleep"):
