@@ -178,8 +178,9 @@ static void warm_up(void)
  *                         drop to U (real, effective,      rlimits, umask, signals reset,
  *                         saved): no privilege left        environment emptied, then
  *   signals ────────────► every catchable signal ──sock──► exec python: `starter run`
- *                         (sigwaitinfo), one byte each     with $STARTER_CALLER (who)
- *                         ◄───────── exit status ───────── and $STARTER_CALLER_FD (sock)
+ *                         (sigwaitinfo), one byte each     with $STARTER_CALLER (who),
+ *                                                          $STARTER_CALLER_FD (sock) and
+ *                         ◄───────── exit status ───────── $STARTER_CALLER_RELAY (its pid)
  *   exit code ◄────────── exits with it
  *   (SIGKILL)             dies: sock hangs up ───────────► the starter kills the job
  *
@@ -210,7 +211,7 @@ static void die(const char *what)
 
 /* The root half: becomes the starter. */
 static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
-		      gid_t *groups, int ngroups)
+		      gid_t *groups, int ngroups, pid_t relay_pid)
 {
 	static const struct { int res; rlim_t soft, hard; } limits[] = {
 		{ RLIMIT_CORE, 0, 0 },                  /* a root process never dumps the caller's data */
@@ -218,8 +219,8 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 		{ RLIMIT_STACK, 8 << 20, RLIM_INFINITY },
 	};
 	size_t size = 64 + 12 * (size_t)ngroups;
-	char *who = malloc(size), *e_who = malloc(size + 16), e_fd[40], e_warm[48];
-	char *args[argc + 5], *env[6];
+	char *who = malloc(size), *e_who = malloc(size + 16), e_fd[40], e_relay[48], e_warm[48];
+	char *args[argc + 5], *env[7];
 	int trace = getenv("STARTER_TRACE") && *getenv("STARTER_TRACE");
 	const char *warm;
 	size_t len;
@@ -265,6 +266,8 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 	env[ne++] = e_who;
 	snprintf(e_fd, sizeof e_fd, "STARTER_CALLER_FD=%d", sock);
 	env[ne++] = e_fd;
+	snprintf(e_relay, sizeof e_relay, "STARTER_CALLER_RELAY=%ld", (long)relay_pid);
+	env[ne++] = e_relay;
 	if (trace)
 		env[ne++] = "STARTER_TRACE=1";
 	if (warm) {
@@ -370,7 +373,7 @@ static int caller_run(int argc, char **argv)
 	gid_t gid = getgid(), *groups;
 	int ngroups = getgroups(0, NULL), sv[2];
 	sigset_t all;
-	pid_t p;
+	pid_t p, relay_pid;
 
 	check_install();
 	/* The starter's own variables are root's to set: said, not silently
@@ -401,12 +404,13 @@ static int caller_run(int argc, char **argv)
 	for (int sig = 1; sig < NSIG; sig++)
 		if (sig != SIGKILL && sig != SIGSTOP)
 			signal(sig, SIG_DFL);
+	relay_pid = getpid();           /* the relay: this process, after the fork */
 	p = fork();
 	if (p < 0)
 		die("cannot fork");
 	if (p == 0) {
 		close(sv[1]);
-		root_half(sv[0], argv, argc, uid, gid, groups, ngroups);
+		root_half(sv[0], argv, argc, uid, gid, groups, ngroups, relay_pid);
 	}
 	close(sv[0]);
 	return relay(p, sv[1], uid, gid);

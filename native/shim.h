@@ -170,9 +170,10 @@ int shim_spawn(const struct shim_spec *spec, struct shim_child *out);
 int shim_enter(const struct shim_spec *spec, struct shim_child *out);
 int shim_setns(int fd, int nstype);
 int shim_pidfd_open(int pid);
-/* native/uidkill.c: is a process of `uid` alive (1) or not (0), and with
- * sig != 0 kill(-1, sig) as that uid; -errno on failure. */
-int shim_uid_kill(unsigned int uid, int sig);
+/* native/uidkill.c: is a process of `uid` alive (1) or not (0) beyond
+ * `known` live ones, and with sig != 0 (known 0) kill(-1, sig) as that
+ * uid; -errno on failure. */
+int shim_uid_kill(unsigned int uid, int sig, unsigned int known);
 /* native/threadcreds.c: this thread's effective uid/gid and groups (uid 0:
  * back to root, uid first); -errno. */
 int shim_thread_creds(int uid, int gid, const unsigned int *groups, int ngroups);

@@ -5,8 +5,8 @@ launcher (native/launcher.c, caller_run()), which forks: the caller's half
 (the relay, which keeps the caller's pid and forwards its signals) and this
 process, root through and through, with an empty environment but for
 $STARTER_CALLER ("UID:GID:G1,G2,...": the caller's real ids and groups, as
-the kernel gave them to the launcher) and $STARTER_CALLER_FD (the relay's
-socket).  Only the launcher can set them for a root process a user started:
+the kernel gave them to the launcher), $STARTER_CALLER_FD (the relay's
+socket) and $STARTER_CALLER_RELAY (the relay's pid).  Only the launcher can set them for a root process a user started:
 it empties the environment first.  A root caller that sets them itself only
 restricts its own job.
 
@@ -22,7 +22,10 @@ What it means here:
     even of SIGKILL) becomes supervisor.CALLER_GONE: the start fails, or
     the job is killed, reason "caller_gone";
   * the job's cgroups nest in the caller's own, which must be root's all the
-    way up (cgroups: Backend.check_trusted_parents).
+    way up (cgroups: Backend.check_trusted_parents);
+  * the relay is a process of the caller's uid that started before the job:
+    the escape check at a job's end (escapes.find) counts it as known, so
+    a caller whose uid has no other process pays no /proc walk.
 """
 
 import os
@@ -31,10 +34,11 @@ from starter.errors import StarterError
 
 
 class Caller:
-    __slots__ = ("uid", "gid", "groups", "fd")
+    __slots__ = ("uid", "gid", "groups", "fd", "relay")
 
-    def __init__(self, uid, gid, groups, fd=None):
+    def __init__(self, uid, gid, groups, fd=None, relay=None):
         self.uid, self.gid, self.groups, self.fd = uid, gid, tuple(groups), fd
+        self.relay = relay      # the relay's pid (our parent while it lives), a process of uid
 
     def __repr__(self):
         return f"Caller(uid={self.uid}, gid={self.gid}, groups={self.groups})"
@@ -67,14 +71,17 @@ def relay(fd):
     process (a blocked thread: it never holds the GIL while it waits)."""
     import _thread
 
-    _thread.start_new_thread(_relay, (fd,))
-
-
-def _relay(fd):
-    import _signal
-
     from starter.deadline import ENDING
     from starter.supervisor import CALLER_GONE
+
+    # Imported here, not in the thread: an import there, while this thread
+    # imports the start's modules, is a race for the import lock and the GIL
+    # (+0.7 ms a start, measured).
+    _thread.start_new_thread(_relay, (fd, ENDING, CALLER_GONE))
+
+
+def _relay(fd, ENDING, CALLER_GONE):
+    import _signal
 
     me = os.getpid()
     while True:
@@ -103,6 +110,7 @@ def from_environ(environ=os.environ):
     variables, so nothing the starter starts inherits them."""
     who = environ.pop("STARTER_CALLER", None)
     fd = environ.pop("STARTER_CALLER_FD", None)
+    relay_pid = environ.pop("STARTER_CALLER_RELAY", None)
     if who is None or os.getuid() != 0:
         return None
     try:
@@ -110,6 +118,7 @@ def from_environ(environ=os.environ):
         uid, gid = int(uid), int(gid)
         groups = tuple(int(g) for g in groups.split(",") if g)
         fd = int(fd) if fd is not None else None
+        relay_pid = int(relay_pid) if relay_pid is not None else None
     except ValueError:
         raise StarterError(f"unusable $STARTER_CALLER {who!r}",
                            "it is set by the set-user-ID `starter` launcher only") from None
@@ -120,4 +129,4 @@ def from_environ(environ=os.environ):
             os.set_inheritable(fd, False)
         except OSError:
             fd = None
-    return Caller(uid, gid, groups, fd)
+    return Caller(uid, gid, groups, fd, relay_pid)

@@ -32,15 +32,26 @@ import os
 _START_FIELD = 19
 
 
-def _as_uid(uid, sig):
-    """The helper of native/uidkill.c; -> True if a process of uid is alive."""
+def _as_uid(uid, sig, known=0):
+    """The helper of native/uidkill.c; -> True if a process of uid is alive
+    (beyond `known` live ones)."""
     from starter._native import check, lib
 
-    return check(lib.shim_uid_kill(uid, sig), f"looking for processes of uid {uid}") == 1
+    return check(lib.shim_uid_kill(uid, sig, known), f"looking for processes of uid {uid}") == 1
 
 
-def any_process(uid):
-    """Is any task of real uid `uid` alive on the host (zombies included)?"""
+def any_process(uid, relay=None):
+    """Is any task of real uid `uid` alive on the host (zombies included)?
+    relay: the pid of a caller's relay (starter/caller.py), our parent, a
+    task of `uid` that is none of the answer's business: asked for as one
+    known task, and trusted only if it is still our parent after the probe
+    (then it was alive, and counted, all through it; a relay that died
+    reparents us at once)."""
+    if relay is not None and os.getppid() == relay:
+        if _as_uid(uid, 0, 1):
+            return True
+        if os.getppid() == relay:
+            return False
     return _as_uid(uid, 0)
 
 
@@ -89,12 +100,13 @@ def _real_uid(pid):
     return None, None
 
 
-def find(uid, since=None, skip_jobs=False):
+def find(uid, since=None, skip_jobs=False, relay=None):
     """[{"pid", "comm", "start"}] of the processes of `uid` (effective; or real/saved
     when the cheap way finds none though the probe said some), started at or
     after `since` (clock ticks since boot, /proc/PID/stat's starttime) when
-    given, and outside every starter job's cgroup when skip_jobs."""
-    if not any_process(uid):
+    given, and outside every starter job's cgroup when skip_jobs.  relay:
+    see any_process (it started before the job: never in the answer)."""
+    if not any_process(uid, relay):
         return []
     me = os.getpid()
     found, seen = [], False

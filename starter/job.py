@@ -185,7 +185,9 @@ def run(spec, caller=None, policy=None):
             spec = spec.replace(uid=uid, gid=uid if spec.gid is None else spec.gid, user=str(uid))
             fault("uid")
         elif spec.uid != 0:
-            undo.push(_end_named, spec.uid, since, spec.escape, report, label="escapes")
+            # The caller's relay is a process of the job's uid (its own): known, not an escape.
+            relay = caller.relay if caller is not None and caller.uid == spec.uid else None
+            undo.push(_end_named, spec.uid, since, spec.escape, report, relay, label="escapes")
         report["uid"] = spec.uid
         job_state = JobState(spec.state_dir, spec.id).create(
             reclaim=reclaim.reclaim_for_start,
@@ -509,14 +511,14 @@ def _end_transient(state_dir, uid, job_id, action, report):
     uids.release(uid, state_dir, job_id)
 
 
-def _end_named(uid, since, action, report):
+def _end_named(uid, since, action, report, relay=None):
     """A named user's processes started during the job, outside every job's
     cgroup: escaped (a same-uid host daemon started them for the job)."""
     if since[0] is None:
         return              # the job never ran
     from starter import escapes
 
-    found = escapes.find(uid, since=since[0], skip_jobs=True)
+    found = escapes.find(uid, since=since[0], skip_jobs=True, relay=relay)
     report["escaped"] = found
     if found:
         _say_escaped(report.get("job_id"), found, action)

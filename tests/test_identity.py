@@ -276,3 +276,41 @@ def test_no_escape_report_is_empty(policy, tmp_path):
     subprocess.run([STARTER, "run", "--report", str(report), "--", "true"], check=True, timeout=60)
     r = json.loads(report.read_text())
     assert r["escaped"] == [] and "escaped_action" not in r
+
+
+@pytest.mark.skipif(not shutil.which("tmux"), reason="tmux is not installed (scripts/setup --test installs it)")
+def test_escape_of_a_caller_is_reported_past_its_relay(policy):
+    """A caller that is not root: its relay, a process of the job's uid, is
+    known to the escape check (one probe, no /proc walk when it is alone),
+    and never hides a process a same-uid daemon started for the job."""
+    from conftest import UID, caller_argv
+
+    d = tempfile.mkdtemp(prefix="starter-tmux-", dir="/var/lib")
+    os.chown(d, UID, UID)
+    policy(f'[callers]\nbind = ["{d}"]\n')
+    server, before = None, _pids_of(UID, "sleep")
+    try:
+        server = _host_tmux(UID, f"{d}/s")
+        report = f"{d}/r.json"
+        p = subprocess.run(caller_argv("run", "--report", report, "--bind", d, "--",
+                                       "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 4322' && echo asked"),
+                           capture_output=True, text=True, timeout=60 * SLOWDOWN, cwd="/")
+        assert p.returncode == 0 and "asked" in p.stdout, (p.stdout, p.stderr)
+        r = json.loads(open(report).read())
+        # (tmux's `sh -c` for the window may not have become sleep yet)
+        mine = {e["comm"] for e in r["escaped"] if e["pid"] not in before}
+        assert mine & {"sleep", "sh"} and r["escaped_action"] == "reported", r
+        # ... and a caller's job with nothing escaping reports nothing (its relay is not an escape)
+        p = subprocess.run(caller_argv("run", "--report", report, "--", "true"), capture_output=True, text=True,
+                           timeout=60 * SLOWDOWN, cwd="/")
+        assert p.returncode == 0, p.stderr
+        r = json.loads(open(report).read())
+        assert not [e for e in r["escaped"] if e["comm"] == "starter"], r
+    finally:
+        subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "tmux", "-S", f"{d}/s",
+                        "kill-server"], capture_output=True, timeout=30)
+        for pid in _pids_of(UID, "sleep") - before:
+            os.kill(pid, signal.SIGKILL)
+        if server and process_alive(server):
+            os.kill(server, signal.SIGKILL)
+        shutil.rmtree(d, ignore_errors=True)
