@@ -72,15 +72,15 @@ def relay(fd):
     import _thread
 
     from starter.deadline import ENDING
-    from starter.supervisor import CALLER_GONE
+    from starter.supervisor import CALLER_GONE, CHECKPOINTED
 
     # Imported here, not in the thread: an import there, while this thread
     # imports the start's modules, is a race for the import lock and the GIL
     # (+0.7 ms a start, measured).
-    _thread.start_new_thread(_relay, (fd, ENDING, CALLER_GONE))
+    _thread.start_new_thread(_relay, (fd, ENDING, CALLER_GONE, CHECKPOINTED))
 
 
-def _relay(fd, ENDING, CALLER_GONE):
+def _relay(fd, ENDING, CALLER_GONE, CHECKPOINTED):
     import _signal
 
     me = os.getpid()
@@ -95,7 +95,8 @@ def _relay(fd, ENDING, CALLER_GONE):
             os.kill(me, CALLER_GONE)
             return
         for sig in data:
-            if not 0 < sig < _signal.NSIG or sig in (_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD):
+            if not 0 < sig < _signal.NSIG or sig in (_signal.SIGKILL, _signal.SIGSTOP, _signal.SIGCHLD,
+                                                     CALLER_GONE, CHECKPOINTED):
                 continue
             # Before the starter routes it (supervisor.Signals), a signal
             # with its default action would kill the root starter mid-setup:

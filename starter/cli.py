@@ -37,6 +37,8 @@ commands:
                                 every job's usage in the Prometheus text format
   vacate|suspend|resume|kill JOB
                                 control a running job (same as signalling its starter)
+  checkpoint JOB --to DIR [--leave-running]
+                                dump the job with CRIU; `run --restore DIR` brings it back
   gc                            reclaim what crashed starters left behind
   netd                          run the per-node network helper (for --net nat)
   config check|show [FILE]      validate / print the node policy (/etc/starter/starter.toml)
@@ -98,6 +100,11 @@ RUN_OPTIONS = {
     "--keep-scratch": ("keep-scratch", "flag", "keep the scratch directory of a job that ran"),
     "--disk": ("disk", "value", "SIZE  the scratch is a file system of this size (e.g. 20G): writes past it fail (ENOSPC)"),
     "--disk-inodes": ("disk-inodes", "value", "N  with --disk: at least this many files and directories (default: one per 16 KiB)"),
+    "--on-vacate": ("on-vacate", "value", "checkpoint:DIR  a vacate first dumps the job to DIR with CRIU (bounded by --grace; "
+                    "if it fails: the ordinary vacate)"),
+    "--checkpoint-every": ("checkpoint-every", "value", "DURATION  with --on-vacate checkpoint:DIR, also dump the "
+                           "running job there this often (the last good image is kept)"),
+    "--restore": ("restore", "value", "DIR  restore the job checkpointed to DIR (`starter checkpoint`), no CMD"),
     "--manifest": ("manifest", "value", "FILE  signature file listing the inputs (sha256sum format)"),
     "--manifest-digest": ("manifest-digest", "value", "SHA256  trusted digest of the signature file"),
     "--inputs": ("inputs", "value", "DIR  where the manifest's files are read from"),
@@ -137,6 +144,15 @@ def cmd_run(argv):
         # A root caller may name another policy file (tests, a trial); a caller
         # that is not root has an empty environment here (the launcher's doing).
         pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
+        image = None
+        if "restore" in values:
+            from starter import checkpoint
+
+            if command:
+                raise UsageError("--restore takes no command: the job goes on with its own")
+            image = checkpoint.load(values["restore"], caller)
+            values = checkpoint.restore_values(image, values)
+            command = values.pop("command", None)
         if caller is None:
             job_file = S.load_job_file(values.pop("job")) if "job" in values else None
             if command:
@@ -152,6 +168,8 @@ def cmd_run(argv):
     except BaseException:
         deadline.claim()   # this failure is the one said (the watchdog stays out)
         raise
+    if image is not None:
+        js = js.replace(restore=image)
     trace.mark("spec")
     from starter.job import run
 
@@ -182,6 +200,7 @@ COMMANDS = {
     "ps": _admin("cmd_ps"),
     "status": _admin("cmd_status"),
     "vacate": _admin("cmd_control", "vacate"),
+    "checkpoint": _admin("cmd_checkpoint"),
     "suspend": _admin("cmd_control", "suspend"),
     "resume": _admin("cmd_control", "resume"),
     "kill": _admin("cmd_control", "kill"),

@@ -183,6 +183,23 @@ def cmd_control(action, argv):
     return admin.control(_state_dir(values), pos[0], action)
 
 
+def cmd_checkpoint(argv):
+    """checkpoint JOB --to DIR [--leave-running] (starter/checkpoint.py)."""
+    table = {"--state-dir": ("state-dir", "value", "DIR  state directory"),
+             "--to": ("to", "value", "DIR  a new directory for the images and the starter's record"),
+             "--leave-running": ("leave-running", "flag", "the job goes on after the dump (default: it ends, "
+                                 "reason checkpointed)")}
+    usage = "starter checkpoint JOB --to DIR [--leave-running] [--state-dir DIR]"
+    values, pos, _ = parse(argv, table, positional=1, command_after=False, usage=usage)
+    if not pos or not values.get("to"):
+        raise UsageError(f"usage: {usage}")
+    need_root("starter checkpoint")
+    from starter import checkpoint
+
+    return checkpoint.checkpoint(_state_dir(values), pos[0], os.path.abspath(values["to"]),
+                                 bool(values.get("leave-running")))
+
+
 def cmd_gc(argv):
     table = {"--state-dir": ("state-dir", "value", "DIR  state directory")}
     values, _, _ = parse(argv, table, command_after=False, usage="starter gc [--state-dir DIR]")

@@ -177,10 +177,21 @@ def run(spec, caller=None, policy=None):
         # or a named one.  Its end, after the cgroup is gone (pushed first,
         # runs last): processes of the uid outside the cgroup are escapes.
         since = [None]          # the job's start time, once it runs
+        image = spec.restore
+        if image is not None:
+            _check_restore(spec, image, backend)
+        if spec.on_vacate:
+            from starter import checkpoint
+
+            checkpoint.check_dumpable(spec.id, {
+                "net": spec.network.mode, "scratch": spec.scratch or spec.execute_dir, "delegate": spec.delegate,
+                "userns_root": spec.userns_root, "asked": spec.asked})
         if spec.transient is not None:
             from starter import uids
 
-            uid = uids.acquire(spec.state_dir, spec.id, *spec.transient)
+            # A restored job's processes keep their uid: that one again, or none.
+            want = (image.record["uid"],) * 2 if image is not None else spec.transient
+            uid = uids.acquire(spec.state_dir, spec.id, *want)
             undo.push(_end_transient, spec.state_dir, uid, spec.id, spec.escape, report, label="uid")
             spec = spec.replace(uid=uid, gid=uid if spec.gid is None else spec.gid, user=str(uid))
             fault("uid")
@@ -197,7 +208,8 @@ def run(spec, caller=None, policy=None):
             cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
             cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent, delegate=spec.delegate,
             caller=caller.uid if caller is not None else 0, transient=spec.transient is not None,
-            escape=spec.escape)
+            escape=spec.escape, asked=spec.asked,
+            **({"segments": image.record["segments"], "restored_from": image.path} if image is not None else {}))
         if count_lock is not None:      # the entry counts from here on
             os.close(count_lock)
         fault("state-entry")
@@ -232,6 +244,7 @@ def run(spec, caller=None, policy=None):
 
 
 def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_root_rights, since=None):
+    image = spec.restore     # a checkpoint to restore (starter/checkpoint.py), or None
     from starter import cgroups, ns
     from starter.nsidentity import made_for
     from starter.mounts import Mount
@@ -362,7 +375,12 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter,
         userns_root=spec.userns_root, rlimits=rlimits, cgroupns_at_clone=spec.delegate)
     trace.mark("plan")
-    child = ns.spawn(child_spec)
+    if image is None:
+        child = ns.spawn(child_spec)
+    else:
+        from starter import checkpoint
+
+        child = checkpoint.spawn(image, cg, spec.state_dir, spec.id)
     undo.push(child.close, label="child")
     # Which namespaces the starter made, for `starter enter` (admin.py),
     # read now: the child runs nothing of the job's before the release.  A
@@ -438,7 +456,9 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
 
         gpu_usage = Usage(spec.gpus)
     sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace,
-                     oom_watch=oom_watch, kill_timeout=spec.kill_timeout)
+                     oom_watch=oom_watch, kill_timeout=spec.kill_timeout,
+                     checkpoint=_checkpointer(spec, job_state, cg) if spec.on_vacate else None,
+                     checkpoint_every=spec.checkpoint_every)
     out = sup.run()
     if gpu_usage is not None:
         report.update(gpu_usage.stop())
@@ -465,6 +485,12 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                   wall_s=round(time.monotonic() - sup.started, 6),
                   cgroup=backend.kind, **stats)
     report.update(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
+    if image is not None:
+        _segments(report, image.record["segments"])
+    if out.checkpoint_error:
+        report["checkpoint_error"] = out.checkpoint_error
+    elif reason == "checkpointed" and spec.on_vacate:
+        report["checkpoint"] = spec.on_vacate
     if spec.delegate:
         from starter.cgroups.files import ran_out_of_memory
 
@@ -490,6 +516,58 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     if undo.holds("net", "scratch"):
         job_state.update(state="exited")
     return code
+
+
+def _check_restore(spec, image, backend):
+    """A restore goes where this version brings one back, as the uid its
+    processes have (starter/checkpoint.py)."""
+    rec = image.record
+    if backend.kind != "v2":
+        raise StarterError(f"restore of {image.path}: this starter restores onto pure cgroup v2 nodes only "
+                           f"(this one is {backend.kind})")
+    if bool(rec.get("transient")) != (spec.transient is not None) or (
+            spec.transient is None and spec.uid != rec.get("uid")):
+        raise StarterError(f"restore of {image.path}: its processes run as uid {rec.get('uid')}, "
+                           f"and the job would now run as {spec.user or spec.uid}",
+                           "restore it where its user resolves to the same uid")
+    if spec.transient is not None and not spec.transient[0] <= rec.get("uid", -1) <= spec.transient[1]:
+        raise StarterError(f"restore of {image.path}: its uid {rec.get('uid')} is outside this node's "
+                           f"job uids {spec.transient[0]}-{spec.transient[1]}")
+
+
+def _checkpointer(spec, job_state, cg):
+    """--on-vacate checkpoint:DIR: -> dump(leave_running, timeout) -> DIR.
+    Each dump goes to DIR.new and replaces DIR only once it is whole, so
+    the last good image is always there (--checkpoint-every)."""
+    import shutil
+
+    from starter import checkpoint
+
+    to = spec.on_vacate
+
+    def dump(leave_running, timeout):
+        new, old = to + ".new", to + ".old"
+        shutil.rmtree(new, ignore_errors=True)     # an earlier one cut short
+        checkpoint.dump(spec.id, dict(job_state.data), cg, new, leave_running, timeout)
+        if os.path.lexists(to):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(to, old)
+        os.rename(new, to)
+        shutil.rmtree(old, ignore_errors=True)
+        return to
+
+    return dump
+
+
+def _segments(report, before):
+    """The report of a restored job: each run a segment, and their sums."""
+    now = {k: report.get(k) for k in ("started_at", "ended_at", "wall_s", "cpu_user_s", "cpu_system_s")}
+    now["ended_at"] = now["ended_at"] or round(time.time(), 6)
+    now["node"] = os.uname().nodename
+    segs = list(before) + [now]
+    report["segments"] = segs
+    report["total"] = {k: round(sum(s.get(k) or 0 for s in segs), 6)
+                       for k in ("wall_s", "cpu_user_s", "cpu_system_s")}
 
 
 def _end_transient(state_dir, uid, job_id, action, report):

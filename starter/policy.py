@@ -68,7 +68,9 @@ CALLER_KEYS = {
     "devices": ("globs", ()), "gpus": ("bool", False),
 }
 # Options that only root sets: where jobs' state and cgroups live, the network's shape.
-ROOT_ONLY = ("state-dir", "cgroup-parent") + NET_OPTIONS
+# (on-vacate and checkpoint-every: the checkpoint's directory is written as
+# root, and a caller's restore is not there yet: starter/checkpoint.py)
+ROOT_ONLY = ("state-dir", "cgroup-parent", "on-vacate", "checkpoint-every") + NET_OPTIONS
 # A caller's flag -> the [callers] key that allows it.
 FLAG_KEYS = {"userns-root": "userns_root", "allow-userns": "allow_userns", "delegate": "delegate",
              "init": "init"}

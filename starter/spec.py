@@ -101,6 +101,7 @@ class JobSpec(Spec):
         "seccomp", "allow_userns", "userns_root", "rlimits",
         "oom_policy", "kill_timeout", "delegate", "transient", "escape",
         "devices", "gpus", "ptys",
+        "asked", "restore", "on_vacate", "checkpoint_every",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
@@ -135,9 +136,12 @@ def build(cli, job_file=None, policy=None, caller=None):
             raw[k] = raw[k] + list(v)             # repeatable: file first, then flags
         else:
             raw[k] = v
+    # What the job asked for, before the node's policy: kept in its state
+    # entry, so a checkpoint can be restored under the restoring node's policy.
+    asked = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in raw.items()}
     if policy is not None:
         policy.apply(raw, caller)
-    return _make(raw, caller)
+    return _make(raw, caller, asked)
 
 
 def _bool(field, v):
@@ -154,7 +158,7 @@ def _list(field, v):
     return v
 
 
-def _make(raw, caller=None):
+def _make(raw, caller=None, asked=None):
     argv = raw.get("command") or []
     if not argv:
         raise SpecError("command", "no command given (starter run [options] -- CMD ARGS)")
@@ -306,8 +310,21 @@ def _make(raw, caller=None):
     if oom_policy not in OOM_POLICIES:
         raise SpecError("oom-policy", f"{V.show(oom_policy)} is not one of {', '.join(OOM_POLICIES)}")
 
+    on_vacate = raw.get("on-vacate")
+    if on_vacate is not None:
+        on_vacate = V.string("on-vacate", on_vacate)
+        if not on_vacate.startswith("checkpoint:") or len(on_vacate) == 11:
+            raise SpecError("on-vacate", f"{V.show(on_vacate)} is not checkpoint:DIR")
+        on_vacate = V.host_path("on-vacate", on_vacate[11:])
+    every = raw.get("checkpoint-every")
+    if every is not None:
+        every = V.duration("checkpoint-every", every, 1, MAX_WALL)
+        if on_vacate is None:
+            raise SpecError("checkpoint-every", "needs --on-vacate checkpoint:DIR (where the images are kept)")
+
     cwd = raw.get("cwd")
     return JobSpec(
+        on_vacate=on_vacate, checkpoint_every=every,
         id=job_id,
         argv=argv,
         user=user, group=group, uid=uid, gid=gid, groups=groups, home=home,
@@ -341,7 +358,7 @@ def _make(raw, caller=None):
         # What happens to the job's processes found outside its cgroup at the
         # end (starter/escapes.py): the policy's choice, per kind of uid.
         escape=raw.get("escape-transient" if transient else "escape-named") or ("kill" if transient else "report"),
-        devices=tuple(devices), gpus=gpus, ptys=ptys,
+        devices=tuple(devices), gpus=gpus, ptys=ptys, asked=asked,
         kill_timeout=V.number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
                                   0.1, MAX_GRACE),
     )

@@ -53,8 +53,12 @@ SIGRTMIN = _signal.SIGRTMIN
 # Internal signals of the `starter vacate|suspend|resume|kill JOB` commands:
 # fixed, so a site's --on-signal mapping can never change what a command does.
 COMMAND_SIGNALS = {SIGRTMIN + 1: "vacate", SIGRTMIN + 2: "suspend",
-                   SIGRTMIN + 3: "resume", SIGRTMIN + 4: "kill", SIGRTMIN + 5: "caller_gone"}
+                   SIGRTMIN + 3: "resume", SIGRTMIN + 4: "kill", SIGRTMIN + 5: "caller_gone",
+                   SIGRTMIN + 6: "checkpointed"}
 CALLER_GONE = SIGRTMIN + 5     # a caller's relay hung up (caller.py's reader thread)
+# `starter checkpoint` dumped the job, which CRIU left stopped: end it (root's
+# only: a caller's relay never passes it on, caller.py).
+CHECKPOINTED = SIGRTMIN + 6
 ACTION_SIGNALS = {v: k for k, v in COMMAND_SIGNALS.items()}
 DEFAULT_ACTIONS = {
     _signal.SIGTERM: "vacate", _signal.SIGINT: "vacate", _signal.SIGHUP: "vacate",
@@ -101,18 +105,19 @@ class Signals:
 
 
 class Outcome:
-    __slots__ = ("status", "reason", "unkillable", "job_status")
+    __slots__ = ("status", "reason", "unkillable", "job_status", "checkpoint_error")
 
     def __init__(self):
         self.status = None      # raw wait status of the main process (None: never seen)
         self.reason = None      # set by the starter's own actions (vacated, timeout, killed, oom)
         self.unkillable = []    # [{"pid", "state", "wchan"}] of processes that outlived the kill
         self.job_status = None
+        self.checkpoint_error = None    # why --on-vacate's dump did not happen (then: the plain vacate)
 
 
 class Supervisor:
     def __init__(self, child, cgroup, signals, events, state, wall_time=None, grace=10.0,
-                 oom_watch=None, kill_timeout=UNKILLABLE_AFTER):
+                 oom_watch=None, kill_timeout=UNKILLABLE_AFTER, checkpoint=None, checkpoint_every=None):
         self.child = child
         self.cg = cgroup
         self.signals = signals
@@ -128,6 +133,12 @@ class Supervisor:
         self.oom_tries = 0
         self.killed = False
         self.out = Outcome()
+        # --on-vacate checkpoint:DIR: checkpoint(leave_running, timeout) dumps
+        # the job there (starter/checkpoint.py); --checkpoint-every: also
+        # this often while it runs.
+        self.checkpoint = checkpoint
+        self.every = checkpoint_every
+        self.next_checkpoint = self.started + checkpoint_every if checkpoint_every else None
 
     def run(self):
         poller = select.poll()
@@ -161,6 +172,8 @@ class Supervisor:
                 self._kill()
             if self.oom_recheck is not None and now >= self.oom_recheck and self.out.status is None:
                 self._check_oom()
+            if self.next_checkpoint is not None and now >= self.next_checkpoint and self.out.status is None:
+                self._periodic_checkpoint()
         if self.out.status is None:
             # Gave up on unkillable processes; the main one may be among them.
             self.out.status = self.child.poll()
@@ -175,7 +188,8 @@ class Supervisor:
         return self.out
 
     def _timeout_ms(self):
-        deadlines = [d for d in (self.wall_deadline, self.kill_deadline, self.oom_recheck) if d is not None]
+        deadlines = [d for d in (self.wall_deadline, self.kill_deadline, self.oom_recheck, self.next_checkpoint)
+                     if d is not None]
         if not deadlines:
             return None
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
@@ -211,6 +225,8 @@ class Supervisor:
                 self._note(state="running")
                 self.events.emit("resumed")
         elif action == "vacate":
+            if self.kill_deadline is None and self.checkpoint is not None and self._vacate_checkpoint():
+                return
             if self.kill_deadline is None:
                 self._note(state="vacating")
                 self.events.emit("vacating", grace=self.grace)
@@ -219,12 +235,43 @@ class Supervisor:
                     self._control("resume", self.cg.thaw)
                 self.child.send_signal(_signal.SIGTERM)
                 self.kill_deadline = time.monotonic() + self.grace
-        elif action in ("kill", "caller_gone"):
-            if self.out.reason is None:
-                self.out.reason = "killed" if action == "kill" else "caller_gone"
+        elif action in ("kill", "caller_gone", "checkpointed"):
+            if self.out.reason is None or action == "checkpointed":
+                self.out.reason = {"kill": "killed"}.get(action, action)
                 if action == "caller_gone":
                     self.events.emit("caller_gone")
             self._kill()
+
+    def _vacate_checkpoint(self):
+        """The vacate's dump, bounded by the grace period; -> done (the job
+        is then ended, reason "checkpointed").  Once only: a failure falls
+        back to the ordinary vacate, and the report says why."""
+        dump, self.checkpoint, self.next_checkpoint = self.checkpoint, None, None
+        self._note(state="checkpointing")
+        try:
+            to = dump(False, self.grace)
+        except (StarterError, OSError) as e:
+            self.out.checkpoint_error = one_line(e)
+            sys.stderr.write(f"starter: {self.out.checkpoint_error}; vacating without a checkpoint\n")
+            self.events.emit("checkpoint_failed", error=self.out.checkpoint_error)
+            return False
+        self.out.reason = "checkpointed"
+        self.events.emit("checkpointed", to=to)
+        self._kill()
+        return True
+
+    def _periodic_checkpoint(self):
+        """--checkpoint-every: a dump of the running job; a failure is said
+        and the job runs on (the last good image stays)."""
+        self.next_checkpoint = time.monotonic() + self.every
+        try:
+            to = self.checkpoint(True, self.every)
+        except (StarterError, OSError) as e:
+            err = one_line(e)
+            sys.stderr.write(f"starter: periodic {err}\n")
+            self.events.emit("checkpoint_failed", error=err)
+            return
+        self.events.emit("checkpointed", to=to, running=True)
 
     def _control(self, action, step):
         """Freeze or thaw; -> done.  A failure (a process that stays in D
