@@ -236,6 +236,22 @@ def check_dumpable(job_id, st):
                            "only jobs started by this version can be checkpointed")
 
 
+def dump_argv(exe, pid, images, log, stdio, leave_running):
+    """The dump's command line (scripts/bench.d/checkpoint.py runs the same
+    by hand).  CRIU in the job's cgroup namespace (the job's cgroups are "/"
+    in the image, for the restore's new one; its cgroup2 mount there does
+    not re-set the host's cgroup2 options, which a mount in the initial
+    cgroup namespace does) and a private mount namespace of its own."""
+    argv = ["nsenter", "-t", str(pid), "-C", "--", "unshare", "--mount", "--propagation", "private", "--",
+            exe, "dump", "-t", str(pid), "-D", images, "-o", log,
+            "--ext-mount-map", "auto", "--enable-external-sharing", "--enable-external-masters",
+            "--network-lock", "nftables", "--leave-running" if leave_running else "--leave-stopped"]
+    for key in sorted(set(stdio.values())):
+        if key.startswith("file["):
+            argv += ["--external", key]
+    return argv
+
+
 def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT):
     """Dump the job whose state entry is `st` (its cgroup `cg`) into the new
     directory `to` (root's, 0700), signed.  The tree is left running, or
@@ -251,17 +267,7 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT):
         images = os.path.join(to, IMAGES)
         os.mkdir(images, 0o700)
         log = os.path.join(to, "dump.log")
-        # CRIU in the job's cgroup namespace (the job's cgroups are "/" in
-        # the image, for the restore's new one; its cgroup2 mount there does
-        # not re-set the host's cgroup2 options, which a mount in the initial
-        # cgroup namespace does) and a private mount namespace of its own.
-        argv = ["nsenter", "-t", str(pid), "-C", "--", "unshare", "--mount", "--propagation", "private", "--",
-                exe, "dump", "-t", str(pid), "-D", images, "-o", log,
-                "--ext-mount-map", "auto", "--enable-external-sharing", "--enable-external-masters",
-                "--network-lock", "nftables", "--leave-running" if leave_running else "--leave-stopped"]
-        for key_ in sorted(set(stdio.values())):
-            if key_.startswith("file["):
-                argv += ["--external", key_]
+        argv = dump_argv(exe, pid, images, log, stdio, leave_running)
         before = cg.stats()
         t0 = time.time()
         try:
@@ -487,8 +493,11 @@ def spawn(image, cg, state_dir, job_id):
         child = ns.spawn(ns.ChildSpec(
             argv=argv, env={"PATH": DEFAULT_PATH}, cwd=work, uid=0, gid=0, namespaces=frozenset({"mnt", "cgroup"}),
             private_tmp=False, drop_privileges=False, reset_inherited=False, keep_fds=tuple(fds) + (image.images_fd,),
-            cgroup_fd=cg.clone_fd(), cgroupns_at_clone=True, stdio=(null, null, null)))
+            cgroup_fd=cg.clone_fd(), stdio=(null, null, null)))
         try:
+            # In every hierarchy of the job before it runs (v1: by pid; its
+            # cgroup namespace is made after the release, rooted there).
+            cg.add_pid(child.pid, cloned=cg.clone_fd() is not None)
             child.release()
             child.wait_started()
             status = child.wait()
@@ -535,25 +544,35 @@ def _nsenter(pid, flags, *argv, check=True, what=""):
 
 
 def _fix_mounts(pid, rec):
-    """CRIU 3.17 may bring the job's cgroup2 mount back showing more than the
-    job's own cgroup (its cgroup namespace root), and leaves its network
-    lock's table in the job's network namespace: both put right."""
+    """CRIU 3.17 brings the job's cgroup mounts back as binds of the host's
+    hierarchies at the old job's paths (more than the job's own cgroup), and
+    leaves its network lock's table in the job's network namespace: both
+    put right.  Each such mount gets a fresh one of its hierarchy on top,
+    made in the job's cgroup namespace (so it shows the job's cgroup as its
+    root), read-only; the kernel refuses a file system on itself at the
+    same place, so a tiny tmpfs goes between.  The job, without
+    CAP_SYS_ADMIN, cannot take them off."""
     from starter.cgroups.files import unescape_mountinfo
 
-    roots = []
+    wrong = {}
     with open(f"/proc/{pid}/mountinfo") as f:
         for line in f:
             lf = line.split()
             sep = lf.index("-")
-            if unescape_mountinfo(lf[4]) == "/sys/fs/cgroup" and lf[sep + 1] == "cgroup2":
-                roots.append(unescape_mountinfo(lf[3]))
-    if roots and roots[-1] != "/":
-        # A fresh one, made in the job's cgroup namespace, over it (the job,
-        # without CAP_SYS_ADMIN, cannot take it off).  The kernel refuses a
-        # file system on itself at the same place: a tiny tmpfs between.
-        what = f"its cgroup2 mount showed {roots[-1]}"
+            fstype, where = lf[sep + 1], unescape_mountinfo(lf[4])
+            if fstype in ("cgroup", "cgroup2") and where.startswith("/sys/fs/cgroup"):
+                opts = [o for o in lf[sep + 3].split(",") if o not in ("rw", "ro")]
+                if fstype == "cgroup2":
+                    opts = []       # its options are the host's, node-wide
+                # the last mount at a place is what the job sees
+                wrong[where] = (fstype, opts) if unescape_mountinfo(lf[3]) != "/" else None
+    for where, fix in wrong.items():
+        if fix is None:
+            continue
+        fstype, opts = fix
+        what = f"its {fstype} mount at {where} showed another cgroup"
         _nsenter(pid, ["-m", "-C"], "mount", "-n", "-t", "tmpfs", "-o", "ro,nosuid,nodev,noexec,size=4k,mode=0555",
-                 "none", "/sys/fs/cgroup", what=what)
-        _nsenter(pid, ["-m", "-C"], "mount", "-n", "-t", "cgroup2", "-o", "ro,nosuid,nodev,noexec", "cgroup2",
-                 "/sys/fs/cgroup", what=what)
+                 "none", where, what=what)
+        _nsenter(pid, ["-m", "-C"], "mount", "-n", "-t", fstype, "-o", ",".join(["ro", "nosuid", "nodev", "noexec"]
+                                                                                 + opts), fstype, where, what=what)
     _nsenter(pid, ["-n"], "nft", "delete", "table", "inet", f"CRIU-{int(rec.get('root_pid', 0))}", check=False)

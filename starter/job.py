@@ -522,9 +522,9 @@ def _check_restore(spec, image, backend):
     """A restore goes where this version brings one back, as the uid its
     processes have (starter/checkpoint.py)."""
     rec = image.record
-    if backend.kind != "v2":
-        raise StarterError(f"restore of {image.path}: this starter restores onto pure cgroup v2 nodes only "
-                           f"(this one is {backend.kind})")
+    if backend.kind not in ("v2", "v1"):
+        raise StarterError(f"restore of {image.path}: this starter restores onto pure cgroup v2 or v1 nodes only "
+                           f"(this one is {backend.kind}: untested)")
     if bool(rec.get("transient")) != (spec.transient is not None) or (
             spec.transient is None and spec.uid != rec.get("uid")):
         raise StarterError(f"restore of {image.path}: its processes run as uid {rec.get('uid')}, "

@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import SLOWDOWN, STARTER, UID, caller_argv, process_alive
+from conftest import SLOWDOWN, STARTER, caller_argv
 
 KEY = "/etc/starter/checkpoint.key"
 
@@ -31,10 +31,6 @@ def _criu_works():
 
 
 CRIU = _criu_works()
-
-
-def _v2():
-    return os.path.exists("/sys/fs/cgroup/cgroup.controllers")
 
 
 @pytest.fixture
@@ -126,11 +122,15 @@ def test_restore_by_a_caller_that_is_not_root(key, tmp_path, policy):
     _one_line(p, "root callers")
 
 
-@pytest.mark.skipif(_v2(), reason="on pure cgroup v2 a restore goes on to CRIU (test_checkpoint_and_restore)")
+def _hybrid():
+    return os.path.isdir("/sys/fs/cgroup/unified")
+
+
+@pytest.mark.skipif(not _hybrid(), reason="on pure v2 and v1 a restore goes on to CRIU (test_checkpoint_and_restore)")
 def test_restore_onto_a_layout_it_does_not_support(key, tmp_path):
     d = _fake_image(tmp_path)
     _one_line(subprocess.run([STARTER, "run", "--restore", str(d)], capture_output=True, text=True, timeout=60),
-              "pure cgroup v2")
+              "pure cgroup v2 or v1")
 
 
 @pytest.mark.skipif(CRIU, reason="CRIU works here: test_checkpoint_and_restore covers it")
@@ -168,14 +168,14 @@ sleep 1000 & child=$!
 while [ $i -lt 40 ]; do
   i=$((i+1)); echo $i >> /tmp/cnt; echo "tick $i"; sleep 0.2
 done
-echo "view $(cat /proc/self/cgroup) $(ls /sys/fs/cgroup | grep -c -e starter -e init.scope)"
+echo "view $(cut -d: -f3 /proc/self/cgroup | sort -u | tr '\n' ' ')$(ls -R /sys/fs/cgroup | grep -c -e starter -e init.scope)"
 echo "done $i $(wc -l < /tmp/cnt) $(ipcs -m | grep -c 0x) $$ $(kill -0 $child && echo child)"
 exit 7
 """
 
 
-@pytest.mark.skipif(not CRIU or not _v2(), reason="needs CRIU working and pure cgroup v2: "
-                    "scripts/vm-test -- python -m pytest tests/test_checkpoint.py")
+@pytest.mark.skipif(not CRIU or _hybrid(), reason="needs CRIU working and a pure cgroup v2 or v1 layout: "
+                    "scripts/vm-test [--cgroup v1] -- python -m pytest tests/test_checkpoint.py")
 def test_checkpoint_and_restore(key, tmp_path):
     ck = tmp_path / "ck"
     r1, r2 = tmp_path / "r1.json", tmp_path / "r2.json"
@@ -206,7 +206,7 @@ def test_checkpoint_and_restore(key, tmp_path):
         ticks = [int(x.split()[1]) for x in out.splitlines() if x.startswith("tick ")]
         assert ticks == list(range(last + 1, 41)), (last, out)     # from exactly where the image was
         # its own cgroup, as the job saw it before (not the node's hierarchy)
-        assert out.strip().splitlines()[-2] == "view 0::/ 0", out
+        assert out.strip().splitlines()[-2] == "view / 0", out
         done = out.strip().splitlines()[-1].split()
         # the counter, the file in its /tmp, the shm segment, PID 1, the child
         assert done == ["done", "40", "40", "1", "1", "child"], out
@@ -223,8 +223,8 @@ def test_checkpoint_and_restore(key, tmp_path):
         subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
 
 
-@pytest.mark.skipif(not CRIU or not _v2(), reason="needs CRIU working and pure cgroup v2: "
-                    "scripts/vm-test -- python -m pytest tests/test_checkpoint.py")
+@pytest.mark.skipif(not CRIU or _hybrid(), reason="needs CRIU working and a pure cgroup v2 or v1 layout: "
+                    "scripts/vm-test [--cgroup v1] -- python -m pytest tests/test_checkpoint.py")
 def test_vacate_with_a_checkpoint_then_restore(key, tmp_path):
     ck = tmp_path / "vk"
     r1, r2 = tmp_path / "r1.json", tmp_path / "r2.json"
@@ -274,3 +274,31 @@ def test_on_vacate_refuses_what_cannot_be_checkpointed(tmp_path):
         extra = [] if args[0] == "--checkpoint-every" else ["--on-vacate", f"checkpoint:{tmp_path}/ck"]
         p = subprocess.run([STARTER, "run", *extra, *args, "--", "true"], capture_output=True, text=True, timeout=60)
         _one_line(p, words or "needs --on-vacate")
+
+
+@pytest.mark.skipif(not CRIU or _hybrid(), reason="needs CRIU working and a pure cgroup v2 or v1 layout: "
+                    "scripts/vm-test [--cgroup v1] -- python -m pytest tests/test_checkpoint.py")
+def test_periodic_checkpoints_outlive_a_crash(key, tmp_path):
+    """--checkpoint-every: the starter is killed (-9, the node's daemon gone
+    mad) while it dumps every few seconds; the last whole image restores."""
+    ck = tmp_path / "pk"
+    job = subprocess.Popen([STARTER, "run", "--id", "ck3", "--user", "65534", "--on-vacate", f"checkpoint:{ck}",
+                            "--checkpoint-every", "3", "--", "sh", "-c", JOB],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while not (ck / "starter.sig").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert (ck / "starter.sig").exists(), "no periodic checkpoint within 120 s"
+        job.kill()              # the starter itself; its job dies with it (PR_SET_PDEATHSIG)
+        job.wait()
+        subprocess.run([STARTER, "gc"], capture_output=True, timeout=120)
+        p = subprocess.run([STARTER, "run", "--restore", str(ck)], stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=300)
+        assert p.returncode == 7, p.stderr
+        assert p.stdout.strip().splitlines()[-1].split() == ["done", "40", "40", "1", "1", "child"], p.stdout
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
