@@ -297,9 +297,9 @@ def test_escape_of_a_caller_is_reported_past_its_relay(policy):
                            capture_output=True, text=True, timeout=60 * SLOWDOWN, cwd="/")
         assert p.returncode == 0 and "asked" in p.stdout, (p.stdout, p.stderr)
         r = json.loads(open(report).read())
-        # (tmux's `sh -c` for the window may not have become sleep yet)
+        # (tmux's shell for the window, sh or bash, may not have become sleep yet)
         mine = {e["comm"] for e in r["escaped"] if e["pid"] not in before}
-        assert mine & {"sleep", "sh"} and r["escaped_action"] == "reported", r
+        assert mine & {"sleep", "sh", "bash"} and r["escaped_action"] == "reported", r
         # ... and a caller's job with nothing escaping reports nothing (its relay is not an escape)
         p = subprocess.run(caller_argv("run", "--report", report, "--", "true"), capture_output=True, text=True,
                            timeout=60 * SLOWDOWN, cwd="/")
