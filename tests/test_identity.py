@@ -209,17 +209,23 @@ def test_escape_of_a_transient_uid_is_killed_and_reported(policy, tmp_path):
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         assert job.stdout.readline() == "asked\n"
         # While the job runs, `starter status` shows it too (the job's own
-        # processes never). tmux starts the window through `sh -c`, which
+        # processes never). tmux starts the window through its shell, which
         # becomes sleep a moment later: ask until it has.
         deadline = time.monotonic() + 5 * SLOWDOWN
         while True:
             st = json.loads(subprocess.run([STARTER, "status", "esc-t", "--json"], capture_output=True, text=True,
                                            check=True, timeout=30).stdout)
             comms = {e["comm"] for e in st["escaped"]}
-            if "sh" not in comms or time.monotonic() > deadline:
+            if "sleep" in comms or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
-        assert "sleep" in comms and "sh" not in comms, st["escaped"]
+        assert "sleep" in comms, st["escaped"]
+        for e in st["escaped"]:         # none of them is in the job's cgroup
+            try:
+                with open(f"/proc/{e['pid']}/cgroup") as f:
+                    assert "job-esc-t" not in f.read(), e
+            except FileNotFoundError:
+                pass
         out, err = job.communicate("\n", timeout=60)
         p = subprocess.CompletedProcess(job.args, job.returncode, out, err)
         assert p.returncode == 0, (p.stdout, p.stderr)
