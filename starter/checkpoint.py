@@ -342,19 +342,19 @@ def _write_signed(to, key, record):
 # ---------------------------------------------------------------- restore
 
 class Image:
-    """A checked checkpoint directory: its record, and an fd of its images."""
+    """A checked checkpoint directory: its record, and an fd of its images
+    (for a caller that is not root, of a private copy, removed by close())."""
 
-    def __init__(self, path, record, images_fd):
-        self.path, self.record, self.images_fd = path, record, images_fd
-
-    @property
-    def images(self):
-        return f"/proc/self/fd/{self.images_fd}"
+    def __init__(self, path, record, images_fd, private=None):
+        self.path, self.record, self.images_fd, self.private = path, record, images_fd, private
 
     def close(self):
         if self.images_fd >= 0:
             os.close(self.images_fd)
             self.images_fd = -1
+        if self.private is not None:
+            shutil.rmtree(self.private, ignore_errors=True)
+            self.private = None
 
 
 def _read_small(dir_fd, name):
@@ -366,33 +366,81 @@ def _read_small(dir_fd, name):
         raise ImageError(f"no {name}: not a checkpoint directory of starter's") from None
 
 
-def load(path, caller=None):
+def _private_copy(src_fds, state_dir):
+    """Copy the caller's image files (fds opened with its rights) into a
+    directory of root's, hashing the bytes written: CRIU reads the copy, so
+    the caller cannot change a file between its check and CRIU's read.
+    -> (path, dir fd, {name: sha256})."""
+    import tempfile
+
+    from starter import state
+    from starter.fileio import copy_hashing, sized_to_fit
+
+    state.ensure_dir(state_dir)
+    priv = tempfile.mkdtemp(prefix=".restore-", dir=state_dir)
+    dfd = os.open(priv, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    digests = {}
+    try:
+        for name, fd in src_fds.items():
+            size = sized_to_fit(fd, dfd)
+            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
+                          dir_fd=dfd)
+            try:
+                digests[name] = copy_hashing(fd, out, ("sha256",), limit=size)["sha256"]
+            finally:
+                os.close(out)
+    except BaseException:
+        os.close(dfd)
+        shutil.rmtree(priv, ignore_errors=True)
+        raise
+    return priv, dfd, digests
+
+
+def load(path, caller=None, state_dir=None):
     """Open and check a checkpoint directory: signature, every image's
-    digest, the record's form.  -> Image.  A caller that is not root is
-    refused for now (its images would be copied to a private place first)."""
-    if caller is not None:
-        raise StarterError("--restore is for root callers in this version",
-                           "ask the node's admin, or the batch system's root daemon, to restore it")
+    digest, the record's form.  -> Image.  A caller that is not root names
+    a directory of its own: it is read with the caller's rights, its images
+    copied to a private place first, and only its own job's image restores."""
     from starter import paths
 
-    dfd = paths.open_dir(path, "checkpoint directory")
-    try:
-        d = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
-    finally:
-        os.close(dfd)
+    rights = caller.rights("to read the caller's checkpoint") if caller is not None else _nothing()
+    src_fds = {}
     images_fd = -1
+    private = None
     try:
-        data = _read_small(d, RECORD)
+        with rights:
+            dfd = paths.open_dir(path, "checkpoint directory")
+            try:
+                d = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
+            finally:
+                os.close(dfd)
+            try:
+                data = _read_small(d, RECORD)
+                sig_data = _read_small(d, SIG)
+                images_fd = os.open(IMAGES, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
+                if caller is not None:
+                    for name in sorted(os.listdir(images_fd)):
+                        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                                     dir_fd=images_fd)
+                        src_fds[name] = fd
+                        if not stat.S_ISREG(os.fstat(fd).st_mode):
+                            raise ImageError(f"images/{name} is not a regular file")
+            finally:
+                os.close(d)
         try:
-            sig = json.loads(_read_small(d, SIG))
+            sig = json.loads(sig_data)
         except ValueError:
             raise ImageError(f"{SIG} is not JSON") from None
         key = _key()
         if not isinstance(sig, dict) or sig.get("key_id") != _key_id(key):
             raise ImageError(f"{path} was signed with another node's checkpoint key",
                              f"give every node that restores another's checkpoints the same {KEY}")
-        images_fd = os.open(IMAGES, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
-        digests = _digest_images(images_fd)
+        if caller is not None:
+            os.close(images_fd)
+            images_fd = -1
+            private, images_fd, digests = _private_copy(src_fds, state_dir)
+        else:
+            digests = _digest_images(images_fd)
         if not hmac.compare_digest(str(sig.get("hmac_sha256", "")), _signature(key, data, digests)):
             raise ImageError(f"{path}: the signature does not match its record and images "
                              "(changed since the checkpoint)")
@@ -403,13 +451,27 @@ def load(path, caller=None):
         if not isinstance(record, dict) or record.get("version") != VERSION or not isinstance(record.get("asked"),
                                                                                             dict):
             raise ImageError(f"{RECORD}: not a version {VERSION} record")
-        return Image(path, record, images_fd)
+        if caller is not None and (record.get("uid") != caller.uid or record.get("transient")):
+            raise StarterError(f"{path} is the checkpoint of uid {record.get('uid')}'s job: a caller that is not "
+                               f"root restores only its own", "ask the node's admin to restore it")
+        return Image(path, record, images_fd, private)
     except BaseException:
         if images_fd >= 0:
             os.close(images_fd)
+        if private is not None:
+            shutil.rmtree(private, ignore_errors=True)
         raise
     finally:
-        os.close(d)
+        for fd in src_fds.values():
+            os.close(fd)
+
+
+class _nothing:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
 
 
 def restore_values(image, values):

@@ -143,14 +143,15 @@ def cmd_run(argv):
     try:
         # A root caller may name another policy file (tests, a trial); a caller
         # that is not root has an empty environment here (the launcher's doing).
-        pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
         image = None
+        pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
         if "restore" in values:
             from starter import checkpoint
 
             if command:
                 raise UsageError("--restore takes no command: the job goes on with its own")
-            image = checkpoint.load(values["restore"], caller)
+            image = checkpoint.load(values["restore"], caller,
+                                    S.state_dir(values.get("state-dir") or pol.defaults.get("state-dir")))
             values = checkpoint.restore_values(image, values)
             command = values.pop("command", None)
         if caller is None:
@@ -167,6 +168,8 @@ def cmd_run(argv):
                 js = S.build(values, job_file, pol, caller)
     except BaseException:
         deadline.claim()   # this failure is the one said (the watchdog stays out)
+        if image is not None:
+            image.close()
         raise
     if image is not None:
         js = js.replace(restore=image)

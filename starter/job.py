@@ -87,6 +87,8 @@ def run(spec, caller=None, policy=None):
 
     t0 = time.time()
     undo = Undo()
+    if spec.restore is not None:    # a checkpoint's images (a caller's private copy of them, too)
+        undo.push(spec.restore.close, label="image")
     rights = caller.rights if caller is not None else _root_rights
     # Closed at the very end, after the report: a SIGTERM during teardown
     # must not kill the starter before it reports (Signals.close).

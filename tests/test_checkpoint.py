@@ -114,12 +114,49 @@ def test_restore_refuses_links_and_more_than_the_job_asked(key, tmp_path):
               "symbolic link")
 
 
-def test_restore_by_a_caller_that_is_not_root(key, tmp_path, policy):
+@pytest.fixture
+def caller_dir():
+    """A directory of the test caller's own (pytest's are root's 0700)."""
+    import tempfile
+
+    d = tempfile.mkdtemp(prefix="starter-ck-caller-", dir="/var/tmp")
+    os.chmod(d, 0o755)
+    yield d
+    shutil.rmtree(d, ignore_errors=True)
+
+
+def _chown_tree(d, uid):
+    for root, dirs, files in os.walk(d):
+        for n in dirs + files:
+            os.lchown(os.path.join(root, n), uid, uid)
+    os.lchown(d, uid, uid)
+
+
+def test_restore_by_a_caller_that_is_not_root(key, policy, caller_dir):
+    """Only its own job's checkpoint, read with its rights and copied to a
+    private place before anything is checked; the copy is gone after."""
+    from pathlib import Path
+
+    from conftest import UID
+
     policy()
-    d = _fake_image(tmp_path)
-    os.chmod(tmp_path, 0o755)
-    p = subprocess.run(caller_argv("run", "--restore", str(d)), capture_output=True, text=True, timeout=60, cwd="/")
-    _one_line(p, "root callers")
+    theirs = _fake_image(Path(caller_dir) / "theirs", {"uid": 1234, "asked": {"command": ["true"], "user": "1234"}})
+    mine = _fake_image(Path(caller_dir) / "mine")
+    _chown_tree(caller_dir, UID)
+    run = lambda d: subprocess.run(caller_argv("run", "--restore", str(d)), capture_output=True, text=True,  # noqa: E731
+                                   timeout=60, cwd="/")
+    _one_line(run(theirs), "restores only its own")
+    img = mine / "images" / "core-1.img"
+    good = img.read_bytes()
+    img.write_bytes(b"\1" + good[1:])
+    _one_line(run(mine), "signature does not match")
+    img.write_bytes(good)
+    p = run(mine)       # its own, whole: on to the restore (which fake images or this layout then end)
+    _one_line(p)
+    assert "signature" not in p.stderr and "own" not in p.stderr, p.stderr
+    os.chmod(mine / "starter.json", 0o600)          # what the caller cannot read, root does not read for it
+    os.lchown(mine / "starter.json", 0, 0)
+    _one_line(run(mine), "starter.json")
 
 
 def _hybrid():
@@ -295,6 +332,33 @@ def test_periodic_checkpoints_outlive_a_crash(key, tmp_path):
         subprocess.run([STARTER, "gc"], capture_output=True, timeout=120)
         p = subprocess.run([STARTER, "run", "--restore", str(ck)], stdin=subprocess.DEVNULL, capture_output=True,
                            text=True, timeout=300)
+        assert p.returncode == 7, p.stderr
+        assert p.stdout.strip().splitlines()[-1].split() == ["done", "40", "40", "1", "1", "child"], p.stdout
+    finally:
+        if job.poll() is None:
+            job.kill()
+            job.wait()
+        subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
+
+
+@pytest.mark.skipif(not CRIU or _hybrid(), reason="needs CRIU working and a pure cgroup v2 or v1 layout: "
+                    "scripts/vm-test [--cgroup v1] -- python -m pytest tests/test_checkpoint.py")
+def test_a_caller_restores_its_own_checkpoint(key, policy, caller_dir):
+    from conftest import UID
+
+    policy()
+    ck = os.path.join(caller_dir, "ck")
+    job = subprocess.Popen([STARTER, "run", "--id", "ck4", "--user", str(UID), "--", "sh", "-c", JOB],
+                           stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        for line in job.stdout:
+            if line.strip() == "tick 3":
+                break
+        subprocess.run([STARTER, "checkpoint", "ck4", "--to", ck], check=True, capture_output=True, timeout=300)
+        job.wait(timeout=60)
+        _chown_tree(caller_dir, UID)      # the batch system hands the user its checkpoint
+        p = subprocess.run(caller_argv("run", "--restore", ck), stdin=subprocess.DEVNULL, capture_output=True,
+                           text=True, timeout=300, cwd="/")
         assert p.returncode == 7, p.stderr
         assert p.stdout.strip().splitlines()[-1].split() == ["done", "40", "40", "1", "1", "child"], p.stdout
     finally:
