@@ -476,11 +476,13 @@ class _nothing:
 
 def restore_values(image, values):
     """The option values of the restored job: what the job asked for at its
-    first start, but for where this restore's own report, events and name
-    go (RESTORE_OWN); built and checked like a new job's (spec.build)."""
+    first start (its id too, unless the restore gives one), but for where
+    this restore's own report and events go and how it is signalled
+    (RESTORE_OWN); built and checked like a new job's (spec.build)."""
     asked = dict(image.record["asked"])
     for k in RESTORE_OWN:
-        asked.pop(k, None)
+        if k != "id":           # the job keeps its id unless the restore names another
+            asked.pop(k, None)
     for k, v in values.items():
         if k in RESTORE_OWN:
             asked[k] = v
