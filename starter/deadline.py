@@ -38,8 +38,10 @@ What is guaranteed, and what is not:
     when one wait in a region (every path the starter opens as root,
     paths.py; a verified input's copy; the child's steps up to its exec) has
     lasted $STARTER_SETUP_TIMEOUT (default 60 s) with the waiting task
-    asleep (a runnable one is starved of CPU on a loaded node, and gets
-    another round), or right after a signal, when main is waiting in a
+    asleep and still for PROGRESS_LOOK_S more (no CPU time, page fault, read
+    or change of where it waits: a runnable one is starved of CPU on a
+    loaded node, and one that moves is slow, not hung; each gets another
+    round), or right after a signal, when main is waiting in a
     region, or at main's next step otherwise.  The deadline is per wait, not
     for the whole setup: a start that is slow but moves (200 at once on an
     emulated 2-CPU VM) is not a hung one;
@@ -140,6 +142,12 @@ class _NoRegion:
 _NOOP = _NoRegion()
 
 
+# A task out of time and asleep is looked at again this much later: if it
+# moved meanwhile, it is slow (starved I/O, a contended lock on a loaded
+# node), not hung, and gets another full round.
+PROGRESS_LOOK_S = 5.0
+
+
 def _runnable(tid):
     """Is task tid (a thread of ours, or a process) running or runnable?"""
     try:
@@ -150,6 +158,27 @@ def _runnable(tid):
         return False
 
 
+def _progress(tid):
+    """What changes while task tid gets anywhere, asleep or not: its CPU time
+    and page faults (/proc/TID/stat), the bytes and calls it has read
+    (/proc/TID/io) and where it waits (wchan).  A task hung on a dead NFS
+    server or an unanswered FUSE request changes none of them.  None if the
+    task is gone."""
+    task = f"/proc/{tid}/task/{tid}"     # the thread's own figures (/proc/PID/io sums the process's,
+    try:                                 # the watchdog's own reads of these files among them)
+        with open(f"{task}/stat", "rb") as f:
+            data = f.read()
+        fields = data[data.rindex(b")") + 2:].split()
+        sample = [fields[7], fields[9], fields[11], fields[12]]     # minflt, majflt, utime, stime
+        with open(f"{task}/io", "rb") as f:
+            sample.append(f.read())
+        with open(f"{task}/wchan", "rb") as f:
+            sample.append(f.read())
+        return tuple(sample)
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class _Guard:
     def __init__(self, timeout):
         self.timeout = timeout
@@ -157,6 +186,7 @@ class _Guard:
         self.main_tid = _thread.get_native_id()
         self.task = None              # who waits in the region (main, or the child in its exec)
         self._task = None
+        self.seen = None              # the task's _progress() when its time ran out
         self.lock = _thread.allocate_lock()
         self.failing = None      # the one line, once the start is to fail
         self.owner = None        # who unwinds: "main" or "watchdog"
@@ -194,6 +224,7 @@ class _Guard:
                 self.current, self.ran = what, ran
                 self.task = task or self.main_tid
                 self.region_deadline = time.monotonic() + self.timeout
+                self.seen = None
         return self
 
     def __exit__(self, *exc):
@@ -266,6 +297,16 @@ class _Guard:
                     # not waiting on a path.  A hung NFS or FUSE wait sleeps.
                     self.region_deadline = time.monotonic() + self.timeout
                     continue
+                if info is None:
+                    # Asleep: look again a little later; one that moved meanwhile
+                    # (its I/O, a lock, its faults on a loaded node) is slow, not
+                    # hung, and gets another round.
+                    now = _progress(self.task)
+                    if self.seen is None or (now is not None and now != self.seen):
+                        look = min(PROGRESS_LOOK_S, self.timeout) if self.seen is None else self.timeout
+                        self.seen = now if now is not None else ()
+                        self.region_deadline = time.monotonic() + look
+                        continue
                 if info is not None and self.ran is not None and self.ran():
                     # The job has exec'd; main is about to see it: the signal is
                     # the job's (a vacate ...), passed on at finish().
