@@ -309,7 +309,6 @@ def checkpoint(state_dir, job_id, to, leave_running=False):
     st = admin._entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id) or st.get("state") not in ("running", "suspended"):
         raise StarterError(f"job {job_id!r} is not running (state {st.get('state')!r})")
-    check_dumpable(job_id, st)
     dump(job_id, st, admin.job_cgroup(st, job_id), to, leave_running)
     if not leave_running:
         # The tree is stopped (--leave-stopped): its starter kills it through
@@ -403,7 +402,8 @@ def load(path, caller=None, state_dir=None):
     copied to a private place first, and only its own job's image restores."""
     from starter import paths
 
-    rights = caller.rights("to read the caller's checkpoint") if caller is not None else _nothing()
+    # (a root caller's: paths.as_user with no one to switch to, as job.py's)
+    rights = caller.rights("to read the caller's checkpoint") if caller is not None else paths.as_user(None)
     src_fds = {}
     images_fd = -1
     private = None
@@ -464,14 +464,6 @@ def load(path, caller=None, state_dir=None):
     finally:
         for fd in src_fds.values():
             os.close(fd)
-
-
-class _nothing:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def restore_values(image, values):

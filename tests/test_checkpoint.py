@@ -59,6 +59,15 @@ def _one_line(p, *words):
         assert w in lines[0], (w, lines[0])
 
 
+def _end(*procs):
+    """A test's starters killed if they still run, and what they left gc'd."""
+    for p in procs:
+        if p is not None and p.poll() is None:
+            p.kill()
+            p.wait()
+    subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
+
+
 def _fake_image(tmp_path, record=None):
     """A checkpoint directory signed with the node's key, whose images are
     not CRIU's: enough for the checks made before CRIU runs."""
@@ -190,10 +199,7 @@ def test_checkpoint_where_criu_fails_is_one_line_and_the_job_runs_on(tmp_path):
         subprocess.run([STARTER, "vacate", "ck-fail"], check=True, capture_output=True, timeout=30)
         assert job.wait(timeout=60 * SLOWDOWN) in (137, 143)
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-        subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
+        _end(job)
 
 
 # ---------------------------------------------------------------- where CRIU works
@@ -253,11 +259,7 @@ def test_checkpoint_and_restore(key, tmp_path):
         assert rep["total"]["wall_s"] == pytest.approx(sum(s["wall_s"] for s in rep["segments"]), abs=1e-3)
         assert rep["total"]["wall_s"] > rep["wall_s"]
     finally:
-        for p in (job, restored):
-            if p is not None and p.poll() is None:
-                p.kill()
-                p.wait()
-        subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
+        _end(job, restored)
 
 
 @pytest.mark.skipif(not CRIU or _hybrid(), reason="needs CRIU working and a pure cgroup v2 or v1 layout: "
@@ -283,10 +285,7 @@ def test_vacate_with_a_checkpoint_then_restore(key, tmp_path):
         assert restored.stdout.strip().splitlines()[-1].split() == ["done", "40", "40", "1", "1", "child"]
         assert len(json.loads(r2.read_text())["segments"]) == 2
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-        subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
+        _end(job)
 
 
 @pytest.mark.skipif(CRIU, reason="CRIU works here: test_vacate_with_a_checkpoint_then_restore covers it")
@@ -335,10 +334,7 @@ def test_periodic_checkpoints_outlive_a_crash(key, tmp_path):
         assert p.returncode == 7, p.stderr
         assert p.stdout.strip().splitlines()[-1].split() == ["done", "40", "40", "1", "1", "child"], p.stdout
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-        subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
+        _end(job)
 
 
 @pytest.mark.skipif(not CRIU or _hybrid(), reason="needs CRIU working and a pure cgroup v2 or v1 layout: "
@@ -362,7 +358,4 @@ def test_a_caller_restores_its_own_checkpoint(key, policy, caller_dir):
         assert p.returncode == 7, p.stderr
         assert p.stdout.strip().splitlines()[-1].split() == ["done", "40", "40", "1", "1", "child"], p.stdout
     finally:
-        if job.poll() is None:
-            job.kill()
-            job.wait()
-        subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
+        _end(job)

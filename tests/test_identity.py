@@ -189,6 +189,26 @@ def _host_tmux(uid, sock):
                               capture_output=True, text=True, check=True, timeout=30).stdout)
 
 
+# The job asks the host's tmux for a window running `sleep N`, and waits
+# (up to 10 s) until the window's shell has become that sleep: an escape
+# check right after would otherwise find the shell instead.
+_ASK_SLEEP = ("p=$(tmux -S {sock} new-window -d -P -F '#{{pane_id}}' 'exec sleep {n}') && i=0 && "
+              "while [ \"$(tmux -S {sock} display -p -t \"$p\" '#{{pane_current_command}}')\" != sleep ] "
+              "&& [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; echo asked")
+
+
+def _end_host_tmux(uid, d, server, before):
+    """Stop _host_tmux's server, kill the sleeps it started for the test
+    (not those of `before`), remove its directory."""
+    subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "tmux", "-S", f"{d}/s",
+                    "kill-server"], capture_output=True, timeout=30)
+    for pid in _pids_of(uid, "sleep") - before:
+        os.kill(pid, signal.SIGKILL)
+    if server and process_alive(server):
+        os.kill(server, signal.SIGKILL)
+    shutil.rmtree(d, ignore_errors=True)
+
+
 def _pids_of(uid, comm):
     out = subprocess.run(["pgrep", "-u", str(uid), "-x", comm], capture_output=True, text=True).stdout
     return {int(p) for p in out.split()}
@@ -260,7 +280,7 @@ def test_escape_of_a_named_user_is_reported(policy, tmp_path):
         server = _host_tmux(uid, f"{d}/s")
         report = tmp_path / "r.json"
         p = subprocess.run([STARTER, "run", "--user", str(uid), "--report", str(report), "--bind", d, "--",
-                            "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 4321' && echo asked"],
+                            "sh", "-c", _ASK_SLEEP.format(sock=f"{d}/s", n=4321)],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0 and "asked" in p.stdout, (p.stdout, p.stderr)
         r = json.loads(report.read_text())
@@ -268,13 +288,7 @@ def test_escape_of_a_named_user_is_reported(policy, tmp_path):
         # reported, not killed; the server itself started before the job: not the job's
         assert r["escaped"][0]["pid"] in _pids_of(uid, "sleep") and process_alive(server)
     finally:
-        subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "tmux", "-S", f"{d}/s",
-                        "kill-server"], capture_output=True, timeout=30)
-        for pid in _pids_of(uid, "sleep") - before:
-            os.kill(pid, signal.SIGKILL)
-        if server and process_alive(server):
-            os.kill(server, signal.SIGKILL)
-        shutil.rmtree(d, ignore_errors=True)
+        _end_host_tmux(uid, d, server, before)
 
 
 def test_no_escape_report_is_empty(policy, tmp_path):
@@ -313,10 +327,4 @@ def test_escape_of_a_caller_is_reported_past_its_relay(policy):
         r = json.loads(open(report).read())
         assert not [e for e in r["escaped"] if e["comm"] == "starter"], r
     finally:
-        subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={UID}", "--clear-groups", "tmux", "-S", f"{d}/s",
-                        "kill-server"], capture_output=True, timeout=30)
-        for pid in _pids_of(UID, "sleep") - before:
-            os.kill(pid, signal.SIGKILL)
-        if server and process_alive(server):
-            os.kill(server, signal.SIGKILL)
-        shutil.rmtree(d, ignore_errors=True)
+        _end_host_tmux(UID, d, server, before)
