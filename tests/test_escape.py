@@ -57,11 +57,14 @@ def test_host_tmux_server_is_out_of_reach(starter, tmp_path):
     sock = os.path.join(sock_dir, "default")
     if os.path.exists(sock):
         pytest.skip("a tmux server of nobody already runs on this node; not ours to touch")
-    host = subprocess.Popen([*NOBODY, "env", "-u", "TMUX_TMPDIR", "HOME=/tmp", "tmux", "new-session", "-d", "-s", "host", "sleep 600"],
+    host = subprocess.Popen([*NOBODY, "env", "-u", "TMUX_TMPDIR", "HOME=/tmp", "SHELL=/bin/sh", "tmux", "new-session", "-d", "-s", "host", "sleep 600"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     host.wait(timeout=20)
     try:
         _wait_for(sock)
+        # The host's server is alive (were SHELL unset, tmux would take
+        # nobody's nologin, the session would end, and this test prove nothing).
+        subprocess.run([*NOBODY, "tmux", "-S", sock, "has-session", "-t", "host"], check=True, timeout=10)
         p = starter("run", "--user", "nobody", "--", "sh", "-c",
                     f"tmux -S {sock} new-window '{MARK}'; echo host=$?; "
                     f"tmux new-session -d '{MARK}' && echo own=0; tmux ls | wc -l")

@@ -181,8 +181,10 @@ def test_kill9_of_every_starter_then_gc_frees_every_uid(policy, state_dir):
 
 def _host_tmux(uid, sock):
     """A tmux server of `uid` on this host, its socket in a directory the job
-    is given: the same-uid daemon a job can ask to start processes for it."""
-    subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "env", "HOME=/",
+    is given: the same-uid daemon a job can ask to start processes for it.
+    SHELL is set: without it tmux takes the account's shell, and nobody's is
+    nologin, which ends the session, and the server, at once."""
+    subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups", "env", "HOME=/", "SHELL=/bin/sh",
                     "tmux", "-S", sock, "new-session", "-d", "sleep 600"], check=True, timeout=30)
     return int(subprocess.run(["setpriv", f"--reuid={uid}", f"--regid={uid}", "--clear-groups",
                                "tmux", "-S", sock, "display", "-p", "#{pid}"],
