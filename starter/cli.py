@@ -94,6 +94,7 @@ RUN_OPTIONS = {
     "--ipv6": ("ipv6", "value", "auto|on|off  IPv6 for NAT jobs: auto (default) where an uplink has IPv6; on: required"),
     "--uplink": ("uplink", "multi", "IFACE  interface jobs are NATed out of (repeatable: each destination leaves by the host's routing)"),
     "--allow-host-port": ("allow-host-port", "multi", "PROTO:PORT  let jobs reach this port on the host"),
+    "--net-rate": ("net-rate", "value", "RATE|SCOPE=RATE,..  bandwidth caps, shaped by the kernel; SCOPE all, in, out, lan, wan, lan-in, lan-out, wan-in, wan-out (e.g. 100mbit, out=50mbit,lan=1gbit)"),
     "--resolver": ("resolver", "value", "IP  name server (IPv4 or IPv6) written to the job's /etc/resolv.conf"),
     "--scratch": ("scratch", "value", "DIR  fresh private working directory, removed at the end"),
     "--execute-dir": ("execute-dir", "value", "DIR  make the scratch directory as DIR/job-ID"),

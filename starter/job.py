@@ -336,6 +336,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     rlimits = rlimit_table(spec.rlimits)
     cwd_fallbacks = () if cwd else default_cwds(spec)
     netcfg = net_end = None
+    net_fd = []     # a capped job's netns, kept open until its shaper is read
     if spec.network.mode == "nat":
         from starter import net
 
@@ -346,7 +347,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         # end of a failed start: it reads the counters into the report, then
         # removes the rules.
         net_end = []
-        undo.push(_net_teardown, spec.id, netcfg, report, net_end, label="net")
+        undo.push(_net_teardown, spec.id, netcfg, report, net_end, net_fd, label="net")
     cg = backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
         memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
         cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids,
@@ -409,14 +410,17 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         from starter import net
 
         fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        if netcfg.rate:
+            net_fd.append(fd)           # _net_teardown closes it
         try:
             net_end.append(None)        # from here on, a teardown has work to do
             lease = net.setup(spec.id, fd, netcfg)
         finally:
-            os.close(fd)
+            if not net_fd:
+                os.close(fd)
         fault("net-setup")
         job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
-                         address6=lease.address6)
+                         address6=lease.address6, **({"net_rate": dict(netcfg.rate)} if netcfg.rate else {}))
         trace.mark("net")
 
     deadline.check()    # the last moment a start can fail without the job running
@@ -468,7 +472,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     if lease is not None and not out.unkillable:
         # The job is gone: its counters are final.  netd tears down while we measure.
         try:
-            net_end[0] = net.teardown_begin(spec.id, netcfg)
+            net_end[0] = net.teardown_begin(spec.id, netcfg, net_fd[0] if net_fd else None)
         except Exception:   # noqa: BLE001 - the teardown step tries again, and reports
             pass
 
@@ -674,16 +678,21 @@ def _release_scratch(sc, report):
         report["scratch_bytes"] = removed.bytes + ((report.get("disk") or {}).get("used_bytes") or 0)
 
 
-def _net_teardown(job_id, cfg, report, net_end):
+def _net_teardown(job_id, cfg, report, net_end, net_fd=()):
     """net_end: [] (no setup was tried: nothing to do), [None] (tear down
-    now) or [a callable from net.teardown_begin]."""
-    if not net_end:
-        return
-    from starter import net
+    now) or [a callable from net.teardown_begin]; net_fd: the job's netns
+    fd kept for it, closed here."""
+    try:
+        if not net_end:
+            return
+        from starter import net
 
-    counters = net_end[0]() if net_end[0] is not None else net.teardown(job_id, cfg)
-    if counters:
-        report["network"] = counters
+        counters = net_end[0]() if net_end[0] is not None else net.teardown(job_id, cfg)
+        if counters:
+            report["network"] = counters
+    finally:
+        for fd in net_fd:
+            os.close(fd)
 
 
 def ns_exec(argv, namespaces):

@@ -30,7 +30,7 @@ LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
                "io_max": "io-max", "disk": "disk", "disk_inodes": "disk-inodes"}
 NET_KEYS = {"mode": "net", "lan": "lan", "pool": "pool", "uplink": "uplink",
              "allow_host_ports": "allow-host-port", "resolver": "resolver",
-             "ipv6": "ipv6", "pool6": "pool6"}
+             "ipv6": "ipv6", "pool6": "pool6", "rate": "net-rate"}
 
 
 def flatten(doc):

@@ -48,6 +48,10 @@ FAMILIES = {
     "starter_job_network_packets_total": ("counter", "Packets through the job's NAT, by zone and direction."),
     "starter_job_network_dropped_packets_total": ("counter", "Packets of the job dropped by the isolation rules."),
     "starter_job_network_dropped_bytes_total": ("counter", "Bytes of the job dropped by the isolation rules."),
+    "starter_job_network_rate_limit_bits": ("gauge", "The job's bandwidth cap (--net-rate) in bits/s, by zone and direction; capped zones only."),
+    "starter_job_network_shaped_bytes_total": ("counter", "Bytes through the job's shaper, by zone and direction; capped zones only."),
+    "starter_job_network_shaped_overlimits_total": ("counter", "Times a packet of the job had to wait for its cap, by zone and direction."),
+    "starter_job_network_shaped_dropped_packets_total": ("counter", "Packets of the job its shaper dropped (queue full), by zone and direction."),
     "starter_uplink_network_bytes_total": ("counter", "Bytes of all NAT jobs through each uplink, by direction (in, out); restarts at 0 when a NAT job starts on an idle node."),
     "starter_uplink_network_packets_total": ("counter", "Packets of all NAT jobs through each uplink, by direction."),
     "starter_metrics_read_errors": ("gauge", "Jobs whose cgroup or counters could not be read in this scrape."),
@@ -139,6 +143,13 @@ def job_samples(entry, live, usage, network):
         d = network.get("dropped") or {}
         add("starter_job_network_dropped_packets_total", d.get("packets"))
         add("starter_job_network_dropped_bytes_total", d.get("bytes"))
+        for key, c in sorted((network.get("shaping") or {}).items()):
+            zone, direction = key.split("_")
+            extra = f',zone="{zone}",direction="{direction}"'
+            add("starter_job_network_rate_limit_bits", c.get("rate_bits"), extra)
+            add("starter_job_network_shaped_bytes_total", c.get("bytes"), extra)
+            add("starter_job_network_shaped_overlimits_total", c.get("overlimits"), extra)
+            add("starter_job_network_shaped_dropped_packets_total", c.get("dropped"), extra)
     return out, state
 
 
@@ -149,7 +160,7 @@ def collect(state_dir):
     from starter.reclaim import job_cgroup
 
     samples, counts, errors = {}, dict.fromkeys(STATES, 0), 0
-    backends = {}
+    backends, links = {}, []
     for job_id in S.list_ids(state_dir):
         try:
             entry = S.loads(S.read_entry(os.path.join(state_dir, job_id + ".json")))
@@ -167,7 +178,9 @@ def collect(state_dir):
         if entry.get("net") == "nat" and live:
             try:
                 network = _nat_counters(job_id, entry.get("host_ifname"))
-            except (StarterError, OSError):
+                if network is not None and entry.get("net_rate"):
+                    network["shaping"] = _shaping(entry, job_id, links)
+            except (StarterError, OSError, TypeError, ValueError):
                 errors += 1
         try:
             one, state = job_samples(entry, live, usage, network)
@@ -187,6 +200,8 @@ def collect(state_dir):
             samples.setdefault("starter_uplink_network_packets_total", []).append((lab, c.get("packets")))
     except (StarterError, OSError, ValueError):
         errors += 1
+    for l in links:
+        l.close()
     samples["starter_jobs"] = [(labels(state=s), n) for s, n in counts.items()]
     samples["starter_metrics_read_errors"] = [("", errors)]
     return samples
@@ -210,6 +225,38 @@ def _uplink_counters(state_dir):
         for direction, c in by_dir.items():
             out[(uplink, direction)] = c
     return out
+
+
+def _shaping(entry, job_id, links):
+    """A capped job's shaper figures now: the host end's classes, and its
+    eth0's, read in the namespace of the job's pid if that process is still
+    in the job's cgroup (a pid reused since is not the job's).  links: a
+    list holding the one host netlink handle of this collect()."""
+    from starter.net import shaping
+    from starter.net.ipam import is_job_key
+
+    key = entry.get("host_ifname")
+    if not (isinstance(key, str) and is_job_key(key)):
+        return None
+    if not links:
+        from starter.net.veth import Links
+
+        links.append(Links())
+    fd = None
+    try:
+        pid = int(entry.get("pid") or 0)
+        if pid > 0:
+            with open(f"/proc/{pid}/cgroup") as f:
+                mine = f"/job-{job_id}"
+                if any(l.endswith(mine) or mine + "/" in l for l in f.read().splitlines()):
+                    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        pass
+    try:
+        return shaping.report(dict(entry["net_rate"]), links[0].shaping_stats(key, fd))
+    finally:
+        if fd is not None:
+            os.close(fd)
 
 
 def _nat_counters(job_id, key):

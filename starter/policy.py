@@ -47,9 +47,11 @@ DEFAULT_KEYS = {
     "escape_transient": ("escape-transient", "escape"),
     "escape_named": ("escape-named", "escape"),
     "ptys": ("ptys", "count"),      # no run option: the most ptys of a job's own devpts
+    "net_rate": ("net-rate", "netrate"),
 }
 # Options whose defaults only make sense for a NAT job (spec refuses them otherwise).
 NET_OPTIONS = ("uplink", "lan", "pool", "pool6", "ipv6", "resolver", "allow-host-port")
+NAT_DEFAULTS = NET_OPTIONS + ("net-rate",)
 
 # [callers] key -> (kind, built-in value).
 CALLER_KEYS = {
@@ -66,6 +68,7 @@ CALLER_KEYS = {
     "delegate": ("bool", False), "init": ("bool", False),
     "max_jobs": ("count", DEFAULT_MAX_JOBS),
     "devices": ("globs", ()), "gpus": ("bool", False),
+    "max_net_rate": ("netrate", None),
 }
 # Options that only root sets: where jobs' state and cgroups live, the network's shape.
 # (on-vacate and checkpoint-every: the checkpoint's directory is written as
@@ -108,8 +111,12 @@ class Policy:
         root, refuse what [callers] does not allow and cap the limits."""
         if caller is not None:
             self._check_caller(raw, caller)
+        asked_rate = raw.get("net-rate")      # a caller's, before the node's defaults
         for opt, value in self.defaults.items():
-            if opt in NET_OPTIONS and raw.get("net") != "nat":
+            if opt in NAT_DEFAULTS and raw.get("net") != "nat":
+                continue
+            if opt == "net-rate":               # per zone: the job's own win
+                raw[opt] = _merge_rates(value, raw.get(opt))
                 continue
             if opt == "state-dir" and os.environ.get("STARTER_STATE_DIR"):
                 continue        # a root caller's environment comes first (spec.state_dir)
@@ -128,7 +135,7 @@ class Policy:
                 if raw.get(opt) is None and opt in self.defaults and (opt == "disk" or raw.get("disk") is not None):
                     raw[opt] = self.defaults[opt]
         if caller is not None:
-            self._cap_limits(raw)
+            self._cap_limits(raw, asked_rate)
         return raw
 
     def _refuse(self, what, key, hint=None):
@@ -233,8 +240,24 @@ class Policy:
                               f"({'unlimited' if limit == S.RLIM_INFINITY else limit})",
                               "a caller that is not root may only lower resource limits")
 
-    def _cap_limits(self, raw):
-        """A caller's limits never exceed the maxima; a job that asks for none gets the maximum."""
+    def _cap_limits(self, raw, asked_rate=None):
+        """A caller's limits never exceed the maxima; a job that asks for none
+        gets the maximum (the node's default where it is lower)."""
+        cap = self.callers["max_net_rate"]
+        if cap is not None and raw.get("net") == "nat":
+            from starter import specopts as O
+
+            asked = dict(O.parse_net_rate("net-rate", asked_rate)) if asked_rate else {}
+            most = dict(O.parse_net_rate("callers.max_net_rate", cap))
+            for zone, bits in asked.items():
+                if bits > most.get(zone, bits):
+                    raise PolicyError(f"--net-rate: {zone.replace('_', '-')} {_rate(bits)} is above the maximum "
+                                      f"{_rate(most[zone])} of {self.where('callers.max_net_rate')}",
+                                      f"ask for at most {cap}")
+            zones = dict(O.parse_net_rate("net-rate", raw["net-rate"])) if raw.get("net-rate") else {}
+            for zone, bits in most.items():
+                zones[zone] = min(zones.get(zone, bits), bits)
+            raw["net-rate"] = _render_rates(zones)
         for opt, key in LIMIT_KEYS.items():
             cap = self.callers[key]
             if cap is None:
@@ -263,6 +286,29 @@ class Policy:
             v = self.callers[key]
             out.append(f"{key} = {_toml(v)}" if v is not None else f"# {key}: no maximum")
         return "\n".join(out) + "\n"
+
+
+def _merge_rates(base, over):
+    """Two --net-rate values -> one, zone by zone; `over`'s zones win."""
+    from starter import specopts as O
+
+    zones = dict(O.parse_net_rate("net_rate", base))
+    if over:
+        zones.update(O.parse_net_rate("net-rate", over))
+    return _render_rates(zones)
+
+
+def _render_rates(zones):
+    """{zone: bits/s} -> a --net-rate value."""
+    return ",".join(f"{z.replace('_', '-')}={_rate(bits)}" for z, bits in sorted(zones.items()))
+
+
+def _rate(bits):
+    """bits/s -> the shortest exact tc unit: 100mbit, 1500kbit, 8123bit."""
+    for unit, n in (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bits % n == 0:
+            return f"{bits // n}{unit}"
+    return f"{bits}bit"
 
 
 def _has_scratch(raw):
@@ -513,6 +559,11 @@ def _check(kind, key, val):
         for p in items:
             S._seccomp_choice(V.string(key, p))
         return items[0] if kind == "profile" else tuple(items)
+    if kind == "netrate":
+        from starter import specopts as O
+
+        O.parse_net_rate(key, val)
+        return val
     if kind == "rlimits":
         if not isinstance(val, dict):
             raise SpecError(key, 'must be a table of NAME = "SOFT[:HARD]"')

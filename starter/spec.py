@@ -17,7 +17,7 @@ from starter import values as V
 from starter.errors import SpecError
 # The option parsers; policy, admin, job, cli and tests name some as spec.X.
 from starter.specopts import (DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS,  # noqa: F401
-                              caller_user, check_cwd, parse_env, parse_host_port, parse_io_max,
+                              caller_user, check_cwd, parse_env, parse_host_port, parse_io_max, parse_net_rate,
                               parse_mount, parse_on_signal, parse_rlimit, resolve_group, resolve_user, rlimit_table,
                               state_dir, thread_count)
 
@@ -85,10 +85,11 @@ class Network(Spec):
     """mode none: own namespace, loopback only.  host: the host's network
     (no namespace).  nat: own namespace + veth + NAT with LAN/WAN counters;
     ipv6 auto|on|off and pool6 (a ULA CIDR) add an IPv6 address beside the
-    IPv4 one (starter.net.NetConfig)."""
+    IPv4 one (starter.net.NetConfig); rate: ((zone, bits/s), ...) bandwidth
+    caps (--net-rate, starter/net/shaping.py), None: uncapped."""
 
-    __slots__ = ("mode", "lan", "pool", "uplink", "allow_host_ports", "resolver", "ipv6", "pool6")
-    DEFAULTS = {"mode": "none", "lan": (), "uplink": (), "allow_host_ports": (), "ipv6": "auto"}
+    __slots__ = ("mode", "lan", "pool", "uplink", "allow_host_ports", "resolver", "ipv6", "pool6", "rate")
+    DEFAULTS = {"mode": "none", "lan": (), "uplink": (), "allow_host_ports": (), "ipv6": "auto", "rate": None}
 
 
 class JobSpec(Spec):
@@ -246,7 +247,7 @@ def _make(raw, caller=None, asked=None):
     if mode not in NET_MODES:
         raise SpecError("net", f"{V.show(mode)} is not one of {', '.join(NET_MODES)}")
     if mode != "nat":
-        for k in ("lan", "pool", "uplink", "allow-host-port", "resolver", "ipv6", "pool6"):
+        for k in ("lan", "pool", "uplink", "allow-host-port", "resolver", "ipv6", "pool6", "net-rate"):
             if raw.get(k):
                 raise SpecError(k, "only applies with --net nat")
     # Several uplinks: the host's routing picks one per destination; each is
@@ -266,6 +267,7 @@ def _make(raw, caller=None, asked=None):
         uplink=uplink,
         allow_host_ports=tuple(parse_host_port("allow-host-port", p) for p in _list("allow-host-port", raw.get("allow-host-port", []))),
         resolver=resolver,
+        rate=parse_net_rate("net-rate", raw["net-rate"]) if raw.get("net-rate") else None,
     )
 
     def opt_path(key, must_exist=False):

@@ -221,6 +221,54 @@ def parse_io_max(field, item):
     return (dev, os.major(st.st_rdev), os.minor(st.st_rdev), *rates.values())
 
 
+# --net-rate: a scope -> the zones (starter/net/shaping.py's) it caps; the
+# more specific wins.
+_RATE_SCOPES = {"all": ("lan_in", "lan_out", "wan_in", "wan_out"), "in": ("lan_in", "wan_in"),
+                "out": ("lan_out", "wan_out"), "lan": ("lan_in", "lan_out"), "wan": ("wan_in", "wan_out"),
+                "lan-in": ("lan_in",), "lan-out": ("lan_out",), "wan-in": ("wan_in",), "wan-out": ("wan_out",)}
+# tc's units: bits per second, decimal (kbit = 1000 bit/s); bps = bytes/s
+_RATE_UNITS = {"bit": 1, "kbit": 10**3, "mbit": 10**6, "gbit": 10**9, "tbit": 10**12,
+               "bps": 8, "kbps": 8 * 10**3, "mbps": 8 * 10**6, "gbps": 8 * 10**9}
+
+
+def parse_rate(field, value):
+    """100mbit, 1.5gbit, 500kbit, 10mbps (bytes) -> bits/s (int)."""
+    from starter.net.shaping import MAX_RATE, MIN_RATE
+
+    s = V.string(field, value).strip().lower()
+    num = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(num):]
+    if unit not in _RATE_UNITS or not num or set(num) - set("0123456789.") or num.count(".") > 1 or num == ".":
+        raise SpecError(field, f"{V.show(value)} is not a rate", "e.g. 100mbit, 1gbit, 500kbit (bits/s; mbps: bytes/s)")
+    n = int(float(num) * _RATE_UNITS[unit])
+    if not MIN_RATE <= n <= MAX_RATE:
+        raise SpecError(field, f"{V.show(value)} is out of range (8kbit .. 1tbit)")
+    return n
+
+
+def parse_net_rate(field, value):
+    """--net-rate RATE | SCOPE=RATE[,SCOPE=RATE...] -> ((zone, bits/s), ...)
+    sorted by zone, zones lan_in lan_out wan_in wan_out.  SCOPE: all, in,
+    out, lan, wan, lan-in, lan-out, wan-in, wan-out; a bare RATE is all.
+    A more specific scope wins over a wider one whatever the order."""
+    s = V.string(field, value).strip()
+    if not s:
+        raise SpecError(field, "is empty", "e.g. 100mbit, or out=100mbit,lan-in=1gbit")
+    got = {}
+    for part in s.split(","):
+        scope, eq, rate = part.strip().rpartition("=")
+        scope = scope.strip().lower() if eq else "all"
+        if scope not in _RATE_SCOPES:
+            raise SpecError(field, f"{V.show(part)}: {V.show(scope)} is not one of {', '.join(_RATE_SCOPES)}")
+        if scope in got:
+            raise SpecError(field, f"{V.show(scope)} is given twice")
+        got[scope] = parse_rate(field, rate)
+    out = {}
+    for scope in sorted(got, key=lambda sc: -len(_RATE_SCOPES[sc])):    # wide first, specific last
+        out.update(dict.fromkeys(_RATE_SCOPES[scope], got[scope]))
+    return tuple(sorted(out.items()))
+
+
 def parse_host_port(field, value):
     proto, sep, port = V.string(field, value).partition(":")
     if not sep or proto not in ("tcp", "udp"):

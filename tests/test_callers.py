@@ -411,6 +411,28 @@ def test_caller_limits_capped_and_refused():
         pol.apply({"memory": "2G"}, me)
 
 
+@pytest.mark.fast
+def test_net_rate_defaults_and_caller_maxima_per_zone():
+    from starter.caller import Caller
+    from starter.policy import PolicyError
+    from starter.specopts import parse_net_rate
+
+    pol = _policy('[defaults]\nnet_rate = "wan=1gbit"\n[callers]\nnet = ["none", "nat"]\nmax_net_rate = "out=100mbit"\n')
+    zones = lambda raw: dict(parse_net_rate("net-rate", raw["net-rate"]))   # noqa: E731
+    assert "net-rate" not in pol.apply({})                                  # not a NAT job
+    # root: the default fills the zones the job leaves out, no maximum
+    assert zones(pol.apply({"net": "nat", "net-rate": "wan-in=2gbit,lan=10gbit"})) == {
+        "wan_in": 2 * 10**9, "wan_out": 10**9, "lan_in": 10**10, "lan_out": 10**10}
+    me = Caller(UID, GID, ())
+    # a caller: at most the maximum where it is set, which it gets when it asks for nothing
+    assert zones(pol.apply({"net": "nat", "net-rate": "lan-out=50mbit"}, me)) == {
+        "wan_in": 10**9, "wan_out": 10**8, "lan_out": 5 * 10**7}
+    with pytest.raises(PolicyError, match="lan-out 1gbit is above the maximum 100mbit .* line 5, key callers.max_net_rate"):
+        pol.apply({"net": "nat", "net-rate": "lan=1gbit"}, me)
+    with pytest.raises(PolicyError, match="line 2.*net_rate"):
+        _policy('[defaults]\nnet_rate = "fast"\n')
+
+
 @pytest.mark.parametrize("mount, ok", [
     (("ro-bind", "/cvmfs/sw"), True),
     (("ro-bind", "/cvmfs/sw:/tmp/sw"), True),

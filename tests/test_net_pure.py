@@ -277,3 +277,113 @@ def test_classad_has_the_ipv6_share():
     assert ad["NetworkIpv6LanInputPackets"] == 2 and "NetworkIpv6DroppedBytes" not in ad
     no6 = dict(classad.attributes({"network": nft.combine({"lan_in": c(100, 1), "drop": c(0, 0)})}))
     assert not any(k.startswith("NetworkIpv6") for k in no6)
+
+
+# ---------------------------------------------------------------- --net-rate
+
+@pytest.mark.parametrize("text, zones", [
+    ("100mbit", {"lan_in": 10**8, "lan_out": 10**8, "wan_in": 10**8, "wan_out": 10**8}),
+    ("out=1gbit,lan-out=100mbit", {"lan_out": 10**8, "wan_out": 10**9}),      # the specific wins, any order
+    ("lan-out=100mbit,out=1gbit", {"lan_out": 10**8, "wan_out": 10**9}),
+    ("WAN = 1.5Gbit", {"wan_in": 15 * 10**8, "wan_out": 15 * 10**8}),
+    ("in=10mbps", {"lan_in": 8 * 10**7, "wan_in": 8 * 10**7}),              # bytes/s, as tc
+    ("8kbit", None), ("1tbit", None),
+])
+def test_net_rate_parses(text, zones):
+    from starter.specopts import parse_net_rate
+
+    got = dict(parse_net_rate("net-rate", text))
+    assert got == zones or (zones is None and len(got) == 4)
+
+
+@pytest.mark.parametrize("text", ["", "100", "fast", "7kbit", "2tbit", "1e9bit", "-1mbit", "x=1mbit", "in=1mbit,in=2mbit",
+                                  "in=", "=1mbit", "1..2mbit", "$(id)", "lan/in=1mbit", "1mbit\0"])
+def test_net_rate_refuses(text):
+    from starter.errors import SpecError
+    from starter.specopts import parse_net_rate
+
+    with pytest.raises(SpecError) as e:
+        parse_net_rate("net-rate", text)
+    assert "\n" not in str(e.value)
+
+
+def test_net_rate_only_for_nat_and_reaches_the_config():
+    from starter import spec
+    from starter.errors import SpecError
+
+    with pytest.raises(SpecError, match="--net nat"):
+        spec.build({"command": ["true"], "user": "nobody", "net-rate": "1mbit"})
+    s = spec.build({"command": ["true"], "user": "nobody", "net": "nat", "net-rate": "wan=5mbit"})
+    cfg = net.config_for(s)
+    assert cfg.rate == (("wan_in", 5 * 10**6), ("wan_out", 5 * 10**6))
+    assert net.NetConfig.from_dict(json.loads(json.dumps(cfg.as_dict()))) == cfg
+    assert wiring.cfg_fingerprint(cfg) == wiring.cfg_fingerprint(net.config_for(spec.build(
+        {"command": ["true"], "user": "nobody", "net": "nat"})))       # per job: not the table's business
+    with pytest.raises(NetworkError, match="rate"):
+        wiring.validate(net.NetConfig("/run/x", rate=[("lan_up", 10**6)]))
+    with pytest.raises(NetworkError, match="rate"):
+        wiring.validate(net.NetConfig("/run/x", rate=[("lan_in", 1)]))
+
+
+def _tc(req):
+    """An rtnl request -> (type, tcmsg fields, {attr: payload}, {option attr: payload})."""
+    from starter.net import shaping
+
+    mtype, _flags, body = req
+    hdr = struct.unpack_from(shaping._TCMSG, body)
+    top = {k: v for k, v, _ in netlink.attrs(body[20:])}
+    opts = {k: v for k, v, _ in netlink.attrs(top.get(shaping.TCA_OPTIONS, b""))}
+    return mtype, hdr, top, opts
+
+
+def test_shaping_requests():
+    from starter.net import shaping
+
+    assert shaping.requests(7, "in", {"lan_out": 10**6}, ["10.0.0.0/8"]) == []      # nothing capped that way
+    # only WAN out capped: default class 1:2, LAN and the gateway past the shaper (1:0)
+    reqs = [_tc(r) for r in shaping.requests(7, "out", {"wan_out": 10**8}, ["10.0.0.0/8", "fd00::/8"],
+                                             ["10.213.0.0/30"])]
+    kinds = [(t, top[shaping.TCA_KIND]) for t, _h, top, _o in reqs]
+    assert kinds == [(shaping.RTM_NEWQDISC, b"htb\0"), (shaping.RTM_NEWTCLASS, b"htb\0"),
+                     (shaping.RTM_NEWQDISC, b"bfifo\0")] + [(shaping.RTM_NEWTFILTER, b"u32\0")] * 3
+    _t, (_f, _p, ifindex, handle, parent, _i), _top, opts = reqs[0]
+    assert (ifindex, handle, parent) == (7, 0x10000, 0xFFFFFFFF)
+    assert struct.unpack("=IIIII", opts[shaping.TCA_HTB_INIT])[2] == 2                # defcls 1:2
+    _t, (_f, _p, _x, handle, parent, _i), _top, opts = reqs[1]
+    parms = opts[shaping.TCA_HTB_PARMS]
+    assert (handle, parent) == (0x10002, 0x10000) and struct.unpack_from("=BBHhHI", parms)[5] == 10**8 // 8
+    filters = [(h[5], o[shaping.TCA_U32_CLASSID], o[shaping.TCA_U32_SEL]) for _t, h, _top, o in reqs[3:]]
+    # gateway first, IPv4 (prio 1), destination (offset 16), to 1:0
+    info, classid, sel = filters[0]
+    assert info == (1 << 16) | socket.htons(0x0800) and struct.unpack("=I", classid)[0] == 0x10000
+    assert struct.unpack_from("=4s4sii", sel, 16) == (socket.inet_aton("255.255.255.252"),
+                                                      socket.inet_aton("10.213.0.0"), 16, 0)
+    # IPv6 LAN: prio 2, one key for a /8 (the other words' masks are 0)
+    info, classid, sel = filters[2]
+    assert info == (2 << 16) | socket.htons(0x86DD) and sel[2] == 1
+    assert struct.unpack_from("=4s4sii", sel, 16)[2] == 24
+    # both zones of "in" capped: LAN by source (offset 12) to 1:1, default 1:2
+    reqs = [_tc(r) for r in shaping.requests(3, "in", {"lan_in": 10**9, "wan_in": 4 * 10**10}, ["10.0.0.0/8"])]
+    assert struct.unpack("=IIIII", reqs[0][3][shaping.TCA_HTB_INIT])[2] == 2
+    _t, _h, _top, o = reqs[-1]
+    assert struct.unpack("=I", o[shaping.TCA_U32_CLASSID])[0] == 0x10001
+    assert struct.unpack_from("=4s4sii", o[shaping.TCA_U32_SEL], 16)[2] == 12
+    # a rate above 4 GB/s travels in TCA_HTB_RATE64
+    wan = [o for t, h, _top, o in reqs if t == shaping.RTM_NEWTCLASS and h[3] == 0x10002][0]
+    assert struct.unpack("=Q", wan[shaping.TCA_HTB_RATE64])[0] == 5 * 10**9
+
+
+def test_shaping_stats_and_report():
+    from starter.net import shaping
+
+    def cls(handle, nbytes, packets, drops, over):
+        basic = netlink.attr(shaping.TCA_STATS_BASIC, struct.pack("=QI4x", nbytes, packets))
+        queue = netlink.attr(shaping.TCA_STATS_QUEUE, struct.pack("=IIIII", 0, 0, drops, 0, over))
+        body = struct.pack(shaping._TCMSG, 0, 0, 5, handle, 0x10000, 0) + netlink.attr(shaping.TCA_KIND, b"htb\0")
+        return 42, body + netlink.attr(shaping.TCA_STATS2, basic + queue)
+
+    st = shaping.class_stats([cls(0x10001, 10**9, 700000, 3, 1200), cls(0x10002, 5, 1, 0, 0)])
+    assert st[0x10001] == {"bytes": 10**9, "packets": 700000, "dropped": 3, "overlimits": 1200}
+    rep = shaping.report({"lan_in": 10**8, "wan_out": 10**7}, {"in": st, "out": None})
+    assert rep == {"lan_in": {"rate_bits": 10**8, "bytes": 10**9, "packets": 700000, "dropped": 3, "overlimits": 1200},
+                   "wan_out": {"rate_bits": 10**7}}

@@ -48,13 +48,16 @@ class NetConfig:
     resolver          nameserver for the job's resolv.conf, or "gateway"
                       (a resolver on the host, reachable via allow_host_ports)
     table             the nft table (inet family); always starter*
+    rate              ((zone, bits/s), ...) the job's bandwidth caps
+                      (net/shaping.py); per job, not part of the table
     """
 
     __slots__ = ("state_dir", "pool", "lan", "uplink", "allow_host_ports", "resolver", "table",
-                 "pool6", "ipv6")
+                 "pool6", "ipv6", "rate")
 
     def __init__(self, state_dir, pool=DEFAULT_POOL, lan=(), uplink=None,
-                 allow_host_ports=(), resolver=None, table="starter", pool6=DEFAULT_POOL6, ipv6="auto"):
+                 allow_host_ports=(), resolver=None, table="starter", pool6=DEFAULT_POOL6, ipv6="auto",
+                 rate=()):
         s = object.__setattr__
         s(self, "state_dir", state_dir)
         s(self, "pool", pool)
@@ -65,6 +68,7 @@ class NetConfig:
         s(self, "allow_host_ports", tuple((p, int(n)) for p, n in allow_host_ports))
         s(self, "resolver", resolver)
         s(self, "table", table)
+        s(self, "rate", tuple((z, b) for z, b in rate or ()))
 
     def __setattr__(self, name, value):
         raise AttributeError("NetConfig is immutable")
@@ -125,7 +129,8 @@ def config_for(spec):
                      lan=getattr(n, "lan", ()) or (), uplink=getattr(n, "uplink", ()),
                      allow_host_ports=getattr(n, "allow_host_ports", ()) or (),
                      resolver=getattr(n, "resolver", None),
-                     pool6=getattr(n, "pool6", None) or DEFAULT_POOL6, ipv6=getattr(n, "ipv6", None) or "auto")
+                     pool6=getattr(n, "pool6", None) or DEFAULT_POOL6, ipv6=getattr(n, "ipv6", None) or "auto",
+                     rate=getattr(n, "rate", None) or ())
 
 
 def socket_path(cfg):
@@ -153,11 +158,12 @@ def teardown(job_id, cfg):
     return _call("teardown", job_id, cfg)
 
 
-def teardown_begin(job_id, cfg):
+def teardown_begin(job_id, cfg, netns_fd=None):
     """Start teardown() in netd and return at once -> a callable that waits
     for it and returns what teardown() returns.  Without netd, the callable
-    does the teardown in-process."""
-    return _ask("teardown", job_id, cfg)
+    does the teardown in-process.  netns_fd: a capped job's network
+    namespace, where its outgoing shaper's figures are read."""
+    return _ask("teardown", job_id, cfg, netns_fd)
 
 
 def counters(job_id, cfg):
@@ -181,14 +187,17 @@ def _call(op, job_id, cfg):
     return _ask(op, job_id, cfg)()
 
 
-def _ask(op, job_id, cfg):
+def _ask(op, job_id, cfg, netns_fd=None):
     """Send op to netd -> a callable returning its answer; without netd, one
     that does op in-process."""
     from starter.net import netd
 
+    fds = [netns_fd] if netns_fd is not None else []
     try:
-        pending = netd.ask(socket_path(cfg), {"op": op, "job_id": job_id, "cfg": cfg.as_dict()})
+        pending = netd.ask(socket_path(cfg), {"op": op, "job_id": job_id, "cfg": cfg.as_dict()}, fds)
     except netd.Unavailable:
+        if fds:
+            return lambda: getattr(_local(), op)(job_id, cfg, netns_fd)
         return lambda: getattr(_local(), op)(job_id, cfg)
     return lambda: netd.answer(pending)
 

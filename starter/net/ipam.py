@@ -244,9 +244,10 @@ class LeaseStore:
             return 0
 
     # -- changes -------------------------------------------------------
-    def acquire(self, job_id, key, pool, owner_pid, pool6=None):
+    def acquire(self, job_id, key, pool, owner_pid, pool6=None, extra=None):
         """Take a free slot for job_id; with pool6, the job also gets the
-        IPv6 addresses of the same slot.  Call with the lock held."""
+        IPv6 addresses of the same slot; extra: more of the job's settings
+        to keep in the lease (its caps).  Call with the lock held."""
         if self.get_by_key(key) is not None:
             raise NetworkError(f"job {job_id!r} already holds a network lease",
                                "job ids must be unique among running jobs; if that job is gone, run `starter gc`")
@@ -278,6 +279,8 @@ class LeaseStore:
             gateway6, address6, network6 = pool6.slot(n)
             lease.update(pool6=pool6.cidr, address6=address6, gateway6=gateway6,
                          prefixlen6=SLOT_PREFIXLEN6, network6=network6)
+        if extra:
+            lease.update(extra)
         try:
             write_atomic(self._path(key), json.dumps(lease))
         except BaseException:

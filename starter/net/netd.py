@@ -231,7 +231,9 @@ class Server:
                     return {"ok": False, "error": "setup needs exactly one netns fd"}
                 result = w.setup(_check_job_id(req.get("job_id")), fds[0], cfg, pid)
             elif op == "teardown":
-                result = w.teardown(_check_job_id(req.get("job_id")), cfg)
+                if len(fds) > 1:
+                    return {"ok": False, "error": "teardown takes at most one netns fd"}
+                result = w.teardown(_check_job_id(req.get("job_id")), cfg, fds[0] if fds else None)
             elif op == "counters":
                 result = w.counters(_check_job_id(req.get("job_id")), cfg)
             elif op == "gc":

@@ -106,7 +106,7 @@ class Links:
     def close(self):
         self.rt.close()
 
-    def create(self, host_ifname, netns_fd, gateway, address, prefixlen, forward, v6=None):
+    def create(self, host_ifname, netns_fd, gateway, address, prefixlen, forward, v6=None, shape=None):
         """Make the pair, address both ends, route the job via the host end.
 
         v6: None (no IPv6: disabled on both ends) or (gateway6, address6,
@@ -116,6 +116,10 @@ class Links:
         no router advertisement is taken from the other side, and the job
         can use its address at once.  The job's link-local is the fixed
         ipam.JOB_LINK_LOCAL6 (addr_gen_mode 1: none made from the MAC).
+
+        shape: None, or (rates, lan, direct) for shaping.requests(): the
+        job's bandwidth caps, in the same batches (the host end's "in",
+        the job's eth0 "out").
 
         On error the pair is deleted again (deleting the host end deletes the
         peer) and NetworkError is raised."""
@@ -144,8 +148,14 @@ class Links:
             host = [rtnl.add_address(idx, gateway, prefixlen)]
             if v6 is not None:
                 host.append(rtnl.add_address(idx, v6[0], v6[2], nodad=True))
+            job_tc = []
+            if shape is not None:
+                from starter.net import shaping
+
+                host += shaping.requests(idx, "in", *shape)
+                job_tc = shaping.requests(peer_idx, "out", *shape)
             rt.run(host + [rtnl.set_up(idx)])
-            self._configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen, v6)
+            self._configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen, v6, job_tc)
         except RtnlError as e:
             self.delete(host_ifname)
             raise _error(f"configure veth {host_ifname}", e) from None
@@ -154,7 +164,7 @@ class Links:
             raise
 
     @staticmethod
-    def _configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen, v6=None):
+    def _configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen, v6=None, extra=()):
         if not peer_idx:
             raise NetworkError("the veth peer's index is unknown")
         if v6 is None:
@@ -173,9 +183,34 @@ class Links:
             reqs += [rtnl.set_up(peer_idx), rtnl.set_up(LOOPBACK_IFINDEX), rtnl.add_default_route(gateway, peer_idx)]
             if v6 is not None:
                 reqs.append(rtnl.add_default_route(v6[0], peer_idx))
-            job.run(reqs)
+            job.run(reqs + list(extra))
         finally:
             job.close()
+
+    def shaping_stats(self, host_ifname, netns_fd=None):
+        """The caps' classes -> {"in": dump of the host end, "out": dump of
+        the job's eth0 (None without netns_fd, or where it is gone)}."""
+        from starter.net import shaping
+
+        out = {"in": None, "out": None}
+        try:
+            (got,) = self.rt.run([rtnl.get_link(host_ifname)])
+            idx, _name, peer_idx = rtnl.link_info(got[0][1])
+            out["in"] = shaping.dump_classes(self.rt, idx)
+        except RtnlError:
+            return out
+        if netns_fd is not None and peer_idx:
+            try:
+                job = rtnl.Rtnl(netlink_socket_in(netns_fd))
+            except OSError:
+                return out
+            try:
+                out["out"] = shaping.dump_classes(job, peer_idx)
+            except RtnlError:
+                pass
+            finally:
+                job.close()
+        return out
 
     def _on_link(self, request, what):
         """One request about a link that may be gone already (ENODEV ok):

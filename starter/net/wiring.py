@@ -68,6 +68,12 @@ def checked_pools(cfg):
             raise NetworkError(f"allow_host_ports[{i}]: {item!r} is not (proto, port)") from None
         if proto not in ("tcp", "udp") or not isinstance(port, int) or not 1 <= port <= 65535:
             raise NetworkError(f"allow_host_ports[{i}]: {item!r} must be ('tcp'|'udp', 1..65535)")
+    from starter.net import shaping
+
+    for item in cfg.rate:
+        zone, bits = item
+        if zone not in shaping.ZONES or type(bits) is not int or not shaping.MIN_RATE <= bits <= shaping.MAX_RATE:
+            raise NetworkError(f"rate: {item!r} is not (zone, bits/s)")
     if not cfg.table.startswith("starter") or not 1 <= len(cfg.table) <= 64 or \
             set(cfg.table) - set("abcdefghijklmnopqrstuvwxyz0123456789_"):
         raise NetworkError(f"table: {cfg.table!r} must be starter[a-z0-9_]*",
@@ -377,14 +383,19 @@ class Wiring:
                     self._check_table_matches(store, cfg)
                 forward6 = self._ipv6_for_job(store, cfg, table)
                 lease = self._acquire(store, cfg, job_id, key, pool, owner_pid,
-                                      pool6 if forward6 is not None else None)
+                                      pool6 if forward6 is not None else None,
+                                      {"rate": dict(cfg.rate)} if cfg.rate else None)
                 undo.callback(store.release, key, lease["slot"])
                 fault("net-lease")
                 v6 = None
                 if lease.get("address6"):
                     v6 = (lease["gateway6"], lease["address6"], lease["prefixlen6"], forward6)
+                shape = None
+                if cfg.rate:
+                    # (the job's own /30 and /126, its gateway, never shaped)
+                    shape = (dict(cfg.rate), cfg.lan, [c for c in (lease["network"], lease.get("network6")) if c])
                 self.links.create(key, netns_fd, lease["gateway"], lease["address"],
-                                  lease["prefixlen"], forward=bool(cfg.uplink), v6=v6)
+                                  lease["prefixlen"], forward=bool(cfg.uplink), v6=v6, shape=shape)
                 undo.callback(self.links.delete, key)
                 fault("net-veth")
                 self._add_job(store, cfg, table, key, lease["address"], lease.get("address6"))
@@ -400,14 +411,14 @@ class Wiring:
                 raise
         return lease
 
-    def _acquire(self, store, cfg, job_id, key, pool, owner_pid, pool6=None):
+    def _acquire(self, store, cfg, job_id, key, pool, owner_pid, pool6=None, extra=None):
         """A lease; a full pool first gives up one dead job's lease."""
         try:
-            return store.acquire(job_id, key, pool, owner_pid, pool6)
+            return store.acquire(job_id, key, pool, owner_pid, pool6, extra)
         except ipam.PoolExhausted:
             if not self._reclaim_one(store, cfg):
                 raise
-        return store.acquire(job_id, key, pool, owner_pid, pool6)
+        return store.acquire(job_id, key, pool, owner_pid, pool6, extra)
 
     def _reclaim_one(self, store, cfg):
         """The pool is full: reclaim the lease of one dead job, if a scan
@@ -459,7 +470,10 @@ class Wiring:
     def counters(self, job_id, cfg):
         return nft.read_counters(cfg.table, ipam.job_key(job_id, cfg.table))
 
-    def teardown(self, job_id, cfg):
+    def teardown(self, job_id, cfg, netns_fd=None):
+        """netns_fd: the job's network namespace, kept open by its starter,
+        where a capped job's outgoing shaper is read (else only the host
+        end's)."""
         key = ipam.job_key(job_id, cfg.table)
         if key in self._pending:
             return None  # torn down already; the worker is finishing it
@@ -471,14 +485,18 @@ class Wiring:
                 # a failing nft command costs ~8 ms (and grows with the
                 # ruleset); stray counters are gc's business.
                 return None
-            return self._teardown_key(store, cfg, key, lease, defer=True)
+            return self._teardown_key(store, cfg, key, lease, defer=True, netns_fd=netns_fd)
 
-    def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False, keep_table=False):
+    def _teardown_key(self, store, cfg, key, lease, removed=None, defer=False, keep_table=False, netns_fd=None):
         """Read the counters, then remove rules, counters, veth, lease, and the
         table if this was the last job.  Every step tolerates absence."""
         table = nftrules.Table(cfg.table)
         address = lease.get("address") if lease else None
         counters = nft.read_counters(cfg.table, key)
+        if counters is not None and lease and lease.get("rate"):
+            from starter.net import shaping
+
+            counters["shaping"] = shaping.report(lease["rate"], self.links.shaping_stats(key, netns_fd))
         # The IPv6 objects: by the lease, or (no lease: gc) by the counters found.
         address6 = lease.get("address6") if lease else None
         has6 = bool(address6) or bool(counters and "ipv6" in counters)
