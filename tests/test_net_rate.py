@@ -164,3 +164,40 @@ def test_metrics_carry_a_running_jobs_caps(starter, site, tmp_path):
     shaped = [v for k, v in rows.items() if k.startswith("starter_job_network_shaped_bytes_total{")
               and 'zone="wan",direction="out"' in k]
     assert rate == [20e6] and shaped and shaped[0] > 20e6 / 8 * SECONDS * 0.8, rows
+
+
+def test_ipv6_zones_are_capped_too(starter, tmp_path):
+    """The same caps over IPv6 (NAT66): the LAN prefixes of both families
+    are filtered, the rest of IPv6 goes to the WAN class."""
+    if not os.path.exists("/proc/sys/net/ipv6/conf/all/force_forwarding") and \
+            open("/proc/sys/net/ipv6/conf/all/forwarding").read().strip() != "1":
+        pytest.skip("needs per-interface IPv6 forwarding (force_forwarding, Linux 6.17); conf.all is not touched")
+    caps = {"lan_out": 30, "wan_out": 20, "lan_in": 40}
+    with contextlib.ExitStack() as stack:
+        s6 = nethosts.Site6(stack)
+        port = s6.port()
+        srv = subprocess.Popen(s6.ns.argv("iperf3", "-s", "-p", str(port)), stdout=subprocess.DEVNULL,
+                               stderr=subprocess.DEVNULL)
+        stack.callback(lambda: (srv.kill(), srv.wait()))
+        time.sleep(0.3)
+        addr = {"lan": s6.lan6, "wan": s6.wan6}
+        got, todo = {}, list(caps)
+        for attempt in range(3):         # below a cap: the machine; measured again (see above)
+            out = tmp_path / f"out{attempt}"
+            out.mkdir()
+            out.chmod(0o777)
+            script = "; ".join(f"iperf3 -c {addr[z.split('_')[0]]} -p {port} -t {SECONDS} -J "
+                               f"{'-R' if z.endswith('_in') else ''} > {out}/{z}.json" for z in todo)
+            p = starter("run", "--net", "nat", "--pool", POOL, "--pool6", f"fd70:7639:1864:{secrets.randbelow(0xffff):x}::/64",
+                        "--lan", s6.lan_cidrs[0], "--lan", s6.lan_cidrs[1], "--uplink", s6.uplink, "--ipv6", "on",
+                        "--net-rate", ",".join(f"{z.replace('_', '-')}={c}mbit" for z, c in caps.items()),
+                        "--bind", str(out), "--", "sh", "-c", script, timeout=120)
+            assert p.returncode == 0, (p.stdout, p.stderr)
+            for zone in todo:
+                got[zone] = _mbit(out / f"{zone}.json")
+                # IPv6 + TCP headers: 1428 of 1514 bytes are payload
+                assert got[zone] <= caps[zone] * (1428 / 1514 + 0.1), (zone, got)
+            todo = [z for z in todo if got[z] < caps[z] * (1428 / 1514 - 0.1)]
+            if not todo:
+                break
+        assert not todo, (got, caps)
