@@ -26,8 +26,18 @@ removed at the end.  Traffic goes only to those namespaces.
                    and iperf3 over IPv6 through NAT66 vs a plain routed veth
                    (--ipv6-only: just this part)
 
+  caps             --net-rate: a capped job's iperf3 rate against its cap, and
+                   an uncapped job's rate alone and while the capped one sends
+                   (interleaved)
+  scale            --scale N: the same start, throughput and netd RSS with N
+                   jobs' networks in place, and a starter's PSS beside its job
+
+Throughput rounds alternate the reference (plain_path(): the same two
+forwarding hops over plain veths, in namespaces of its own, without
+conntrack) with the NAT job, so drift hits both alike.
+
 Usage: .venv/bin/python scripts/bench.d/net.py [--jobs 500] [--rounds 15] [--iperf-seconds 3] [--ipv6-only]
-                                              [--tmpfs-state] [--skip-iperf]
+                                              [--tmpfs-state] [--skip-iperf] [--scale 2000]
 """
 
 import argparse
@@ -162,9 +172,9 @@ class Bench:
         return statistics.median(setups), statistics.median(tds), (max(rss) if rss else None)
 
     # -- background load ---------------------------------------------------
-    def add_load(self, n):
+    def add_load(self, n, first=0):
         t0 = time.perf_counter()
-        for i in range(n):
+        for i in range(first, first + n):
             ns = nethosts.Netns()
             self.load.append(ns)
             self.stack.callback(ns.close)
@@ -186,10 +196,6 @@ class Bench:
 
 
 # -- iperf3 ------------------------------------------------------------------
-def iperf(site, client_ns, seconds, runs=3):
-    return iperf_to(site.wan, site.wan_addr, client_ns, seconds, site.port, runs)
-
-
 def iperf_to(ns_server, host, client_ns, seconds, port_of, runs=3):
     """iperf3 TCP from client_ns to a one-shot server in ns_server at host
     (either family), `runs` times -> median Gbit/s."""
@@ -210,48 +216,6 @@ def iperf_to(ns_server, host, client_ns, seconds, port_of, runs=3):
     return statistics.median(out)
 
 
-@contextlib.contextmanager
-def plain_routed_ns(site, stack):
-    """A namespace on a plain veth, routed (not NATed) to the WAN host over
-    the same uplink, with no nft table involved: the reference path."""
-    ns = nethosts.Netns()
-    stack.callback(ns.close)
-    host_if = "stdir" + site.uplink[5:]
-    t = site.uplink_addr.split(".")[2]
-    nethosts.run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(ns.pid))
-    try:
-        nethosts.run("ip", "addr", "add", f"10.75.{t}.1/30", "dev", host_if)
-        nethosts.run("ip", "link", "set", host_if, "up")
-        ns.ip("addr", "add", f"10.75.{t}.2/30", "dev", "eth0")
-        ns.ip("link", "set", "eth0", "up")
-        ns.ip("route", "add", "default", "via", f"10.75.{t}.1")
-        site.router.ip("route", "add", f"10.75.{t}.0/30", "via", site.uplink_addr)
-        # per-interface forwarding on our two test interfaces only; restored below
-        flags = [f"/proc/sys/net/ipv4/conf/{i}/forwarding" for i in (host_if, site.uplink)]
-        with _flags_on(flags):
-            yield ns
-    finally:
-        nethosts.run("ip", "link", "del", host_if, check=False)
-
-
-@contextlib.contextmanager
-def _flags_on(paths):
-    """Write 1 to these sysctl files (the test interfaces' forwarding) for
-    the block; put back what they held after it."""
-    old = []
-    for f in paths:
-        with open(f) as fh:
-            old.append(fh.read().strip())
-        with open(f, "w") as fh:
-            fh.write("1")
-    try:
-        yield
-    finally:
-        for f, v in zip(paths, old):
-            with contextlib.suppress(FileNotFoundError), open(f, "w") as fh:
-                fh.write(v)
-
-
 # -- starter run -------------------------------------------------------------
 def starter_runs(state, runs, variants):
     """{label: extra args} -> {label: median s} of `starter run -- /bin/true`,
@@ -270,36 +234,97 @@ def starter_runs(state, runs, variants):
     return {label: statistics.median(t) for label, t in times.items()}
 
 
-# -- IPv6 ---------------------------------------------------------------------
+def interleaved(pairs, seconds, rounds=3):
+    """{label: (server ns, host, client ns, port_of)} -> {label: median Gbit/s},
+    one iperf3 run of each per round, the order rotated."""
+    out = {label: [] for label in pairs}
+    labels = list(pairs)
+    for i in range(rounds):
+        for label in labels[i % len(labels):] + labels[:i % len(labels)]:
+            srv_ns, host, ns, port_of = pairs[label]
+            out[label].append(iperf_to(srv_ns, host, ns, seconds, port_of, runs=1))
+    return {label: statistics.median(v) for label, v in out.items()}
+
+
 @contextlib.contextmanager
-def plain_routed_ns6(site, stack):
-    """IPv6 twin of plain_routed_ns: a plain veth routed (not NATed) to the
-    dual-stack site's WAN host, IPv6 forwarding on our two test interfaces
-    only (force_forwarding; conf.all untouched), restored below."""
-    ns = nethosts.Netns()
-    stack.callback(ns.close)
-    host_if = "st6p" + secrets.token_hex(3)
-    prefix = site.addr6.rsplit("::", 1)[0] + ":ff"
-    nethosts.run("ip", "link", "add", host_if, "type", "veth", "peer", "name", "eth0", "netns", str(ns.pid))
+def sending(site, ns, seconds):
+    """iperf3 from ns to the WAN host in the background for the block."""
+    port = site.port()
+    srv = subprocess.Popen(site.wan.argv("iperf3", "-s", "-1", "-p", str(port)),
+                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    time.sleep(0.3)
+    bg = subprocess.Popen(ns.argv("iperf3", "-c", site.wan_addr, "-p", str(port), "-t", str(seconds)),
+                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
-        nethosts.run("ip", "-6", "addr", "add", f"{prefix}::1/64", "dev", host_if, "nodad")
-        nethosts.run("ip", "link", "set", host_if, "up")
-        ns.ip("-6", "addr", "add", f"{prefix}::2/64", "dev", "eth0", "nodad")
-        ns.ip("link", "set", "eth0", "up")
-        ns.ip("-6", "route", "add", "default", "via", f"{prefix}::1")
-        site.ns.ip("-6", "route", "add", f"{prefix}::/64", "via", site.addr6)
-        flags = [f"/proc/sys/net/ipv6/conf/{i}/force_forwarding" for i in (host_if, site.uplink)]
-        with _flags_on(flags):
-            yield ns
+        time.sleep(0.5)
+        yield
     finally:
-        nethosts.run("ip", "link", "del", host_if, check=False)
+        for p in (bg, srv):
+            p.wait(timeout=seconds + 30)
 
 
+def rss_mb(pid):
+    with open(f"/proc/{pid}/status") as f:
+        return int([l for l in f if l.startswith("VmRSS")][0].split()[1]) / 1024
+
+
+def starter_pss_mb(state, nat):
+    """PSS of a `starter run --net nat ... sleep` beside its running job, MB."""
+    p = subprocess.Popen([STARTER, "run", "--state-dir", state, *nat, "--", "sleep", "30"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        for _ in range(300):
+            try:
+                kids = open(f"/proc/{p.pid}/task/{p.pid}/children").read().split()
+            except OSError:
+                kids = []
+            if kids and os.readlink(f"/proc/{kids[0]}/exe").endswith("sleep"):
+                break
+            time.sleep(0.05)
+        time.sleep(0.5)
+        with open(f"/proc/{p.pid}/smaps_rollup") as f:
+            return int([l for l in f if l.startswith("Pss:")][0].split()[1]) / 1024
+    finally:
+        p.terminate()
+        p.wait(timeout=60)
+
+
+def plain_path(stack):
+    """The reference path, as long as a NAT job's (job ns -> host -> uplink ->
+    router -> WAN host: two forwarding hops), in four namespaces of its own:
+    plain routed veths, both families, no nft table, and so no connection
+    tracking (a NAT table in the host's namespace turns conntrack on for
+    everything there, a reference beside it included).
+    -> (WAN ns, its IPv4 address, its IPv6 address, job ns)."""
+    j, h, r, w = (nethosts.Netns() for _ in range(4))
+    for ns in (j, h, r, w):
+        stack.callback(ns.close)
+        nethosts.run(*ns.argv("sysctl", "-qw", "net.ipv6.conf.default.accept_dad=0"))
+    # j: eth0 -- h: dn0 | h: up0 -- r: dn0 | r: up0 -- w: eth0, subnets 1, 2, 3
+    for a, a_dev, z, z_dev in ((j, "eth0", h, "dn0"), (h, "up0", r, "dn0"), (r, "up0", w, "eth0")):
+        nethosts.run(*a.argv("ip", "link", "add", a_dev, "type", "veth", "peer", "name", z_dev, "netns", str(z.pid)))
+    for ns, dev, n, host in ((j, "eth0", 1, 2), (h, "dn0", 1, 1), (h, "up0", 2, 1), (r, "dn0", 2, 2),
+                             (r, "up0", 3, 1), (w, "eth0", 3, 2)):
+        ns.ip("addr", "add", f"10.74.{n}.{host}/24", "dev", dev)
+        ns.ip("-6", "addr", "add", f"fd74::{n}:{host}/112", "dev", dev, "nodad")
+        ns.ip("link", "set", dev, "up")
+    for ns in (j, h, r, w):
+        ns.ip("link", "set", "lo", "up")
+    for ns, v4, v6 in ((j, "default via 10.74.1.1", "default via fd74::1:1"),
+                       (h, "default via 10.74.2.2", "default via fd74::2:2"),
+                       (r, "10.74.1.0/24 via 10.74.2.1", "fd74::1:0/112 via fd74::2:1"),
+                       (w, "default via 10.74.3.1", "default via fd74::3:1")):
+        ns.ip("route", "add", *v4.split())
+        ns.ip("-6", "route", "add", *v6.split())
+    for ns in (h, r):
+        nethosts.run(*ns.argv("sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"))
+    return w, "10.74.3.2", "fd74::3:2", j
+
+
+# -- IPv6 ---------------------------------------------------------------------
 def bench_ipv6(args):
-    from test_ipv6 import Site6
-
     with contextlib.ExitStack() as stack:
-        site = Site6(stack)
+        site = nethosts.Site6(stack)
         state = tempfile.mkdtemp(prefix="starter-bench-net6-", dir="/run")
         stack.callback(shutil.rmtree, state, True)
         stack.callback(shutil.rmtree, state + ".seccomp", True)   # the filter cache beside it
@@ -333,19 +358,11 @@ def bench_ipv6(args):
                 cost.setdefault(mode, []).append((t1 - t0, t3 - t2))
         tp = {}
         if not args.skip_iperf:
-            # The reference runs on a second, identical site: the table's
-            # guard drops routed (not NATed) replies on the jobs' uplink.
-            # Runs alternate, one of each per round, so load from others on
-            # the node hits both alike.
-            ref_site = Site6(stack)
-            with plain_routed_ns6(ref_site, stack) as plain:
-                for _ in range(3):
-                    for label, srv_site, host, ns in (("plain veth, routed", ref_site, ref_site.wan6, plain),
-                                                      ("NAT66, 1 job", site, site.wan6, keep),
-                                                      ("NAT44, 1 job", site, site.wan4, keep)):
-                        tp.setdefault(label, []).append(
-                            iperf_to(srv_site.ns, host, ns, args.iperf_seconds, srv_site.port, runs=1))
-            tp = {k: statistics.median(v) for k, v in tp.items()}
+            # The reference: plain_path(), without conntrack; runs alternate.
+            wan_ns, _w4, w6, plain = plain_path(stack)
+            tp = interleaved({"plain veth, routed": (wan_ns, w6, plain, site.port),
+                              "NAT66, 1 job": (site.ns, site.wan6, keep, site.port),
+                              "NAT44, 1 job": (site.ns, site.wan4, keep, site.port)}, args.iperf_seconds)
         w.teardown("keep", cfgs["auto"])
     print(f"\nnet/ipv6: per-job setup + teardown, in-process, median of {2 * args.rounds} (ms)")
     for mode, label in (("off", "IPv4 only (--ipv6 off)"), ("auto", "dual-stack")):
@@ -356,7 +373,7 @@ def bench_ipv6(args):
         print(f"\nnet/ipv6: iperf3 TCP job ns -> WAN host, {args.iperf_seconds} s, median of 3, interleaved (Gbit/s)")
         ref = tp["plain veth, routed"]
         for k, v in tp.items():
-            note = f"{v / ref:5.2f}x plain IPv6 veth (target 0.90)" if k != "NAT44, 1 job" else "(the same job, IPv4)"
+            note = f"{v / ref:5.2f}x plain IPv6 veth (target 0.95)" if k != "NAT44, 1 job" else "(the same job, IPv4)"
             print(f"  {k:<20} {v:6.2f}   {note}")
 
 
@@ -367,6 +384,8 @@ def main():
     ap.add_argument("--iperf-seconds", type=int, default=3)
     ap.add_argument("--skip-iperf", action="store_true")
     ap.add_argument("--ipv6-only", action="store_true")
+    ap.add_argument("--scale", type=int, default=0, help="also measure with this many jobs' networks (e.g. 2000)")
+    ap.add_argument("--cap-mbit", type=int, default=200, help="the capped job's --net-rate wan-out")
     ap.add_argument("--tmpfs-state", action="store_true",
                     help="put the state directory on a tmpfs of its own (as /run is on a node)")
     args = ap.parse_args()
@@ -381,7 +400,7 @@ def main():
     # the loaded jobs and the measured `starter run` share one table.
     e2e_ok = "table inet starter\n" not in subprocess.run(["nft", "list", "tables"], capture_output=True,
                                                             text=True).stdout
-    e2e = {}
+    e2e, tp, caps, scale, rss = {}, {}, {}, {}, {}
     with nethosts.site() as site, contextlib.ExitStack() as stack:
         b = Bench(site, stack, args, "starter" if e2e_ok else "starter_bench")
         nat = ["--net", "nat", "--uplink", site.uplink, "--lan", site.lan_cidr, "--pool", POOL]
@@ -394,32 +413,62 @@ def main():
         b.start_netd()
         r1 = {"netd": b.measure("netd", args.rounds)}
         e2e_run({"none, 0 jobs": ["--net", "none"], "nat via netd, 1 job": nat})
+        rss["1 job"] = rss_mb(b.netd.pid)
         b.stop_netd()
         r1["in-process"] = b.measure("in-process", args.rounds)
         r1["cold process"] = b.measure("cold", max(3, args.rounds // 3))
         e2e_run({"nat without netd, 1 job": nat})
 
-        # ---- throughput, reference and 1 job
-        tp = {}
+        # ---- throughput, reference and 1 job; a capped job beside
         if not args.skip_iperf:
-            with plain_routed_ns(site, stack) as plain:
-                tp["plain veth, routed"] = iperf(site, plain, args.iperf_seconds)
+            w, w_addr, _w6, plain = plain_path(stack)
+            ref = (w, w_addr, plain, site.port)
             job = nethosts.Netns()
             stack.callback(job.close)
             fd = job.open_fd()
             net._local().setup("iperf", fd, b.cfg, os.getpid())
             os.close(fd)
-            tp["NAT, 1 job"] = iperf(site, job, args.iperf_seconds)
+            tp.update(interleaved({"plain veth, routed": ref,
+                                   "NAT, 1 job": (site.wan, site.wan_addr, job, site.port)}, args.iperf_seconds))
+            capped = nethosts.Netns()
+            stack.callback(capped.close)
+            fd = capped.open_fd()
+            cap_cfg = net.NetConfig.from_dict(dict(b.cfg.as_dict(), rate=[("wan_out", args.cap_mbit * 10**6)]))
+            net._local().setup("capped", fd, cap_cfg, os.getpid())
+            os.close(fd)
+            caps["capped job, Mbit/s"] = 1000 * iperf_to(site.wan, site.wan_addr, capped, args.iperf_seconds,
+                                                         site.port, runs=3)
+            alone, beside = [], []
+            for _ in range(3):
+                alone.append(iperf_to(site.wan, site.wan_addr, job, args.iperf_seconds, site.port, runs=1))
+                with sending(site, capped, args.iperf_seconds + 2):
+                    beside.append(iperf_to(site.wan, site.wan_addr, job, args.iperf_seconds, site.port, runs=1))
+            caps["uncapped alone"], caps["uncapped beside"] = statistics.median(alone), statistics.median(beside)
+            net._local().teardown("capped", cap_cfg)
 
         # ---- N jobs loaded
         b.start_netd()
         per_load_setup = b.add_load(args.jobs)
         rN = {"netd": b.measure("netd", args.rounds)}
         e2e_run({f"none, {args.jobs} jobs": ["--net", "none"], f"nat via netd, {args.jobs} jobs": nat})
+        rss[f"{args.jobs} jobs"] = rss_mb(b.netd.pid)
+        if not args.skip_iperf:
+            tp.update({k if k != "NAT" else f"NAT, {args.jobs} jobs": v for k, v in interleaved(
+                {"plain veth, routed (again)": ref, "NAT": (site.wan, site.wan_addr, job, site.port)},
+                args.iperf_seconds).items()})
+        if args.scale > args.jobs:
+            b.add_load(args.scale - args.jobs, first=args.jobs)
+            scale["netd"] = b.measure("netd", args.rounds)
+            if e2e_ok:
+                scale.update(starter_runs(b.state, args.rounds, {"none": ["--net", "none"], "nat": nat}))
+                scale["pss"] = starter_pss_mb(b.state, nat)
+            rss[f"{args.scale} jobs"] = rss_mb(b.netd.pid)
+            if not args.skip_iperf:
+                scale.update(interleaved({"plain": ref, "NAT": (site.wan, site.wan_addr, job, site.port)},
+                                         args.iperf_seconds))
         b.stop_netd()
         rN["in-process"] = b.measure("in-process", args.rounds)
         if not args.skip_iperf:
-            tp[f"NAT, {args.jobs} jobs"] = iperf(site, job, args.iperf_seconds)
             net._local().teardown("iperf", b.cfg)
         b.start_netd()
         per_load_td = b.drop_load()
@@ -429,14 +478,17 @@ def main():
     print(f"\nnet: per-job network setup + teardown (median of {args.rounds}; ms)")
     print(f"  {'path':<14} {'jobs':>5} {'setup':>7} {'teardown':>8} {'total':>7}  vs netd@1")
     base = sum(r1["netd"][:2])
-    for label, res, n in (("netd", r1["netd"], 1), ("in-process", r1["in-process"], 1),
-                          ("cold process", r1["cold process"], 1),
-                          ("netd", rN["netd"], args.jobs + 1), ("in-process", rN["in-process"], args.jobs + 1)):
-        s, t, rss = res
-        extra = f"  (peak RSS {rss:.0f} MB)" if rss else ""
+    rows = [("netd", r1["netd"], 1), ("in-process", r1["in-process"], 1), ("cold process", r1["cold process"], 1),
+            ("netd", rN["netd"], args.jobs + 1), ("in-process", rN["in-process"], args.jobs + 1)]
+    if "netd" in scale:
+        rows.append(("netd", scale["netd"], args.scale + 1))
+    for label, res, n in rows:
+        s, t, rss_ = res
+        extra = f"  (peak RSS {rss_:.0f} MB)" if rss_ else ""
         print(f"  {label:<14} {n:>5} {ms(s)} {ms(t):>8} {ms(s + t)}  {((s + t) / base):5.2f}x{extra}")
     print(f"  loading {args.jobs} jobs via netd: {ms(per_load_setup).strip()} ms/job setup, "
           f"{ms(per_load_td).strip()} ms/job teardown")
+    print("  netd RSS: " + ", ".join(f"{v:.1f} MB with {k}" for k, v in rss.items()))
     if e2e:
         print(f"\nnet: `starter run -- /bin/true`, median of {args.rounds} (ms)")
         none = e2e["none, 0 jobs"]
@@ -444,22 +496,37 @@ def main():
         for k, v in e2e.items():
             note = ""
             if k.startswith("nat"):
-                ref = e2e[f"none, {args.jobs} jobs"] if k.endswith(f"{args.jobs} jobs") else none
-                note = f"+{ms(v - ref).strip()} ms vs none (target +10)"
+                ref_ = e2e[f"none, {args.jobs} jobs"] if k.endswith(f"{args.jobs} jobs") else none
+                note = f"+{ms(v - ref_).strip()} ms vs none (target +10)"
                 if k.endswith(f"{args.jobs} jobs"):
-                    note += f", {v / one:4.2f}x nat@1 (target 1.1x)"
+                    note += f", {v / one:4.2f}x nat@1"
             print(f"  {k:<28} {ms(v)}   {note}")
     else:
         print("\nnet: starter run skipped: a `starter` table exists (someone runs NAT jobs)")
     if tp:
-        print(f"\nnet: iperf3 TCP job ns -> WAN host, {args.iperf_seconds} s, median of 3 (Gbit/s)")
-        ref = tp["plain veth, routed"]
-        one = tp.get("NAT, 1 job")
+        print(f"\nnet: iperf3 TCP job ns -> WAN host, {args.iperf_seconds} s, median of 3, interleaved (Gbit/s)")
         for k, v in tp.items():
-            rel = f"{v / ref:5.2f}x plain (target 0.90)"
-            if one and k.startswith("NAT") and k != "NAT, 1 job":
-                rel += f", {v / one:5.2f}x 1-job (target 0.95)"
-            print(f"  {k:<20} {v:6.2f}   {rel}")
+            ref_ = tp["plain veth, routed (again)"] if k == f"NAT, {args.jobs} jobs" else tp["plain veth, routed"]
+            rel = f"{v / ref_:5.2f}x plain (target 0.95)" if k.startswith("NAT") else ""
+            print(f"  {k:<28} {v:6.2f}   {rel}")
+    if caps:
+        cap = args.cap_mbit
+        got = caps["capped job, Mbit/s"]
+        print(f"\nnet: --net-rate wan-out={cap}mbit, iperf3 {args.iperf_seconds} s, median of 3")
+        print(f"  capped job                   {got:7.1f} Mbit/s  {got / cap:5.3f}x the cap, "
+              f"{got / (cap * 1448 / 1514):5.3f}x its TCP payload share (1448/1514)")
+        print(f"  uncapped job alone           {caps['uncapped alone']:7.2f} Gbit/s")
+        print(f"  uncapped job, capped beside  {caps['uncapped beside']:7.2f} Gbit/s  "
+              f"{caps['uncapped beside'] / caps['uncapped alone']:5.2f}x alone (target 0.9)")
+    if scale:
+        print(f"\nnet: scale, {args.scale} jobs' networks in place (netd)")
+        if "nat" in scale:
+            print(f"  starter run: none {ms(scale['none']).strip()} ms, nat {ms(scale['nat']).strip()} ms, "
+                  f"+{ms(scale['nat'] - scale['none']).strip()} ms (target +10)")
+            print(f"  a starter's PSS beside its NAT job: {scale['pss']:.1f} MB")
+        if "NAT" in scale:
+            print(f"  iperf3: plain {scale['plain']:.2f}, NAT {scale['NAT']:.2f} Gbit/s, "
+                  f"{scale['NAT'] / scale['plain']:5.2f}x (target 0.95)")
     bench_ipv6(args)
 
 
