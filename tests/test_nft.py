@@ -153,6 +153,11 @@ def test_counter_read_messages():
     ok = struct.pack("=IHHII", 16 + len(body), (10 << 8) | 18, 0, 1, 0) + body
     err = struct.pack("=IHHII", 36, 2, 0, 2, 0) + struct.pack("=i", -2) + req[:16]
     assert nftwire.parse_getobj_replies(ok + err) == {1: {"bytes": 1500, "packets": 3}, 2: -2}
+    # is a job's connection count there? A get (no batch: nothing to abort), its key the veth name padded
+    req = nftwire.getsetelem_request("starter", "job_flows", ("stjaaaaaaaaaaaa",), 9)
+    length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", req)
+    assert (length, mtype, flags, seq) == (len(req), (10 << 8) | 13, 1, 9)
+    assert b"job_flows\0" in req and b"stjaaaaaaaaaaaa\0" in req and len(req) % 4 == 0
 
 
 @pytest.mark.fast

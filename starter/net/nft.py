@@ -17,6 +17,7 @@ nftrules.py, its netlink encoding in nftwire.py; this module only sends,
 receives and reports errors.
 """
 
+import errno
 import json
 import os
 import threading
@@ -236,6 +237,14 @@ class Nft:
         """apply() of Table.job_changes("add", ...): the job's counters and
         elements, its host veth named by its key."""
         self.apply(table, "add", table.job_changes("add", key, key, address, address6), what)
+
+    def has_element(self, table, set_name, parts):
+        """Is this element in the set now?  (A get: see nftwire.getsetelem_request.)"""
+        ((replies, err),) = _NETFILTER.exchange(
+            lambda first: nftwire.getsetelem_request(table.name, set_name, parts, first), 1, ack=False)
+        if err in (0, -errno.ENOENT):
+            return not err and bool(replies)
+        raise NftError(f"look up an element of {set_name}", os.strerror(-err))
 
     def table_exists(self, table):
         try:

@@ -21,7 +21,7 @@ _NFTA_COUNTER_BYTES, _NFTA_COUNTER_PACKETS = 1, 2
 _NFT_OBJECT_COUNTER = 1
 _NFPROTO_INET = 1
 # the per-job changes (job_messages, transaction)
-_NFT_MSG_NEWSETELEM, _NFT_MSG_DELSETELEM, _NFT_MSG_DELOBJ = 12, 14, 20
+_NFT_MSG_NEWSETELEM, _NFT_MSG_GETSETELEM, _NFT_MSG_DELSETELEM, _NFT_MSG_DELOBJ = 12, 13, 14, 20
 _NFTA_SET_ELEM_LIST_SET, _NFTA_SET_ELEM_LIST_ELEMENTS = 2, 3
 _NFTA_LIST_ELEM, _NFTA_SET_ELEM_KEY, _NFTA_SET_ELEM_OBJREF, _NFTA_DATA_VALUE = 1, 1, 9, 1
 _NFNL_MSG_BATCH_BEGIN, _NFNL_MSG_BATCH_END = 16, 17
@@ -46,19 +46,36 @@ def job_messages(table_name, verb, changes, seq):
                                      + netlink.attr(_NFTA_COUNTER_PACKETS, struct.pack(">Q", 0)))
             mtype = _NFT_MSG_NEWOBJ if add else _NFT_MSG_DELOBJ
         else:
-            elems = b""
-            for parts, ref in change[2]:
-                e = netlink.attr(_NFTA_SET_ELEM_KEY | netlink.NLA_F_NESTED,
-                                 netlink.attr(_NFTA_DATA_VALUE, b"".join(_key_part(p) for p in parts)))
-                if ref is not None and add:
-                    e += netlink.attr(_NFTA_SET_ELEM_OBJREF, ref.encode() + b"\0")
-                elems += netlink.attr(_NFTA_LIST_ELEM | netlink.NLA_F_NESTED, e)
-            body = (head + table + netlink.attr(_NFTA_SET_ELEM_LIST_SET, change[1].encode() + b"\0")
-                    + netlink.attr(_NFTA_SET_ELEM_LIST_ELEMENTS | netlink.NLA_F_NESTED, elems))
+            body = head + table + _elements(change[1], change[2], add)
             mtype = _NFT_MSG_NEWSETELEM if add else _NFT_MSG_DELSETELEM
         flags = netlink.NLM_F_REQUEST | netlink.NLM_F_ACK | (netlink.NLM_F_CREATE if add else 0)
         out.append(netlink.message((_NFNL_SUBSYS_NFTABLES << 8) | mtype, flags, seq + i, body))
     return out
+
+
+def _elements(set_name, items, add):
+    """A set's name and its elements [(key parts, counter name or None)] as
+    NFTA_SET_ELEM_LIST attributes (the counter only when adding)."""
+    elems = b""
+    for parts, ref in items:
+        e = netlink.attr(_NFTA_SET_ELEM_KEY | netlink.NLA_F_NESTED,
+                         netlink.attr(_NFTA_DATA_VALUE, b"".join(_key_part(p) for p in parts)))
+        if ref is not None and add:
+            e += netlink.attr(_NFTA_SET_ELEM_OBJREF, ref.encode() + b"\0")
+        elems += netlink.attr(_NFTA_LIST_ELEM | netlink.NLA_F_NESTED, e)
+    return (netlink.attr(_NFTA_SET_ELEM_LIST_SET, set_name.encode() + b"\0")
+            + netlink.attr(_NFTA_SET_ELEM_LIST_ELEMENTS | netlink.NLA_F_NESTED, elems))
+
+
+def getsetelem_request(table_name, set_name, parts, seq):
+    """Ask whether one element is in a set (pure).  A get, not a
+    transaction: where it is not, the answer is ENOENT, with none of the
+    RCU grace period a refused (aborted) transaction costs (~10 ms here)."""
+    import struct
+
+    body = (struct.pack("=BBH", _NFPROTO_INET, 0, 0) + netlink.attr(1, table_name.encode() + b"\0")
+            + _elements(set_name, [(parts, None)], False))
+    return netlink.message((_NFNL_SUBSYS_NFTABLES << 8) | _NFT_MSG_GETSETELEM, netlink.NLM_F_REQUEST, seq, body)
 
 
 def transaction(table_name, verb, changes, first):

@@ -508,6 +508,14 @@ class Wiring:
             self.links.set_down(key)
         if counters is not None or address:
             changes = table.job_changes("delete", key, key, address, address6, has6)
+            # Its connection count, made by its first connection (if it had
+            # one): a set that only grew would fill up after 65535 jobs.
+            # Asked first, and removed in the same transaction: deleting an
+            # element that is not there aborts the transaction, and an
+            # aborted one costs an RCU grace period (~10 ms here).
+            with contextlib.suppress(nft.NftError):
+                if self.nft.has_element(table, "job_flows", (key,)):
+                    changes = [("element", "job_flows", [((key,), None)])] + changes
             try:
                 self.nft.apply(table, "delete", changes, "remove job rules")
             except nft.NftError:
@@ -515,10 +523,6 @@ class Wiring:
                 for change in changes:
                     with contextlib.suppress(nft.NftError):
                         self.nft.apply(table, "delete", [change], "remove job rule")
-            # Its connection count, made by its first connection (if it had
-            # one): a set that only grew would fill up after 65535 jobs.
-            with contextlib.suppress(nft.NftError):
-                self.nft.apply(table, "delete", [("element", "job_flows", [((key,), None)])], "remove job count")
         if defer and self._queue is not None:
             self._pending.add(key)
             self._later.append((cfg, key, lease))   # queued by start_deferred()
