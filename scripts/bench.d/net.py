@@ -37,7 +37,7 @@ forwarding hops over plain veths, in namespaces of its own, without
 conntrack) with the NAT job, so drift hits both alike.
 
 Usage: .venv/bin/python scripts/bench.d/net.py [--jobs 500] [--rounds 15] [--iperf-seconds 3] [--ipv6-only]
-                                              [--tmpfs-state] [--skip-iperf] [--scale 2000]
+                                              [--tmpfs-state] [--skip-iperf] [--scale 2000 (0: none)]
 """
 
 import argparse
@@ -384,7 +384,7 @@ def main():
     ap.add_argument("--iperf-seconds", type=int, default=3)
     ap.add_argument("--skip-iperf", action="store_true")
     ap.add_argument("--ipv6-only", action="store_true")
-    ap.add_argument("--scale", type=int, default=0, help="also measure with this many jobs' networks (e.g. 2000)")
+    ap.add_argument("--scale", type=int, default=2000, help="also measure with this many jobs' networks (0: not)")
     ap.add_argument("--cap-mbit", type=int, default=200, help="the capped job's --net-rate wan-out")
     ap.add_argument("--tmpfs-state", action="store_true",
                     help="put the state directory on a tmpfs of its own (as /run is on a node)")
