@@ -461,6 +461,43 @@ def test_a_lingering_table_serves_the_next_job_then_expires(site, cfg):
 
 
 @pytest.mark.net
+def test_a_pinned_table_is_made_ahead_and_kept(site, cfg):
+    """netd pins the node policy's table (Wiring.pin): made before any job,
+    kept however long the node idles, put back after a job with other
+    settings, removed with the uplink's flag when netd stops."""
+    fwd = f"/proc/sys/net/ipv4/conf/{site.uplink}/forwarding"
+    before = open(fwd).read()
+    w = wiring.Wiring(linger=60)
+    try:
+        w.pin(cfg)
+        handle = _table_handle(cfg.table)
+        assert handle is not None and w.next_expiry() is None          # made, and never expires
+        job = site.job()
+        _wired(w, job, "pin-0", cfg)
+        assert _table_handle(cfg.table) == handle                       # the job used it
+        job.close()
+        w.teardown("pin-0", cfg)
+        w.expire_idle(time.monotonic() + 10**6)
+        assert _table_handle(cfg.table) == handle
+        other = net.NetConfig(**{**cfg.as_dict(), "lan": ("192.0.2.0/24",)})
+        job = site.job()
+        _wired(w, job, "pin-1", other)                                  # other settings: rebuilt for them
+        job.close()
+        w.teardown("pin-1", other)
+        w.expire_idle(time.monotonic() + 61)                            # that one expires as any other
+        assert cfg.table not in _tables()
+        job = site.job()
+        _wired(w, job, "pin-2", cfg)                                    # the node's again: pinned again
+        job.close()
+        w.teardown("pin-2", cfg)
+        w.expire_idle(time.monotonic() + 10**6)
+        assert cfg.table in _tables()
+    finally:
+        w.close()
+    assert cfg.table not in _tables() and open(fwd).read() == before
+
+
+@pytest.mark.net
 def test_netd_roundtrip(site, cfg, monkeypatch):
     sock = net.socket_path(cfg)
     code = f"from starter import net; net.serve(net.NetConfig(state_dir={cfg.state_dir!r}))"

@@ -210,3 +210,23 @@ def test_caller_nat_job_counts_and_caller_death_leaves_no_veth(site, policy, hom
             and time.monotonic() < deadline:
         time.sleep(0.1)
     assert not veths() - before and not any(n.endswith(".lock") for n in os.listdir(state_dir))
+
+
+@pytest.mark.net
+def test_netd_makes_the_policy_table_before_any_job(starter, site, policy, state_dir):
+    """The node policy gives NAT jobs their network: netd makes that table
+    as it starts, the jobs use it, and it goes when netd stops."""
+    def tables():
+        return subprocess.run(["nft", "list", "tables"], capture_output=True, text=True).stdout
+
+    policy(defaults=f'uplink = ["{site.uplink}"]\nlan = ["{site.lan_cidr}"]\npool = "{POOL}"\n')
+    assert "table inet starter\n" not in tables()
+    with running_netd(state_dir):
+        assert "table inet starter\n" in tables()
+        handle = subprocess.run(["nft", "-a", "list", "table", "inet", "starter"], capture_output=True,
+                                text=True).stdout.split("# handle ", 1)[1].split()[0]
+        p = starter("run", "--net", "nat", "--", "true")
+        assert p.returncode == 0, p.stderr
+        after = subprocess.run(["nft", "-a", "list", "table", "inet", "starter"], capture_output=True, text=True).stdout
+        assert after.split("# handle ", 1)[1].split()[0] == handle          # the same table served the job
+    assert "table inet starter\n" not in tables()

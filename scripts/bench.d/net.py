@@ -27,8 +27,10 @@ removed at the end.  Traffic goes only to those namespaces.
                    (--ipv6-only: just this part)
 
   caps             --net-rate: a capped job's iperf3 rate against its cap, and
-                   an uncapped job's rate alone and while the capped one sends
-                   (interleaved)
+                   an uncapped job's rate alone, while the capped one sends,
+                   and while an uncapped one sends as much paced by iperf3
+                   itself (the control: the neighbour's traffic without a
+                   shaper), interleaved
   scale            --scale N: the same start, throughput and netd RSS with N
                    jobs' networks in place, and a starter's PSS beside its job
 
@@ -247,13 +249,13 @@ def interleaved(pairs, seconds, rounds=3):
 
 
 @contextlib.contextmanager
-def sending(site, ns, seconds):
+def sending(site, ns, seconds, extra=()):
     """iperf3 from ns to the WAN host in the background for the block."""
     port = site.port()
     srv = subprocess.Popen(site.wan.argv("iperf3", "-s", "-1", "-p", str(port)),
                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     time.sleep(0.3)
-    bg = subprocess.Popen(ns.argv("iperf3", "-c", site.wan_addr, "-p", str(port), "-t", str(seconds)),
+    bg = subprocess.Popen(ns.argv("iperf3", "-c", site.wan_addr, "-p", str(port), "-t", str(seconds), *extra),
                           stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         time.sleep(0.5)
@@ -438,13 +440,24 @@ def main():
             os.close(fd)
             caps["capped job, Mbit/s"] = 1000 * iperf_to(site.wan, site.wan_addr, capped, args.iperf_seconds,
                                                          site.port, runs=3)
-            alone, beside = [], []
-            for _ in range(3):
-                alone.append(iperf_to(site.wan, site.wan_addr, job, args.iperf_seconds, site.port, runs=1))
+            # The control: a neighbour without caps sending as much, paced
+            # by iperf3 itself: what its traffic costs this 2-CPU host,
+            # shaper or not.
+            paced = nethosts.Netns()
+            stack.callback(paced.close)
+            fd = paced.open_fd()
+            net._local().setup("paced", fd, b.cfg, os.getpid())
+            os.close(fd)
+            runs = {"alone": [], "beside": [], "paced": []}
+            for _ in range(5):
+                runs["alone"].append(iperf_to(site.wan, site.wan_addr, job, args.iperf_seconds, site.port, runs=1))
                 with sending(site, capped, args.iperf_seconds + 2):
-                    beside.append(iperf_to(site.wan, site.wan_addr, job, args.iperf_seconds, site.port, runs=1))
-            caps["uncapped alone"], caps["uncapped beside"] = statistics.median(alone), statistics.median(beside)
+                    runs["beside"].append(iperf_to(site.wan, site.wan_addr, job, args.iperf_seconds, site.port, runs=1))
+                with sending(site, paced, args.iperf_seconds + 2, ("-b", f"{args.cap_mbit}M")):
+                    runs["paced"].append(iperf_to(site.wan, site.wan_addr, job, args.iperf_seconds, site.port, runs=1))
+            caps.update({f"uncapped {k}": statistics.median(v) for k, v in runs.items()})
             net._local().teardown("capped", cap_cfg)
+            net._local().teardown("paced", b.cfg)
 
         # ---- N jobs loaded
         b.start_netd()
@@ -515,9 +528,12 @@ def main():
         print(f"\nnet: --net-rate wan-out={cap}mbit, iperf3 {args.iperf_seconds} s, median of 3")
         print(f"  capped job                   {got:7.1f} Mbit/s  {got / cap:5.3f}x the cap, "
               f"{got / (cap * 1448 / 1514):5.3f}x its TCP payload share (1448/1514)")
-        print(f"  uncapped job alone           {caps['uncapped alone']:7.2f} Gbit/s")
+        alone = caps["uncapped alone"]
+        print(f"  uncapped job alone           {alone:7.2f} Gbit/s  (median of 5, interleaved with:)")
         print(f"  uncapped job, capped beside  {caps['uncapped beside']:7.2f} Gbit/s  "
-              f"{caps['uncapped beside'] / caps['uncapped alone']:5.2f}x alone (target 0.9)")
+              f"{caps['uncapped beside'] / alone:5.2f}x alone (target 0.9)")
+        print(f"  the same, an uncapped neighbour paced to {cap} Mbit/s by iperf3 -b (no shaper) "
+              f"{caps['uncapped paced']:7.2f} Gbit/s  {caps['uncapped paced'] / alone:5.2f}x alone")
     if scale:
         print(f"\nnet: scale, {args.scale} jobs' networks in place (netd)")
         if "nat" in scale:

@@ -149,6 +149,13 @@ def setup(job_id, netns_fd, cfg):
                         fds=[netns_fd])
     except netd.Unavailable:
         rec = _local().setup(job_id, netns_fd, cfg, os.getpid())
+    if cfg.rate and not rec.get("rate"):
+        # A netd older than --net-rate ignores the caps: never a job without them.
+        from starter.errors import NetworkError
+
+        teardown(job_id, cfg)
+        raise NetworkError("netd did not apply the job's --net-rate caps (it predates them)",
+                           "restart `starter netd` with this version")
     return NetLease.from_record(rec)
 
 

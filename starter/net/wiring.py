@@ -106,6 +106,9 @@ def _forget_flows(*leases):
                                "the lease is kept; `starter gc` retries") from None
 
 
+PINNED = float("inf")   # an idle table's "since": never expires (Wiring.pin)
+
+
 class Wiring:
     """Holds the handles (rtnetlink, libnftables) for its lifetime."""
 
@@ -118,7 +121,8 @@ class Wiring:
         # A table made by another process, or one whose settings differ from
         # the next job's, is rebuilt as before.
         self._linger = linger
-        self._idle = {}  # (state_dir, table) -> (cfg, monotonic time its last job left)
+        self._idle = {}  # (state_dir, table) -> (cfg, monotonic time its last job left, or PINNED)
+        self._pinned = {}  # (state_dir, table) -> fingerprint of the node's own settings (pin())
         # netd sets defer: teardown answers once the rules and counters are
         # gone; deleting the veth (15-30 ms here, nearly all of it waiting for
         # RCU in unregister_netdevice, outside the RTNL lock), releasing the
@@ -264,6 +268,23 @@ class Wiring:
         self._delete_table(store, nftrules.Table(cfg.table))
         return False
 
+    def pin(self, cfg):
+        """Make the table for cfg now, before any job needs it, and keep it
+        while this Wiring lives (netd: the node policy's network, so no
+        job on the node pays for making the table).  A job with other
+        settings may still replace it while no job runs; the next job with
+        these settings then makes it again, and keeps it from then on."""
+        checked_pools(cfg)
+        key = (cfg.state_dir, cfg.table)
+        self._pinned[key] = cfg_fingerprint(cfg)
+        store = ipam.LeaseStore(cfg.state_dir)
+        with store:
+            if store.count() != 0:
+                return      # jobs run: the table is theirs; _release pins it when they are done
+            if not self._reuse_idle_table(store, cfg):
+                self._create_table(store, cfg, nftrules.Table(cfg.table))
+            self._idle[key] = (cfg, PINNED)
+
     def expire_idle(self, now=None, force=False):
         """Remove the tables whose last job left more than linger seconds ago
         (force: all idle ones; netd calls this as it stops)."""
@@ -271,7 +292,7 @@ class Wiring:
 
         now = time.monotonic() if now is None else now
         for k, (cfg, since) in list(self._idle.items()):
-            if not force and now - since < self._linger:
+            if not force and (since == PINNED or now - since < self._linger):
                 continue
             store = ipam.LeaseStore(cfg.state_dir)
             with store:
@@ -286,10 +307,10 @@ class Wiring:
         """Seconds until expire_idle() has work (None: no idle table)."""
         import time
 
-        if not self._idle:
+        expiring = [since for _, since in self._idle.values() if since != PINNED]
+        if not expiring:
             return None
-        oldest = min(since for _, since in self._idle.values())
-        return max(0.0, oldest + self._linger - time.monotonic())
+        return max(0.0, min(expiring) + self._linger - time.monotonic())
 
     def _delete_table(self, store, table):
         """Remove the table and undo the uplink sysctls.  Idempotent."""
@@ -557,10 +578,14 @@ class Wiring:
         store.release(key, lease.get("slot") if lease else None)
         if keep_table or store.count() != 0:
             return
+        key = (cfg.state_dir, cfg.table)
+        if self._pinned.get(key) == cfg_fingerprint(cfg) and store.table_record() is not None:
+            self._idle[key] = (cfg, PINNED)
+            return
         if self._linger is not None and store.table_record() is not None:
             import time
 
-            self._idle[(cfg.state_dir, cfg.table)] = (cfg, time.monotonic())
+            self._idle[key] = (cfg, time.monotonic())
             return
         if store.table_record() is not None or self.nft.table_exists(table):
             self._delete_table(store, table)
