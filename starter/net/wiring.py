@@ -279,7 +279,7 @@ class Wiring:
         self._pinned[key] = cfg_fingerprint(cfg)
         store = ipam.LeaseStore(cfg.state_dir)
         with store:
-            if store.count() != 0:
+            if store.has_leases():
                 return      # jobs run: the table is theirs; _release pins it when they are done
             if not self._reuse_idle_table(store, cfg):
                 self._create_table(store, cfg, nftrules.Table(cfg.table))
@@ -300,7 +300,7 @@ class Wiring:
                 if self._idle.get(k, (None, None))[1] != since:
                     continue
                 del self._idle[k]
-                if store.count() == 0 and store.table_record() is not None:
+                if not store.has_leases() and store.table_record() is not None:
                     self._delete_table(store, nftrules.Table(cfg.table))
 
     def next_expiry(self):
@@ -397,7 +397,7 @@ class Wiring:
             try:
                 # The table first: whether the job gets IPv6 is the node's
                 # answer, recorded with the table.
-                if store.count() == 0:
+                if not store.has_leases():
                     if not self._reuse_idle_table(store, cfg):
                         self._create_table(store, cfg, table)
                 else:
@@ -426,7 +426,7 @@ class Wiring:
                 undo.close()
                 # Only a table this state dir recorded: a job that failed
                 # before making one must not delete another's of that name.
-                if store.count() == 0 and store.table_record() is not None:
+                if not store.has_leases() and store.table_record() is not None:
                     with contextlib.suppress(Exception):
                         self._delete_table(store, table)
                 raise
@@ -576,7 +576,7 @@ class Wiring:
         """The lease, and the table if no job is left.  Lock held."""
         table = nftrules.Table(cfg.table)
         store.release(key, lease.get("slot") if lease else None)
-        if keep_table or store.count() != 0:
+        if keep_table or store.has_leases():
             return
         key = (cfg.state_dir, cfg.table)
         if self._pinned.get(key) == cfg_fingerprint(cfg) and store.table_record() is not None:
@@ -617,7 +617,7 @@ class Wiring:
                 removed.append(f"counters and veth of {key}")
                 self._teardown_key(store, cfg, key, None, removed)
             # (A table netd keeps for the next job is not a leftover.)
-            if store.count() == 0 and (cfg.state_dir, cfg.table) not in self._idle and \
+            if not store.has_leases() and (cfg.state_dir, cfg.table) not in self._idle and \
                     (store.table_record() is not None or self.nft.table_exists(table)):
                 self._delete_table(store, table)
                 removed.append(f"table {nftrules.FAMILY} {cfg.table}")
