@@ -358,6 +358,11 @@ def test_caller_cgroup_must_be_roots(policy, home):
         p = subprocess.run(argv, capture_output=True, text=True, cwd=home, timeout=60)
         refused(p, "is not root's alone")
     finally:
+        # The launcher's processes have exited, but may not have left the
+        # cgroup yet (a loaded machine): rmdir once it is empty, with a deadline.
+        deadline = time.monotonic() + 10 * SLOWDOWN
+        while open(os.path.join(d, "cgroup.procs")).read().strip() and time.monotonic() < deadline:
+            time.sleep(0.01)
         os.rmdir(d)
 
 
