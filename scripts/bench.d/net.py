@@ -36,7 +36,8 @@ removed at the end.  Traffic goes only to those namespaces.
 
 Throughput rounds alternate the reference (plain_path(): the same two
 forwarding hops over plain veths, in namespaces of its own, without
-conntrack) with the NAT job, so drift hits both alike.
+conntrack), the same path with a bare masquerade (conntrack and NAT, no
+other rule: what any NAT costs) and the NAT job, so drift hits all alike.
 
 Usage: .venv/bin/python scripts/bench.d/net.py [--jobs 500] [--rounds 15] [--iperf-seconds 3] [--ipv6-only]
                                               [--tmpfs-state] [--skip-iperf] [--scale 2000 (0: none)]
@@ -291,12 +292,14 @@ def starter_pss_mb(state, nat):
         p.wait(timeout=60)
 
 
-def plain_path(stack):
+def plain_path(stack, masquerade=False):
     """The reference path, as long as a NAT job's (job ns -> host -> uplink ->
     router -> WAN host: two forwarding hops), in four namespaces of its own:
     plain routed veths, both families, no nft table, and so no connection
     tracking (a NAT table in the host's namespace turns conntrack on for
     everything there, a reference beside it included).
+    masquerade: the host namespace masquerades what leaves by up0, with no
+    other rule (a second reference: conntrack and NAT alone, without ours).
     -> (WAN ns, its IPv4 address, its IPv6 address, job ns)."""
     j, h, r, w = (nethosts.Netns() for _ in range(4))
     for ns in (j, h, r, w):
@@ -320,6 +323,10 @@ def plain_path(stack):
         ns.ip("-6", "route", "add", *v6.split())
     for ns in (h, r):
         nethosts.run(*ns.argv("sysctl", "-qw", "net.ipv4.ip_forward=1", "net.ipv6.conf.all.forwarding=1"))
+    if masquerade:
+        subprocess.run(h.argv("nft", "-f", "-"), input="table inet starter_bench_masq {\n"
+                       " chain post { type nat hook postrouting priority 100; oifname \"up0\" masquerade; }\n}\n",
+                       text=True, check=True)
     return w, "10.74.3.2", "fd74::3:2", j
 
 
@@ -425,12 +432,14 @@ def main():
         if not args.skip_iperf:
             w, w_addr, _w6, plain = plain_path(stack)
             ref = (w, w_addr, plain, site.port)
+            mw, mw_addr, _mw6, masq = plain_path(stack, masquerade=True)
             job = nethosts.Netns()
             stack.callback(job.close)
             fd = job.open_fd()
             net._local().setup("iperf", fd, b.cfg, os.getpid())
             os.close(fd)
             tp.update(interleaved({"plain veth, routed": ref,
+                                   "masquerade alone": (mw, mw_addr, masq, site.port),
                                    "NAT, 1 job": (site.wan, site.wan_addr, job, site.port)}, args.iperf_seconds))
             capped = nethosts.Netns()
             stack.callback(capped.close)
@@ -520,7 +529,8 @@ def main():
         print(f"\nnet: iperf3 TCP job ns -> WAN host, {args.iperf_seconds} s, median of 3, interleaved (Gbit/s)")
         for k, v in tp.items():
             ref_ = tp["plain veth, routed (again)"] if k == f"NAT, {args.jobs} jobs" else tp["plain veth, routed"]
-            rel = f"{v / ref_:5.2f}x plain (target 0.95)" if k.startswith("NAT") else ""
+            rel = (f"{v / ref_:5.2f}x plain (target 0.95)" if k.startswith("NAT") else
+                   f"{v / ref_:5.2f}x plain (conntrack + masquerade, no other rule)" if k.startswith("masq") else "")
             print(f"  {k:<28} {v:6.2f}   {rel}")
     if caps:
         cap = args.cap_mbit
