@@ -265,3 +265,27 @@ def enter(state_dir, job_id, argv, user=None):
             os.close(leaf_fd)
             cg.remove_leaf(leaf)
         os.close(pidfd)
+
+
+def ns_exec(argv, namespaces):
+    """ns_exec: CMD in fresh namespaces, root, caps kept; for admins."""
+    from starter import ns
+
+    child = ns.spawn(ns.ChildSpec(
+        argv=list(argv), env=_admin_env(), cwd=os.getcwd(), uid=0, gid=0,
+        namespaces=namespaces | ({"mnt"} if "pid" in namespaces else set()),
+        private_tmp=False, drop_privileges=False, keep_fds=(), reset_inherited=False))
+    try:
+        child.release()
+        child.wait_started()
+        return ns.decode_status(child.wait())[0]
+    finally:
+        child.close()
+
+
+def _admin_env():
+    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TERM", "USER", "LANG", "LC_ALL")}
+    from starter.spec import DEFAULT_PATH
+
+    env.setdefault("PATH", DEFAULT_PATH)
+    return env

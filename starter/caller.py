@@ -49,6 +49,36 @@ class Caller:
 
         return as_user((self.uid, self.gid, self.groups), why)
 
+    def job_slot(self, state_dir, policy):
+        """Refuse a caller's job beyond the policy's callers.max_jobs; -> an fd
+        holding a lock on the count (the state directory itself, flock()ed:
+        nothing to leave behind), held until the job's entry exists."""
+        import fcntl
+
+        from starter import state
+
+        state.ensure_dir(state_dir)
+        fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            limit = policy.callers["max_jobs"] if policy is not None else None
+            ids = state.list_ids(state_dir) if limit is not None else []
+            # Fewer jobs on the node than the limit: none to read (reading every
+            # entry is a file and a JSON parse each, on every caller's start).
+            if limit is not None and len(ids) >= limit:
+                running = sum(1 for i in ids
+                              if state.load(state_dir, i).get("caller") == self.uid and state.is_live(state_dir, i))
+                if running >= limit:
+                    from starter.policy import PolicyError
+
+                    raise PolicyError(f"uid {self.uid} has {running} jobs running on this node, the most "
+                                      f"{policy.where('callers.max_jobs')} allows",
+                                      "wait for one to end, or ask the node's admin")
+        except BaseException:
+            os.close(fd)
+            raise
+        return fd
+
     def is_self(self, what, value):
         """Does --user/--group `value` name the caller itself?"""
         value = str(value)

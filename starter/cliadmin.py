@@ -65,7 +65,7 @@ def cmd_ns_exec(argv):
     if not namespaces:
         raise UsageError("no namespace flag given (-p -n -m -u -i)")
     need_root("starter ns-exec")
-    from starter.job import ns_exec
+    from starter.admin import ns_exec
 
     return ns_exec(command, frozenset(namespaces))
 

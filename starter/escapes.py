@@ -27,6 +27,9 @@ see that none is left.
 """
 
 import os
+import sys
+
+from starter.errors import StarterError
 
 # /proc/PID/stat: the fields after "(comm) ", 0-based: starttime is the 20th.
 _START_FIELD = 19
@@ -157,3 +160,49 @@ def kill_found(found):
             pass
         finally:
             os.close(fd)
+
+
+# ---------------------------------------------------------------- at a job's end (starter/job.py)
+
+def end_transient(state_dir, uid, job_id, action, report):
+    """The job's own uid, at its end: every process of it left (outside the
+    emptied cgroup) has escaped; killed (the default) or reported; the uid
+    is given back only once none is left."""
+    from starter import uids
+
+    found = find(uid)
+    report["escaped"] = found
+    if found:
+        _say(job_id, found, action)
+        report["escaped_action"] = "killed" if action == "kill" else "reported"
+        if action != "kill":
+            return          # the lease stays until they are gone (`starter gc`)
+        if kill_all(uid):
+            raise StarterError(f"processes of the job's uid {uid} outlived the kill; the uid stays leased",
+                               "`starter gc` gives it back once they are gone")
+    uids.release(uid, state_dir, job_id)
+
+
+def end_named(uid, since, action, report, relay=None):
+    """A named user's processes started during the job, outside every job's
+    cgroup: escaped (a same-uid host daemon started them for the job)."""
+    if since[0] is None:
+        return              # the job never ran
+    found = find(uid, since=since[0], skip_jobs=True, relay=relay)
+    report["escaped"] = found
+    if found:
+        _say(report.get("job_id"), found, action)
+        report["escaped_action"] = "killed" if action == "kill" else "reported"
+        if action == "kill":
+            kill_found(found)
+
+
+def _say(job_id, found, action):
+    """One line on stderr where the starter acted (killed them); escapes it
+    only reports are in the report alone: a named user's other sessions
+    started meanwhile are found too, and the job's stderr is not for them."""
+    if action != "kill":
+        return
+    shown = ", ".join(f"{p['pid']} ({p['comm']})" for p in found[:10]) + (" ..." if len(found) > 10 else "")
+    sys.stderr.write(f"starter: job {job_id}: {len(found)} process(es) of its uid outside its cgroup "
+                     f"(escaped): {shown}; {'killed' if action == 'kill' else 'reported'}\n")

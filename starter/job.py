@@ -173,7 +173,7 @@ def run(spec, caller=None, policy=None):
             # Its cgroups go inside the caller's own: root's all the way up,
             # and not a job's (a process inside a job cannot start one).
             backend.check_caller_parents()
-            count_lock = _caller_slot(spec.state_dir, caller, policy)
+            count_lock = caller.job_slot(spec.state_dir, policy)
         # The job's uid: its own (leased before the entry, which records it;
         # the lease names the job, so gc finds it even if we die between),
         # or a named one.  Its end, after the cgroup is gone (pushed first,
@@ -576,81 +576,18 @@ def _segments(report, before):
                        for k in ("wall_s", "cpu_user_s", "cpu_system_s")}
 
 
-def _end_transient(state_dir, uid, job_id, action, report):
-    """The job's own uid, at its end: every process of it left (outside the
-    emptied cgroup) has escaped; killed (the default) or reported; the uid
-    is given back only once none is left."""
-    from starter import escapes, uids
-
-    found = escapes.find(uid)
-    report["escaped"] = found
-    if found:
-        _say_escaped(job_id, found, action)
-        report["escaped_action"] = "killed" if action == "kill" else "reported"
-        if action != "kill":
-            return          # the lease stays until they are gone (`starter gc`)
-        if escapes.kill_all(uid):
-            raise StarterError(f"processes of the job's uid {uid} outlived the kill; the uid stays leased",
-                               "`starter gc` gives it back once they are gone")
-    uids.release(uid, state_dir, job_id)
-
-
-def _end_named(uid, since, action, report, relay=None):
-    """A named user's processes started during the job, outside every job's
-    cgroup: escaped (a same-uid host daemon started them for the job)."""
-    if since[0] is None:
-        return              # the job never ran
+def _end_transient(*args):
+    """The transient uid's escapes at the job's end (escapes.end_transient),
+    imported only then."""
     from starter import escapes
 
-    found = escapes.find(uid, since=since[0], skip_jobs=True, relay=relay)
-    report["escaped"] = found
-    if found:
-        _say_escaped(report.get("job_id"), found, action)
-        report["escaped_action"] = "killed" if action == "kill" else "reported"
-        if action == "kill":
-            escapes.kill_found(found)
+    escapes.end_transient(*args)
 
 
-def _say_escaped(job_id, found, action):
-    """One line on stderr where the starter acted (killed them); escapes it
-    only reports are in the report alone: a named user's other sessions
-    started meanwhile are found too, and the job's stderr is not for them."""
-    if action != "kill":
-        return
-    shown = ", ".join(f"{p['pid']} ({p['comm']})" for p in found[:10]) + (" ..." if len(found) > 10 else "")
-    sys.stderr.write(f"starter: job {job_id}: {len(found)} process(es) of its uid outside its cgroup "
-                     f"(escaped): {shown}; {'killed' if action == 'kill' else 'reported'}\n")
+def _end_named(*args, **kw):
+    from starter import escapes
 
-
-def _caller_slot(state_dir, caller, policy):
-    """Refuse a caller's job beyond the policy's callers.max_jobs; -> an fd
-    holding a lock on the count (the state directory itself, flock()ed:
-    nothing to leave behind), held until the job's entry exists."""
-    import fcntl
-
-    from starter import state
-
-    state.ensure_dir(state_dir)
-    fd = os.open(state_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        limit = policy.callers["max_jobs"] if policy is not None else None
-        ids = state.list_ids(state_dir) if limit is not None else []
-        # Fewer jobs on the node than the limit: none to read (reading every
-        # entry is a file and a JSON parse each, on every caller's start).
-        if limit is not None and len(ids) >= limit:
-            running = sum(1 for i in ids
-                          if state.load(state_dir, i).get("caller") == caller.uid and state.is_live(state_dir, i))
-            if running >= limit:
-                from starter.policy import PolicyError
-
-                raise PolicyError(f"uid {caller.uid} has {running} jobs running on this node, the most "
-                                  f"{policy.where('callers.max_jobs')} allows",
-                                  "wait for one to end, or ask the node's admin")
-    except BaseException:
-        os.close(fd)
-        raise
-    return fd
+    escapes.end_named(*args, **kw)
 
 
 def default_cwds(spec):
@@ -693,27 +630,3 @@ def _net_teardown(job_id, cfg, report, net_end, net_fd=()):
     finally:
         for fd in net_fd:
             os.close(fd)
-
-
-def ns_exec(argv, namespaces):
-    """ns_exec: CMD in fresh namespaces, root, caps kept; for admins."""
-    from starter import ns
-
-    child = ns.spawn(ns.ChildSpec(
-        argv=list(argv), env=_admin_env(), cwd=os.getcwd(), uid=0, gid=0,
-        namespaces=namespaces | ({"mnt"} if "pid" in namespaces else set()),
-        private_tmp=False, drop_privileges=False, keep_fds=(), reset_inherited=False))
-    try:
-        child.release()
-        child.wait_started()
-        return ns.decode_status(child.wait())[0]
-    finally:
-        child.close()
-
-
-def _admin_env():
-    env = {k: v for k, v in os.environ.items() if k in ("PATH", "HOME", "TERM", "USER", "LANG", "LC_ALL")}
-    from starter.spec import DEFAULT_PATH
-
-    env.setdefault("PATH", DEFAULT_PATH)
-    return env
