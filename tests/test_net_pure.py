@@ -387,3 +387,12 @@ def test_shaping_stats_and_report():
     rep = shaping.report({"lan_in": 10**8, "wan_out": 10**7}, {"in": st, "out": None})
     assert rep == {"lan_in": {"rate_bits": 10**8, "bytes": 10**9, "packets": 700000, "dropped": 3, "overlimits": 1200},
                    "wan_out": {"rate_bits": 10**7}}
+
+
+def test_a_shaper_error_names_the_modules():
+    from starter.net import rtnl, veth
+
+    e = rtnl.RtnlError(2, 1)                       # the veth's own request: passed on as it is
+    assert veth._shaper_error(e, 3) is e
+    err = veth._shaper_error(rtnl.RtnlError(2, 4), 3)   # ENOENT from a tc request: "unknown qdisc kind"
+    assert isinstance(err, NetworkError) and "--net-rate shaper" in str(err) and "sch_htb" in err.hint

@@ -148,13 +148,17 @@ class Links:
             host = [rtnl.add_address(idx, gateway, prefixlen)]
             if v6 is not None:
                 host.append(rtnl.add_address(idx, v6[0], v6[2], nodad=True))
-            job_tc = []
+            host_tc = job_tc = []
             if shape is not None:
                 from starter.net import shaping
 
-                host += shaping.requests(idx, "in", *shape)
+                host_tc = shaping.requests(idx, "in", *shape)
                 job_tc = shaping.requests(peer_idx, "out", *shape)
-            rt.run(host + [rtnl.set_up(idx)])
+            host.append(rtnl.set_up(idx))
+            try:
+                rt.run(host + host_tc)
+            except RtnlError as e:
+                raise _shaper_error(e, len(host)) from None
             self._configure_job_side(netns_fd, peer_idx, gateway, address, prefixlen, v6, job_tc)
         except RtnlError as e:
             self.delete(host_ifname)
@@ -183,7 +187,10 @@ class Links:
             reqs += [rtnl.set_up(peer_idx), rtnl.set_up(LOOPBACK_IFINDEX), rtnl.add_default_route(gateway, peer_idx)]
             if v6 is not None:
                 reqs.append(rtnl.add_default_route(v6[0], peer_idx))
-            job.run(reqs + list(extra))
+            try:
+                job.run(reqs + list(extra))
+            except RtnlError as e:
+                raise _shaper_error(e, len(reqs)) from None
         finally:
             job.close()
 
@@ -237,6 +244,18 @@ class Links:
         overlap check; AF_INET6: also which uplinks have IPv6)."""
         names = self.rt.link_names()
         return [(cidr, names.get(index, "?")) for cidr, index in self.rt.addresses(family)]
+
+
+def _shaper_error(e, first_tc):
+    """A batch's error as it is: a veth request's (raised on as RtnlError),
+    or, from request first_tc on, the --net-rate shaper's (NetworkError:
+    its hint names the modules)."""
+    if e.index < first_tc:
+        return e
+    return NetworkError(f"setting up the --net-rate shaper failed: {errno.errorcode.get(e.code, e.code)} "
+                        f"({os.strerror(e.code)})",
+                        "the kernel needs sch_htb, sch_fifo and cls_u32 (modprobe them; "
+                        "every distribution kernel has them)")
 
 
 def _error(what, e):
