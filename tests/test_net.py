@@ -19,7 +19,7 @@ import nethosts  # noqa: E402
 from conftest import SLOWDOWN  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import ipam, wiring  # noqa: E402
+from starter.net import ipam, nft, wiring  # noqa: E402
 
 PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
 # A pool of its own per test run: two runs on one node must not collide.
@@ -293,6 +293,33 @@ def test_a_job_cannot_hold_more_than_its_share_of_the_conntrack_table(site, cfg,
                             text=True).stdout
     assert listed and job_key not in listed, listed      # removed with the job
     net.teardown("flows-other", cfg)
+
+
+@pytest.mark.net
+def test_a_quiet_jobs_teardown_refuses_no_transaction(site, cfg, monkeypatch):
+    """A job that made no connection has no element in job_flows: its
+    teardown must not try to delete one.  A refused (aborted) nf_tables
+    transaction waits for an RCU grace period, ~10 ms here, and this one
+    cost every NAT job's end that much for two days."""
+    refused = []
+    apply = nft.Nft.apply
+
+    def watched(self, table, verb, changes, what="transaction"):
+        try:
+            return apply(self, table, verb, changes, what)
+        except nft.NftError as e:
+            refused.append((what, str(e)))
+            raise
+
+    monkeypatch.setattr(nft.Nft, "apply", watched)
+    keep, quiet = site.job(), site.job()
+    _setup(keep, "quiet-keep", cfg)             # the table stays: only the job's own objects go
+    _setup(quiet, "quiet", cfg)
+    quiet.close()
+    assert net.teardown("quiet", cfg) is not None
+    assert not refused, refused
+    net.teardown("quiet-keep", cfg)
+    assert not refused, refused
 
 
 @pytest.mark.net
