@@ -229,9 +229,12 @@ def _uplink_counters(state_dir):
 
 def _shaping(entry, job_id, links):
     """A capped job's shaper figures now: the host end's classes, and its
-    eth0's, read in the namespace of the job's pid if that process is still
-    in the job's cgroup (a pid reused since is not the job's).  links: a
-    list holding the one host netlink handle of this collect()."""
+    eth0's, read in the job's network namespace: the one the starter
+    recorded at clone, opened from the job's PID 1 only if it is still that
+    one (nsidentity.open_namespaces, as `starter enter` does; a pid reused
+    since is not the job's).  links: a list holding the one host netlink
+    handle of this collect()."""
+    from starter import nsidentity
     from starter.net import shaping
     from starter.net.ipam import is_job_key
 
@@ -242,21 +245,24 @@ def _shaping(entry, job_id, links):
         from starter.net.veth import Links
 
         links.append(Links())
-    fd = None
+    fds = {}
+    recorded = (entry.get("namespaces") or {}).get("net")
+    if recorded and int(entry.get("pid") or 0) > 0:
+        try:
+            pidfd = os.pidfd_open(int(entry["pid"]))
+        except OSError:
+            pidfd = None
+        if pidfd is not None:
+            try:
+                fds = nsidentity.open_namespaces(pidfd, {"net": recorded})
+            except StarterError:
+                pass            # gone, or no longer the job's namespace: the host end alone
+            finally:
+                os.close(pidfd)
     try:
-        pid = int(entry.get("pid") or 0)
-        if pid > 0:
-            with open(f"/proc/{pid}/cgroup") as f:
-                mine = f"/job-{job_id}"
-                if any(l.endswith(mine) or mine + "/" in l for l in f.read().splitlines()):
-                    fd = os.open(f"/proc/{pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-    except OSError:
-        pass
-    try:
-        return shaping.report(dict(entry["net_rate"]), links[0].shaping_stats(key, fd))
+        return shaping.report(dict(entry["net_rate"]), links[0].shaping_stats(key, fds.get("net")))
     finally:
-        if fd is not None:
-            os.close(fd)
+        nsidentity.close_namespaces(fds)
 
 
 def _nat_counters(job_id, key):
