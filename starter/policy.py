@@ -116,7 +116,9 @@ class Policy:
             if opt in NAT_DEFAULTS and raw.get("net") != "nat":
                 continue
             if opt == "net-rate":               # per zone: the job's own win
-                raw[opt] = _merge_rates(value, raw.get(opt))
+                from starter import specopts as O
+
+                raw[opt] = O.merge_net_rates(value, raw.get(opt))
                 continue
             if opt == "state-dir" and os.environ.get("STARTER_STATE_DIR"):
                 continue        # a root caller's environment comes first (spec.state_dir)
@@ -251,13 +253,13 @@ class Policy:
             most = dict(O.parse_net_rate("callers.max_net_rate", cap))
             for zone, bits in asked.items():
                 if bits > most.get(zone, bits):
-                    raise PolicyError(f"--net-rate: {zone.replace('_', '-')} {_rate(bits)} is above the maximum "
-                                      f"{_rate(most[zone])} of {self.where('callers.max_net_rate')}",
+                    raise PolicyError(f"--net-rate: {zone.replace('_', '-')} {O.format_rate(bits)} is above the "
+                                      f"maximum {O.format_rate(most[zone])} of {self.where('callers.max_net_rate')}",
                                       f"ask for at most {cap}")
             zones = dict(O.parse_net_rate("net-rate", raw["net-rate"])) if raw.get("net-rate") else {}
             for zone, bits in most.items():
                 zones[zone] = min(zones.get(zone, bits), bits)
-            raw["net-rate"] = _render_rates(zones)
+            raw["net-rate"] = O.format_net_rate(zones)
         for opt, key in LIMIT_KEYS.items():
             cap = self.callers[key]
             if cap is None:
@@ -286,29 +288,6 @@ class Policy:
             v = self.callers[key]
             out.append(f"{key} = {_toml(v)}" if v is not None else f"# {key}: no maximum")
         return "\n".join(out) + "\n"
-
-
-def _merge_rates(base, over):
-    """Two --net-rate values -> one, zone by zone; `over`'s zones win."""
-    from starter import specopts as O
-
-    zones = dict(O.parse_net_rate("net_rate", base))
-    if over:
-        zones.update(O.parse_net_rate("net-rate", over))
-    return _render_rates(zones)
-
-
-def _render_rates(zones):
-    """{zone: bits/s} -> a --net-rate value."""
-    return ",".join(f"{z.replace('_', '-')}={_rate(bits)}" for z, bits in sorted(zones.items()))
-
-
-def _rate(bits):
-    """bits/s -> the shortest exact tc unit: 100mbit, 1500kbit, 8123bit."""
-    for unit, n in (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
-        if bits % n == 0:
-            return f"{bits // n}{unit}"
-    return f"{bits}bit"
 
 
 def _has_scratch(raw):

@@ -269,6 +269,27 @@ def parse_net_rate(field, value):
     return tuple(sorted(out.items()))
 
 
+def format_rate(bits):
+    """bits/s -> the shortest exact unit parse_rate reads: 100mbit, 1500kbit, 8123bit."""
+    for unit, n in (("tbit", 10**12), ("gbit", 10**9), ("mbit", 10**6), ("kbit", 10**3)):
+        if bits % n == 0:
+            return f"{bits // n}{unit}"
+    return f"{bits}bit"
+
+
+def format_net_rate(zones):
+    """{zone: bits/s} -> a --net-rate value parse_net_rate reads back."""
+    return ",".join(f"{z.replace('_', '-')}={format_rate(bits)}" for z, bits in sorted(zones.items()))
+
+
+def merge_net_rates(base, over):
+    """Two --net-rate values -> one, zone by zone; `over`'s zones win."""
+    zones = dict(parse_net_rate("net_rate", base))
+    if over:
+        zones.update(parse_net_rate("net-rate", over))
+    return format_net_rate(zones)
+
+
 def parse_host_port(field, value):
     proto, sep, port = V.string(field, value).partition(":")
     if not sep or proto not in ("tcp", "udp"):

@@ -203,9 +203,7 @@ def _ask(op, job_id, cfg, netns_fd=None):
     try:
         pending = netd.ask(socket_path(cfg), {"op": op, "job_id": job_id, "cfg": cfg.as_dict()}, fds)
     except netd.Unavailable:
-        if fds:
-            return lambda: getattr(_local(), op)(job_id, cfg, netns_fd)
-        return lambda: getattr(_local(), op)(job_id, cfg)
+        return lambda: getattr(_local(), op)(job_id, cfg, *fds)
     return lambda: netd.answer(pending)
 
 
