@@ -63,6 +63,31 @@ def _mbit(path):
     return json.loads(path.read_text())["end"]["sum_received"]["bits_per_second"] / 1e6
 
 
+def _until_capped(caps, payload_share, run):
+    """Measure each zone of caps (Mbit/s) with run(zones, out) -> what it
+    measured {zone: Mbit/s}, in a fresh job each time.  Above a cap is a
+    failure at once; below it, a loaded machine (the CPU, not the shaper,
+    set the pace): that zone is measured again, in a new job, up to twice.
+    payload_share: TCP's payload per frame the shaper counts."""
+    got, todo = {}, list(caps)
+    for _ in range(3):
+        got.update(run(todo))
+        for zone in todo:
+            assert got[zone] <= caps[zone] * (payload_share + 0.1), (zone, got, caps)
+        todo = [z for z in todo if got[z] < caps[z] * (payload_share - 0.1)]
+        if not todo:
+            break
+    assert not todo, (got, caps)
+
+
+def _fresh(tmp_path):
+    """A directory every job may write its iperf3 results to."""
+    out = tmp_path / f"out{len(list(tmp_path.glob('out*')))}"
+    out.mkdir()
+    out.chmod(0o777)
+    return out
+
+
 def _nat(site):
     return ["--net", "nat", "--pool", POOL, "--lan", site.lan_cidr, "--uplink", site.uplink]
 
@@ -73,43 +98,35 @@ def test_each_zone_is_capped_on_its_own(starter, site, tmp_path, state_dir, with
     caps = {"lan_out": 60, "wan_out": 40, "lan_in": 80, "wan_in": 50}
     runs = {"lan_out": ("lan", False), "wan_out": ("wan", False), "lan_in": ("lan", True), "wan_in": ("wan", True)}
     arg = ",".join(f"{z.replace('_', '-')}={c}mbit" for z, c in caps.items())
-    got, todo = {}, list(caps)
     with contextlib.ExitStack() as stack:
         if with_netd:
             stack.enter_context(running_netd(state_dir))
         ports = stack.enter_context(iperf_servers(site))
-        # Above a cap is a failure at once; below it, a loaded machine (the
-        # CPU, not the shaper, set the pace): that zone is measured again,
-        # in a new job, up to twice.
-        for attempt in range(3):
-            out = tmp_path / f"out{attempt}"
-            out.mkdir()
-            out.chmod(0o777)
-            report = tmp_path / f"r{attempt}.json"
+
+        def run(zones):
+            out = _fresh(tmp_path)
+            report = out / "r.json"
             p = starter("run", *_nat(site), "--net-rate", arg, "--report", str(report), "--bind", str(out), "--",
-                        "sh", "-c", _script(site, ports, [(z, *runs[z]) for z in todo], out), timeout=120)
+                        "sh", "-c", _script(site, ports, [(z, *runs[z]) for z in zones], out), timeout=120)
             assert p.returncode == 0, (p.stdout, p.stderr)
             shaping = json.loads(report.read_text())["network"]["shaping"]
             assert set(shaping) == set(caps), shaping
-            for zone in todo:
+            got = {}
+            for zone in zones:
                 got[zone] = _mbit(out / f"{zone}.json")
-                assert got[zone] <= caps[zone] * (GOODPUT + 0.1), (zone, got, caps)
                 # everything of that zone went through its class, and had to wait
                 s = shaping[zone]
                 assert s["rate_bits"] == caps[zone] * 10**6, s
                 assert s["bytes"] >= got[zone] * 10**6 / 8 * SECONDS * 0.9 and s["overlimits"] > 0, (zone, s)
-            todo = [z for z in todo if got[z] < caps[z] * (GOODPUT - 0.1)]
-            if not todo:
-                break
-    assert not todo, (got, caps)
+            return got
+
+        _until_capped(caps, GOODPUT, run)
 
 
 def test_an_uncapped_zone_and_an_uncapped_job_are_not_shaped(starter, site, tmp_path):
     """Only WAN out capped: LAN out passes at full speed; a job without caps
     beside the capped one gets no qdisc and runs at full speed too."""
-    out = tmp_path / "out"
-    out.mkdir()
-    out.chmod(0o777)
+    out = _fresh(tmp_path)
     with iperf_servers(site) as ports:
         capped = subprocess.Popen(
             [STARTER, "run", *_nat(site), "--net-rate", "wan-out=30mbit", "--bind", str(out), "--", "sh", "-c",
@@ -143,9 +160,7 @@ def test_net_rate_needs_nat(starter):
 
 
 def test_metrics_carry_a_running_jobs_caps(starter, site, tmp_path):
-    out = tmp_path / "out"
-    out.mkdir()
-    out.chmod(0o777)
+    out = _fresh(tmp_path)
     with iperf_servers(site) as ports:
         job = subprocess.Popen(
             [STARTER, "run", "--id", "capped-m", *_nat(site), "--net-rate", "wan-out=20mbit", "--bind", str(out), "--",
@@ -181,23 +196,16 @@ def test_ipv6_zones_are_capped_too(starter, tmp_path):
         stack.callback(lambda: (srv.kill(), srv.wait()))
         time.sleep(0.3)
         addr = {"lan": s6.lan6, "wan": s6.wan6}
-        got, todo = {}, list(caps)
-        for attempt in range(3):         # below a cap: the machine; measured again (see above)
-            out = tmp_path / f"out{attempt}"
-            out.mkdir()
-            out.chmod(0o777)
+
+        def run(zones):
+            out = _fresh(tmp_path)
             script = "; ".join(f"iperf3 -c {addr[z.split('_')[0]]} -p {port} -t {SECONDS} -J "
-                               f"{'-R' if z.endswith('_in') else ''} > {out}/{z}.json" for z in todo)
+                               f"{'-R' if z.endswith('_in') else ''} > {out}/{z}.json" for z in zones)
             p = starter("run", "--net", "nat", "--pool", POOL, "--pool6", f"fd70:7639:1864:{secrets.randbelow(0xffff):x}::/64",
                         "--lan", s6.lan_cidrs[0], "--lan", s6.lan_cidrs[1], "--uplink", s6.uplink, "--ipv6", "on",
                         "--net-rate", ",".join(f"{z.replace('_', '-')}={c}mbit" for z, c in caps.items()),
                         "--bind", str(out), "--", "sh", "-c", script, timeout=120)
             assert p.returncode == 0, (p.stdout, p.stderr)
-            for zone in todo:
-                got[zone] = _mbit(out / f"{zone}.json")
-                # IPv6 + TCP headers: 1428 of 1514 bytes are payload
-                assert got[zone] <= caps[zone] * (1428 / 1514 + 0.1), (zone, got)
-            todo = [z for z in todo if got[z] < caps[z] * (1428 / 1514 - 0.1)]
-            if not todo:
-                break
-        assert not todo, (got, caps)
+            return {zone: _mbit(out / f"{zone}.json") for zone in zones}
+
+        _until_capped(caps, 1428 / 1514, run)      # IPv6 + TCP headers: 1428 of 1514 bytes are payload
