@@ -15,6 +15,7 @@ on the way unwinds exactly what was made.  Measurements are taken before
 anything is destroyed.
 """
 
+import gc
 import os
 import sys
 import time
@@ -455,6 +456,11 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None,
                 address6=lease.address6 if lease else None)
     trace.mark("running")
+    # The job may run for days: collect cycles again where entry() turned
+    # that off for the start, but never walk the start's objects (frozen).
+    if not gc.isenabled():
+        gc.freeze()
+        gc.enable()
 
     gpu_usage = None
     if spec.gpus:

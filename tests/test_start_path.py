@@ -23,7 +23,7 @@ PY = os.path.join(REPO, ".venv", "bin", "python")
 # costs per start (python -X importtime).
 RUN_IMPORTS = {
     # C modules and the few pure-Python ones -S does not load by itself
-    "_cffi_backend", "_collections_abc", "_sha256", "_stat", "_struct", "errno", "fcntl",
+    "_cffi_backend", "_collections_abc", "_sha256", "_stat", "_struct", "errno", "fcntl", "gc",
     "genericpath", "math", "os", "os.path", "posixpath", "pwd", "select", "stat", "struct",
     # the starter's own run path
     "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
