@@ -23,7 +23,7 @@ import time
 from starter import deadline, trace
 from starter.errors import EXIT_STARTER_FAILED, StarterError, from_oserror, one_line
 from starter.fileio import unlink_quiet
-from starter.state import JobState, fault, write_atomic
+from starter.state import JobState, fault, find_dead, write_atomic
 
 
 class Undo:
@@ -159,9 +159,13 @@ def run(spec, caller=None, policy=None):
                 events = Events(spec.events, spec.id)
             except OSError as e:
                 raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
-        from starter import cgroups, reclaim
+        from starter import cgroups
 
-        reclaim.gc_quick(spec.state_dir)
+        dead = find_dead(spec.state_dir)     # reclaim's code loads only for one
+        if dead is not None:
+            from starter import reclaim
+
+            reclaim.reclaim_found(spec.state_dir, dead)
         # The job's cgroup paths go into the entry's first write, before the
         # cgroup exists, so a crash at any point leaves gc a record of them.
         backend = cgroups.open_backend(spec.cgroup_parent)
@@ -204,7 +208,7 @@ def run(spec, caller=None, policy=None):
             undo.push(_end_named, spec.uid, since, spec.escape, report, relay, label="escapes")
         report["uid"] = spec.uid
         job_state = JobState(spec.state_dir, spec.id).create(
-            reclaim=reclaim.reclaim_for_start,
+            reclaim=_reclaim_for_start,
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
             userns_root=spec.userns_root, seccomp=spec.seccomp, allow_userns=spec.allow_userns,
             argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
@@ -244,6 +248,13 @@ def run(spec, caller=None, policy=None):
         deadline.claim()    # the watchdog stays out: this thread unwinds
         end()
     return code
+
+
+def _reclaim_for_start(state_dir, job_id, st):
+    """JobState.create found a dead entry of this job's id: reclaim it."""
+    from starter import reclaim
+
+    return reclaim.reclaim_for_start(state_dir, job_id, st)
 
 
 def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_root_rights, since=None):

@@ -7,12 +7,12 @@ An entry is removed only once everything it records is gone; until then it
 stays "reclaiming" with what is still held and why.  gc acts only on what
 the starter recorded and would have made (job_cgroup, scratch.recorded_path).
 
-Every `starter run` loads this module (gc_quick, reclaim_for_start); the
-admin commands (ps, status, kill, enter) are in admin.py, off that path.
+A `starter run` loads this module only when its scan (state.find_dead) or
+its own entry finds something to reclaim; the admin commands (ps, status,
+kill, enter) are in admin.py.
 """
 
 import os
-import time
 
 from starter import state as S
 from starter.errors import StarterError
@@ -25,33 +25,22 @@ from starter.errors import StarterError
 
 def gc_quick(state_dir):
     """At the start of every run: reclaim one dead starter's entry, if the
-    scan finds one within a small time budget.  Cheap when there is nothing
-    to do (a listdir, one flock per entry).  Starts at a different entry each
-    time, so one entry cannot starve the rest.  What it costs at most: the
-    scan plus one empty cgroup's rmdir (about 1 ms on an idle node)."""
+    scan (state.find_dead) finds one within a small time budget.  What it
+    costs at most: the scan plus one empty cgroup's rmdir (about 1 ms on an
+    idle node)."""
+    found = S.find_dead(state_dir)
+    if found is not None:
+        reclaim_found(state_dir, found)
+
+
+def reclaim_found(state_dir, found):
+    """What state.find_dead found, reclaimed the quick way (nothing that
+    waits), and its lock let go."""
+    job_id, fd, st = found
     try:
-        names = os.listdir(state_dir)
-    except OSError:
-        return
-    ids = [n[:-5] for n in names if n.endswith(".lock")]
-    if not ids:
-        return
-    deadline = time.monotonic() + S.QUICK_BUDGET_S
-    k = os.getpid() % len(ids)
-    for job_id in ids[k:] + ids[:k]:
-        if time.monotonic() >= deadline:
-            break
-        fd = S.lock_dead(state_dir, job_id)
-        if fd is None:
-            continue
-        try:
-            st = S.load(state_dir, job_id, fd)
-            if st.get("state") == "reclaiming":    # it waits for `starter gc`
-                continue
-            _reclaim_locked(state_dir, job_id, st, quick=True)
-        finally:
-            os.close(fd)
-        return
+        _reclaim_locked(state_dir, job_id, st, quick=True)
+    finally:
+        os.close(fd)
 
 
 def gc(state_dir, cgroup_parent=None):

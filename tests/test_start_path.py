@@ -26,7 +26,7 @@ RUN_IMPORTS = {
     "_cffi_backend", "_collections_abc", "_sha256", "_stat", "_struct", "errno", "fcntl", "gc",
     "genericpath", "math", "os", "os.path", "posixpath", "pwd", "select", "stat", "struct",
     # the starter's own run path
-    "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.reclaim",
+    "starter", "starter._native", "starter._shim", "starter._shim.lib",
     "starter.cgroups", "starter.cgroups.backend", "starter.cgroups.base", "starter.cgroups.dirs",
     "starter.cgroups.files", "starter.cgroups.kill", "starter.cgroups.limits",
     "starter.childspec", "starter.cli", "starter.cliparse", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
