@@ -65,34 +65,49 @@ def parse_range(field, text):
 
 def acquire(state_dir, job_id, first=DEFAULT_FIRST, last=DEFAULT_FIRST + DEFAULT_COUNT - 1):
     """Lease a free uid of [first, last] for job_id; -> uid."""
+    accounts = []
+
+    def usable(uid):    # never a local account's or group's number
+        if not accounts:
+            accounts.append(_local_ids())
+        return uid not in accounts[0]
+
+    uid = lease(LEASES, state_dir, job_id, first, last, usable)
+    if uid is None:
+        raise UidError(f"no free transient uid in {first}-{last} ({min(last - first + 1, MAX_TRIES)} tried)",
+                       "too many jobs, or leases a crashed starter left: run `starter gc`; "
+                       "or widen defaults.job_uids in the node policy")
+    return uid
+
+
+def lease(where, state_dir, job_id, first, last, usable):
+    """A number of [first, last] leased for job_id in the directory `where`
+    (root's alone; made if missing), one usable(n) accepts; a number it
+    refuses is given back at once.  -> n, or None when none was found in
+    MAX_TRIES.  Transient uids, and quota.py's project ids, are leased so."""
     try:
-        os.mkdir(LEASES, 0o700)
+        os.mkdir(where, 0o700)
     except FileExistsError:
         pass
-    dfd = os.open(LEASES, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    dfd = os.open(where, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
     if os.fstat(dfd).st_uid != 0 or os.fstat(dfd).st_mode & 0o077:
         os.close(dfd)
-        raise UidError(f"{LEASES} is not root's alone: no transient uid leased",
-                       f"remove it (rm -r {LEASES}); the starter makes it again")
+        raise UidError(f"{where} is not root's alone: nothing leased from it",
+                       f"remove it (rm -r {where}); the starter makes it again")
     target = os.path.join(os.path.abspath(state_dir), job_id)
     try:
         n = last - first + 1
-        accounts = None
         start = int.from_bytes(os.urandom(4), "little") % n
         for i in range(min(n, MAX_TRIES)):
-            uid = first + (start + i) % n
+            k = first + (start + i) % n
             try:
-                os.symlink(target, str(uid), dir_fd=dfd)
+                os.symlink(target, str(k), dir_fd=dfd)
             except FileExistsError:
                 continue
-            if accounts is None:
-                accounts = _local_ids()
-            if uid not in accounts:     # never a local account's or group's number
-                return uid
-            os.unlink(str(uid), dir_fd=dfd)
-        raise UidError(f"no free transient uid in {first}-{last} ({min(n, MAX_TRIES)} tried)",
-                       "too many jobs, or leases a crashed starter left: run `starter gc`; "
-                       "or widen defaults.job_uids in the node policy")
+            if usable(k):
+                return k
+            os.unlink(str(k), dir_fd=dfd)
+        return None
     finally:
         os.close(dfd)
 
@@ -104,29 +119,29 @@ def _local_ids(files=("/etc/passwd", "/etc/group")):
     return {int(f[2]) for path in files for f in account_entries(path) if len(f) > 2 and f[2].isdigit()}
 
 
-def holder(uid):
+def holder(uid, where=LEASES):
     """(state dir, job id) a lease names, or None (no lease)."""
     try:
-        return os.path.split(os.readlink(os.path.join(LEASES, str(uid))))
+        return os.path.split(os.readlink(os.path.join(where, str(uid))))
     except OSError:
         return None
 
 
-def release(uid, state_dir, job_id):
+def release(uid, state_dir, job_id, where=LEASES):
     """Give the uid back, if that job holds it."""
-    if holder(uid) != (os.path.abspath(state_dir), job_id):
+    if holder(uid, where) != (os.path.abspath(state_dir), job_id):
         return False
     try:
-        os.unlink(os.path.join(LEASES, str(uid)))
+        os.unlink(os.path.join(where, str(uid)))
     except FileNotFoundError:
         return False
     return True
 
 
-def leases(state_dir=None):
+def leases(state_dir=None, where=LEASES):
     """{uid: (state dir, job id)} of every lease (of state_dir's jobs only, if given)."""
     try:
-        names = os.listdir(LEASES)
+        names = os.listdir(where)
     except OSError as e:
         if e.errno in (errno.ENOENT, errno.ENOTDIR):
             return {}
@@ -134,7 +149,7 @@ def leases(state_dir=None):
     want = os.path.abspath(state_dir) if state_dir is not None else None
     out = {}
     for n in names:
-        h = holder(n) if n.isdigit() else None
+        h = holder(n, where) if n.isdigit() else None
         if h is not None and (want is None or h[0] == want):
             out[int(n)] = h
     return out
