@@ -13,10 +13,9 @@ What runs: a per-job ext4 image, as HTCondor does where it has no LVM.
     a loop device (LOOP_CTL_GET_FREE + LOOP_CONFIGURE, autoclear)
     mounted nosuid,nodev on the scratch; lost+found removed, the root 0700
 
-Project quotas (ext4 with the `project` feature and quota, XFS with
-prjquota) would limit a plain directory without an image.  Not implemented:
-no kernel this project is tested on has a quota format enabled (TODO in
-docs/design.md); the image is what runs everywhere.
+Where the scratch's file system enforces project quotas, setup() hands the
+job to starter/quota.py instead (no image, no mount); this module is the
+fallback everywhere else, and for jobs that could step out of a quota.
 
 Every step is recorded in the job's state entry before it is made
 (disk_image, then disk_image_id, then disk_loop) and its teardown registered
@@ -101,12 +100,18 @@ class Image:
         self.base = (0, 0)      # (bytes, inodes) the empty file system uses
 
 
-def setup(sc, job_id, size, inodes, uid, gid, job_state, undo, fault, report):
-    """Make the job's image, attach and mount it on the scratch `sc`
-    (scratch.Scratch, just made).  -> Image (its root_fd: the scratch as the
-    job will see it).  Each step recorded in `job_state` before it is made,
-    its teardown pushed on `undo` right after; `fault(step)`: STARTER_FAULT;
-    `report`: the job's report, which gets the `disk` object at the unmount."""
+def setup(sc, job_id, size, inodes, uid, gid, job_state, undo, fault, report, seccomp="default", state_dir=None):
+    """The scratch `sc` (scratch.Scratch, just made) limited to `size`: a
+    project quota where its file system enforces them and the job cannot
+    step out (starter/quota.py), else the job's image, attached and mounted
+    on it.  -> quota.Project or Image (root_fd: the scratch as the job will
+    see it).  Each step recorded in `job_state` before it is made, its
+    teardown pushed on `undo` right after; `fault(step)`: STARTER_FAULT;
+    `report`: the job's report, which gets the `disk` object at the end."""
+    from starter import quota
+
+    if state_dir is not None and quota.why_not(sc.fd, seccomp) is None:
+        return quota.setup(sc.fd, job_id, state_dir, size, inodes, job_state, undo, fault, report)
     mkfs = mkfs_path()
     if not os.access(mkfs, os.X_OK):
         raise StagingError(f"--disk: {mkfs} not found: the job's disk image cannot be made",

@@ -307,7 +307,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
             from starter import disk
 
             stage_fd = disk.setup(sc, spec.id, spec.limits.disk, spec.limits.disk_inodes, spec.uid, spec.gid,
-                                  job_state, undo, fault, report).root_fd
+                                  job_state, undo, fault, report, spec.seccomp, spec.state_dir).root_fd
             trace.mark("disk")
         cwd = cwd or sc.path
         if sc.path == "/tmp" or sc.path.startswith("/tmp/"):

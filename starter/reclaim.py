@@ -64,6 +64,7 @@ def gc(state_dir, cgroup_parent=None):
     more, held = _reclaim_uids(state_dir)
     lines += more
     ok = ok and not held
+    lines += _reclaim_project_leases()
     for name in S.stray_names(state_dir):
         ok = False
         lines.append(f"{os.path.join(state_dir, name)}: not an entry of this state directory; left alone")
@@ -124,6 +125,23 @@ def _reclaim_uids(state_dir):
     return lines, held
 
 
+def _reclaim_project_leases():
+    """Project ids (quota.py) leased by a starter that died before its entry
+    recorded them: no limit was set yet (that comes after the record), so the
+    lease alone goes.  A recorded one is its entry's (_reclaim_locked)."""
+    from starter import quota, uids
+
+    lines = []
+    for qid, (sd, job_id) in sorted(uids.leases(None, quota.PROJECTS).items()):
+        if S.is_live(sd, job_id):
+            continue
+        if S.load(sd, job_id).get("disk_project") == qid:
+            continue
+        if uids.release(qid, sd, job_id, quota.PROJECTS):
+            lines.append(f"disk project {qid} (job {job_id}): lease given back")
+    return lines
+
+
 def reclaim_for_start(state_dir, job_id, st):
     """JobState.create found a dead entry with its own id: reclaim it fully."""
     return _reclaim_locked(state_dir, job_id, st)[1]
@@ -175,6 +193,16 @@ def _reclaim_locked(state_dir, job_id, st, quick=False):
             except (StarterError, OSError) as e:
                 held.append(f"disk image: {e}")
                 disk_held = True
+    if st.get("disk_project") is not None:
+        if quick:
+            held.append(f"disk project {st['disk_project']}: left for `starter gc`")
+        else:
+            from starter import quota
+
+            try:
+                done += quota.reclaim_recorded(st, job_id, state_dir)
+            except (StarterError, OSError) as e:
+                held.append(f"disk project: {e}")
     if st.get("scratch") and not st.get("keep_scratch") and not disk_held:
         if quick:
             held.append(f"scratch {st['scratch']}: left for `starter gc`")

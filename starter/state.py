@@ -106,6 +106,8 @@ DISK_FAULT_STEPS = (
     "disk-record", "disk-image", "disk-loop", "disk-mount",
     "teardown-disk-mount", "teardown-disk-loop", "teardown-disk-image",
 )
+# Only a --disk job on a file system with project quotas (tests/test_quota.py).
+QUOTA_FAULT_STEPS = ("disk-project", "disk-quota", "teardown-disk-quota")
 
 
 def fault(step):

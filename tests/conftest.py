@@ -295,6 +295,10 @@ def _state_entries():
             found |= {os.path.join(base, n) for n in os.listdir(base)}
             # the transient uids its jobs leased (starter/uids.py: the node's leases)
             found |= {f"uid lease {u}" for u in leases(base)}
+            # and the project ids of their --disk quotas (starter/quota.py)
+            from starter import quota, uids
+
+            found |= {f"project lease {n}" for n in uids.leases(base, quota.PROJECTS)}
         except (FileNotFoundError, NotADirectoryError, PermissionError):  # the last: the fast tier, as nobody
             pass
     return found
