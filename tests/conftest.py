@@ -10,6 +10,7 @@ import contextlib
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 
@@ -91,6 +92,22 @@ def starter(state_root):
         return p
 
     return run
+
+
+def wait_running(state_dir, job_id, proc=None, timeout=30):
+    """The job's entry once its starter recorded it "running" (no event tells
+    another process), polled with a deadline; `proc`: its starter, which must
+    not have ended meanwhile."""
+    from starter import state
+
+    deadline = time.monotonic() + timeout * SLOWDOWN
+    while (st := state.load(state_dir, job_id)).get("state") != "running":
+        if proc is not None and proc.poll() is not None:
+            raise AssertionError(f"job {job_id}'s starter ended ({proc.returncode}) before it ran")
+        if time.monotonic() > deadline:
+            raise AssertionError(f"job {job_id} did not start")
+        time.sleep(0.02)
+    return st
 
 
 POLICY = "/etc/starter/starter.toml"

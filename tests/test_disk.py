@@ -14,13 +14,12 @@ import select
 import signal
 import subprocess
 import sys
-import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conftest import SLOWDOWN, STARTER, caller_argv, process_alive  # noqa: E402
+from conftest import SLOWDOWN, STARTER, caller_argv, process_alive, wait_running  # noqa: E402
 from starter import state as S  # noqa: E402
 
 MB = 1 << 20
@@ -199,10 +198,7 @@ def test_kill9_of_a_running_disk_jobs_starter_then_gc_leaves_nothing(execute_dir
     proc = subprocess.Popen([STARTER, "run", "--id", "crashd", "--disk", "20M", "--execute-dir", execute_dir,
                              "--", "sh", "-c", "dd if=/dev/zero of=f bs=1M count=5 2>/dev/null; sleep 300"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 30 * SLOWDOWN
-    while (st := S.load(state_dir, "crashd")).get("state") != "running":
-        assert proc.poll() is None and time.monotonic() < deadline, proc.stderr.read()
-        time.sleep(0.02)
+    st = wait_running(state_dir, "crashd", proc)
     assert _mounted_under(execute_dir) and _loops_under(execute_dir)
     pidfd = os.pidfd_open(st["pid"])
     try:

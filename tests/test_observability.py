@@ -21,7 +21,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
-from conftest import SLOWDOWN, STARTER, process_alive, starter_in_python  # noqa: E402
+from conftest import SLOWDOWN, STARTER, process_alive, starter_in_python, wait_running  # noqa: E402
 
 from starter import classad as CA  # noqa: E402
 from starter import metrics as M  # noqa: E402
@@ -119,22 +119,6 @@ def test_listen_address_defaults_to_loopback():
 
 # ---------------------------------------------------------------- helpers
 
-def _wait_running(state_dir, job_id, timeout=30):
-    """Poll the job's state file, with a deadline: no event announces the
-    starter's "running" record to another process."""
-    deadline = time.monotonic() + timeout * SLOWDOWN
-    while time.monotonic() < deadline:
-        try:
-            with open(os.path.join(state_dir, job_id + ".json")) as f:
-                st = json.load(f)
-            if st.get("state") == "running":
-                return st
-        except (OSError, ValueError):
-            pass
-        time.sleep(0.02)
-    raise AssertionError(f"job {job_id} did not start")
-
-
 def _free_port():
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -230,7 +214,7 @@ def node(state_root, tmp_path_factory, msite):
         lan.result()
         wan.result()
         for job_id in ids.values():
-            _wait_running(state_root, job_id)
+            wait_running(state_root, job_id)
         yield ids
     finally:
         for job_id in ids.values():
@@ -461,7 +445,7 @@ def test_top_lists_exactly_the_jobs_processes(tmp_path, state_dir):
                             stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "ready"
-        st = _wait_running(state_dir, job_id)
+        st = wait_running(state_dir, job_id)
         p = subprocess.run([STARTER, "top", job_id, "--once", "--json", "--interval", "0.2"],
                            capture_output=True, text=True, timeout=60)
         assert p.returncode == 0, p.stderr

@@ -15,13 +15,12 @@ import signal
 import subprocess
 import sys
 import tempfile
-import time
 
 import pytest
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from conftest import SLOWDOWN, STARTER  # noqa: E402
+from conftest import STARTER, wait_running  # noqa: E402
 from starter import quota, uids  # noqa: E402
 from starter import state as S  # noqa: E402
 
@@ -141,11 +140,7 @@ def test_kill9_of_a_quota_jobs_starter_then_gc_clears_it(starter, prj_dir, state
     proc = subprocess.Popen([STARTER, "run", "--id", "qcrash", "--disk", "20M", "--execute-dir", prj_dir,
                              "--", "sh", "-c", "dd if=/dev/zero of=f bs=1M count=5 2>/dev/null; sleep 300"],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-    deadline = time.monotonic() + 30 * SLOWDOWN
-    while (st := S.load(state_dir, "qcrash")).get("state") != "running":
-        assert proc.poll() is None and time.monotonic() < deadline
-        time.sleep(0.02)
-    qid = st["disk_project"]
+    qid = wait_running(state_dir, "qcrash", proc)["disk_project"]
     proc.send_signal(signal.SIGKILL)
     proc.wait(10)
     assert _project(prj_dir, qid)[0] >= 20 * 1024, "the limit is still set"
