@@ -1,2 +1,71 @@
-"""starter: launch one batch job in its own namespaces, cgroup and network."""
+"""starter: launch one batch job in its own namespaces, cgroup and network.
+
+Started as the `starter` command runs it (python -I -S: the launcher), the
+package serves its modules from one file, starter/__pycache__/bundle.<tag>
+(made by scripts/setup: starter/bundle.py), instead of finding, opening and
+reading a .pyc per module: about 2.5 ms of every `starter run`.  A module
+whose source changed since (its mtime or size) is imported the usual way."""
 __version__ = "0.1.0"
+
+
+def _serve_bundle():
+    import marshal
+    import os
+    import sys
+
+    here = __path__[0]
+    try:
+        fd = os.open(os.path.join(here, "__pycache__", "bundle." + sys.implementation.cache_tag),
+                     os.O_RDONLY | os.O_CLOEXEC)
+    except OSError:
+        return
+    try:
+        n = int.from_bytes(os.pread(fd, 8, 0), "little")
+        table = marshal.loads(os.pread(fd, n, 8))
+    except (OSError, ValueError, EOFError, TypeError):
+        os.close(fd)
+        return
+    base = 8 + n
+    spec_class = type(sys.__spec__)
+
+    class Loader:
+        @staticmethod
+        def create_module(spec):
+            return None
+
+        @staticmethod
+        def exec_module(module):
+            e = table[module.__name__]
+            module.__file__ = module.__spec__.origin
+            exec(marshal.loads(os.pread(fd, e[4], base + e[3])), module.__dict__)
+
+    class Finder:
+        @staticmethod
+        def find_spec(name, path=None, target=None):
+            e = table.get(name)
+            if e is None:
+                return None
+            src = here + e[0]
+            try:
+                st = os.stat(src)
+            except OSError:
+                return None
+            if st.st_mtime_ns != e[1] or st.st_size != e[2]:
+                return None
+            spec = spec_class(name, Loader, origin=src, is_package=e[5])
+            spec.has_location = True
+            if e[5]:
+                spec.submodule_search_locations = [os.path.dirname(src)]
+            return spec
+
+    sys.meta_path.insert(0, Finder)
+
+
+def _launched():
+    import sys
+
+    return sys.flags.isolated and sys.flags.no_site
+
+
+if _launched():
+    _serve_bundle()

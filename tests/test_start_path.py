@@ -262,3 +262,47 @@ def test_launcher_starts_the_warm_up_before_the_interpreter(state_dir, tmp_path)
     polls = [l for l in lines if l.split()[0] == movers[0] and ("poll(" in l or "<... poll resumed>" in l)]
     assert polls, "the launcher's process did not wait for the starter"
     assert "POLLHUP" in polls[-1] or len(polls) >= 250, polls[-3:]
+
+
+BUNDLE_PROBE = """
+import sys
+sys.path[:0] = [{top!r}]
+import starter.errors, starter.values
+for m in (starter.errors, starter.values):
+    print(m.__name__, "bundle" if "_serve_bundle" in repr(m.__loader__) else "pyc", m.__file__)
+print(getattr(starter.values, "CHANGED", None))
+"""
+
+
+def _bundle_probe(top, flags):
+    p = subprocess.run([PY, *flags, "-c", BUNDLE_PROBE.format(top=top)], capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 0, p.stderr
+    return p.stdout.splitlines()
+
+
+@pytest.mark.fast
+def test_the_launchers_interpreter_reads_modules_from_the_bundle_while_their_source_is_unchanged(tmp_path):
+    """python -I -S (as the launcher runs it) takes the package's modules
+    from the bundle scripts/setup made; a module whose source changed since
+    comes from its source, as do all of them without -I -S."""
+    import shutil
+
+    top = str(tmp_path / "tree")
+    shutil.copytree(os.path.join(REPO, "starter"), os.path.join(top, "starter"), copy_function=shutil.copy2,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    subprocess.run([PY, "-I", os.path.join(top, "starter", "bundle.py")], check=True, timeout=60)
+    pkg = os.path.join(top, "starter")
+    assert _bundle_probe(top, ["-IS"]) == [f"starter.errors bundle {pkg}/errors.py",
+                                           f"starter.values bundle {pkg}/values.py", "None"]
+    assert [l.split()[1] for l in _bundle_probe(top, ["-I"])[:2]] == ["pyc", "pyc"]
+    with open(os.path.join(pkg, "values.py"), "a") as f:
+        f.write("\nCHANGED = 1\n")
+    assert _bundle_probe(top, ["-IS"]) == [f"starter.errors bundle {pkg}/errors.py",
+                                           f"starter.values pyc {pkg}/values.py", "1"]
+
+
+def test_setup_made_the_bundle():
+    import sys as _sys
+
+    assert os.path.isfile(os.path.join(REPO, "starter", "__pycache__", "bundle." + _sys.implementation.cache_tag))
