@@ -85,7 +85,7 @@ def test_rule_rendering_table():
             if "counter" in e:
                 assert e["counter"] == "dropped" or e["counter"]["map"]["data"].startswith("@ctr_")
     sets = {o["name"]: o for c in cmds for v in c.values() for k, o in v.items() if k in ("set", "map")}
-    assert sets["host_allow"]["elem"] == [{"concat": ["tcp", 3128]}, {"concat": ["udp", 53]}]
+    assert sets["host_allow"]["elem"] == [{"concat": [6, 3128]}, {"concat": [17, 53]}]  # by number: no /etc/protocols needed
     assert sets["lan"]["elem"] == [{"prefix": {"addr": "10.77.0.0", "len": 16}}]
     assert {"prefix": {"addr": "169.254.0.0", "len": 16}} in sets["blocked"]["elem"]
     assert {"prefix": {"addr": "127.0.0.0", "len": 8}} in sets["blocked"]["elem"]

@@ -45,6 +45,12 @@ MLD = ["mld-listener-query", "mld-listener-report", "mld-listener-done", "mld2-l
 UPLINK_DIRECTIONS = ("in", "out")
 
 
+
+# Protocols by number: a name makes libnftables call getprotobyname(), which
+# needs /etc/protocols (Debian's netbase), and a node may not have it (the
+# package's offline check found a minimal Debian 12 without it).
+IPPROTO = {"tcp": 6, "udp": 17, "ipv6-icmp": 58}
+
 def uplink_counter(ifname, direction):
     """The node-wide counter of one uplink: what jobs sent out of it (out)
     and what came back in through it (in).  No per-job objects: the per-job
@@ -152,7 +158,7 @@ class Table:
             self._set("job_src", ["ifname", "ipv4_addr"]),
             self._set("job_src6", ["ifname", "ipv6_addr"]),
             self._set("host_allow", ["inet_proto", "inet_service"],
-                      elem=[{"concat": [p, int(n)]} for p, n in host_allow]),
+                      elem=[{"concat": [IPPROTO[p], int(n)]} for p, n in host_allow]),
         ]
         cmds += [self._set("ctr_" + c, "ifname", map_="counter") for c in COUNTERS + COUNTERS6]
         cmds += [{"add": {"counter": self._obj(name=uplink_counter(u, d))}}
@@ -195,7 +201,7 @@ class Table:
             # discovery (hop limit 255: never forwarded) passes; then the
             # same source and destination checks as IPv4.
             # (ICMPv6 in a chain of its own: data packets pass one test, not three)
-            self._rule("job_ingress6", _match(_meta("l4proto"), "ipv6-icmp"), {"jump": {"target": "job_icmp6"}}),
+            self._rule("job_ingress6", _match(_meta("l4proto"), IPPROTO["ipv6-icmp"]), {"jump": {"target": "job_icmp6"}}),
             self._rule("job_icmp6", _icmpv6(ROUTER_MSGS), *drop_job),
             self._rule("job_icmp6", _icmpv6(MLD), DROP),
             self._rule("job_icmp6", _icmpv6(ND), _match(_payload("ip6", "hoplimit"), 255),
