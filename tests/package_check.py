@@ -1,0 +1,144 @@
+"""The Debian package in a fresh VM boot with no package index (issue 27):
+scripts/vm-package-test builds two revisions of it (scripts/build-deb) and
+runs this in the v2 VM with them in /job/carry.  Not a pytest module: it
+installs into the VM's own system, which only a throwaway boot may do.
+
+  install   apt install ./starter_*-1.deb with no network: /usr/bin/starter
+            (set-user-ID root), the job account, the bundle postinst made
+  run       `starter run -- id` as root and as an ordinary user, under the
+            package's (empty) node policy: a transient uid, and the caller's
+  nat       a NAT job through `starter netd` (a dummy uplink: the VM has no
+            network), its address; `starter metrics`
+  upgrade   a job started before `apt install` of revision 2 ends with its
+            report after it
+  purge     on a busy node the account stays and the message says why; on an
+            idle node no file, account or state of starter is left.
+No systemd runs in the VM (vm-init is PID 1): the units are checked as
+installed files only."""
+
+import json
+import os
+import subprocess
+import sys
+import time
+
+CARRY = sys.argv[1] if len(sys.argv) > 1 else "/job/carry"
+STARTER = "/usr/bin/starter"
+ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
+
+
+def sh(*argv, ok=True, **kw):
+    p = subprocess.run(argv, capture_output=True, text=True, env=ENV, timeout=600, **kw)
+    if ok and p.returncode != 0:
+        raise AssertionError(f"{' '.join(argv)}: exit {p.returncode}\n{p.stdout}\n{p.stderr}")
+    return p
+
+
+def deb(rev):
+    (name,) = [n for n in os.listdir(CARRY) if n.endswith(f"-{rev}_amd64.deb")]
+    return os.path.join(CARRY, name)
+
+
+def apt_install(path):
+    # No index, no network: everything it depends on is already installed.
+    # apt takes a local package from a local file system (not the 9p share).
+    local = os.path.join("/tmp", os.path.basename(path))
+    sh("cp", path, local)
+    return sh("apt-get", "install", "-y", "-q", local)
+
+
+def step(name):
+    print(f"== {name}", flush=True)
+
+
+def wait_running(job_id, proc, timeout=120):
+    deadline = time.monotonic() + timeout
+    path = f"/run/starter/{job_id}.json"
+    while True:
+        try:
+            with open(path) as f:
+                if json.load(f).get("state") == "running":
+                    return
+        except (OSError, ValueError):
+            pass
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, f"job {job_id} did not start"
+        time.sleep(0.1)
+
+
+def main():
+    step("install")
+    apt_install(deb(1))
+    st = os.stat(STARTER)
+    assert st.st_uid == 0 and st.st_mode & 0o4000, oct(st.st_mode)
+    assert sh("getent", "passwd", "starter-job").stdout.startswith("starter-job:")
+    assert os.path.exists("/usr/lib/starter/starter/__pycache__/bundle.cpython-311")
+    for unit in ("starter-netd.service", "starter-gc.timer", "starter-metrics.service"):
+        assert os.path.exists(f"/lib/systemd/system/{unit}"), unit
+    print(sh("dpkg-query", "-W", "starter").stdout.strip())
+
+    step("run")
+    p = sh(STARTER, "run", "--", "id")
+    assert "uid=" in p.stdout and "uid=0(" not in p.stdout, p.stdout
+    print("root's job:", p.stdout.strip())
+    p = sh("setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups", STARTER, "run", "--", "id", "-u",
+           cwd="/tmp")
+    assert p.stdout.strip() == "65534", (p.stdout, p.stderr)
+    print("a user's job: uid", p.stdout.strip())
+    assert sh(STARTER, "run", "--", "sh", "-c", "exit 3", ok=False).returncode == 3
+
+    step("nat")
+    sh("ip", "link", "add", "up0", "type", "dummy")
+    sh("ip", "link", "set", "up0", "up")
+    sh("ip", "addr", "add", "198.51.100.1/24", "dev", "up0")
+    netd = subprocess.Popen([STARTER, "netd"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 60
+        while not os.path.exists("/run/starter/netd.sock"):
+            assert netd.poll() is None and time.monotonic() < deadline, netd.communicate()
+            time.sleep(0.1)
+        p = sh(STARTER, "run", "--net", "nat", "--uplink", "up0", "--pool", "10.231.0.0/16", "--report", "/tmp/nat.json",
+               "--", "ip", "-4", "-o", "addr", "show", "eth0")
+        assert " inet 10.231." in p.stdout, p.stdout
+        with open("/tmp/nat.json") as f:
+            assert json.load(f).get("network"), "the report has no network object"
+        print("a NAT job through netd:", p.stdout.split()[3])
+        m = sh(STARTER, "metrics")
+        assert "starter_" in m.stdout, m.stdout[:500]
+    finally:
+        netd.terminate()
+        netd.wait(60)
+
+    step("upgrade")
+    job = subprocess.Popen([STARTER, "run", "--id", "across", "--report", "/tmp/up.json", "--", "sleep", "6"],
+                           env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_running("across", job)
+    apt_install(deb(2))
+    assert sh("dpkg-query", "-W", "-f", "${Version}", "starter").stdout == "0.1.0-2"
+    assert job.wait(120) == 0, job.stderr.read()
+    with open("/tmp/up.json") as f:
+        r = json.load(f)
+    assert r["reason"] == "exited" and r["exit_code"] == 0, r
+    print("a job started before the upgrade ended after it with its report")
+
+    step("purge")
+    job = subprocess.Popen([STARTER, "run", "--id", "busy", "--", "sleep", "8"], env=ENV,
+                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    wait_running("busy", job)
+    p = sh("apt-get", "purge", "-y", "-q", "starter")
+    assert "job(s) still run" in p.stderr, p.stderr
+    assert sh("getent", "passwd", "starter-job", ok=False).returncode == 0, "the account went with a job running"
+    job.wait(120)
+    print("a busy purge kept the account:", [l for l in p.stderr.splitlines() if "still run" in l][-1])
+    apt_install(deb(2))
+    sh("apt-get", "purge", "-y", "-q", "starter")
+    left = [x for x in ("/usr/bin/starter", "/usr/lib/starter", "/etc/starter", "/run/starter",
+                        "/lib/systemd/system/starter-netd.service", "/usr/share/doc/starter") if os.path.exists(x)]
+    assert not left, left
+    assert sh("getent", "passwd", "starter-job", ok=False).returncode != 0
+    assert sh("dpkg-query", "-W", "starter", ok=False).returncode != 0
+    print("an idle purge left nothing")
+
+
+if __name__ == "__main__":
+    main()
