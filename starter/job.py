@@ -627,9 +627,10 @@ def default_cwds(spec):
 def _release_scratch(sc, report):
     removed = sc.release()
     if removed is not None:
-        # What the job left there (HTCondor's DiskUsage); with --disk, what
-        # its image held (measured before the unmount).
-        report["scratch_bytes"] = removed.bytes + ((report.get("disk") or {}).get("used_bytes") or 0)
+        # What the job left there (HTCondor's DiskUsage), and what a --disk image held
+        # (measured before its unmount: the removal saw only the directory under it).
+        disk = report.get("disk") or {}
+        report["scratch_bytes"] = removed.bytes + (disk.get("backend") == "image" and disk.get("used_bytes") or 0)
 
 
 def _net_teardown(job_id, cfg, report, net_end, net_fd=()):

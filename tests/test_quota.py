@@ -93,6 +93,7 @@ def test_a_full_quota_stops_the_job_and_the_report_says_so(starter, prj_dir, tmp
     d = _report(rep)["disk"]
     assert d["backend"] == "project-quota" and d["limit_bytes"] == 20 * MB and d["full"] is True, d
     assert abs(d["used_bytes"] - written) < MB, (d, written)
+    assert written <= _report(rep)["scratch_bytes"] < written + MB     # counted once
     assert not os.path.exists(os.path.join(prj_dir, ".starter-images"))
     assert not any(_project(prj_dir, d["project"])[:6]), "the project's limit and usage are gone"
     assert uids.holder(d["project"], quota.PROJECTS) is None
