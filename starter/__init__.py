@@ -3,7 +3,7 @@
 Started as the `starter` command runs it (python -I -S: the launcher), the
 package serves its modules from one file, starter/__pycache__/bundle.<tag>
 (made by scripts/setup: starter/bundle.py), instead of finding, opening and
-reading a .pyc per module: about 2.5 ms of every `starter run`.  A module
+reading a .pyc per module: about 2 ms of every `starter run`.  A module
 whose source changed since (its mtime or size) is imported the usual way."""
 __version__ = "0.1.0"
 

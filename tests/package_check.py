@@ -138,7 +138,9 @@ def main():
     assert not left, left
     assert sh("getent", "passwd", "starter-job", ok=False).returncode != 0
     assert sh("dpkg-query", "-W", "starter", ok=False).returncode != 0
-    print("an idle purge left nothing")
+    cgroups = sh("find", "/sys/fs/cgroup", "-name", "*starter*").stdout.split()
+    assert not cgroups, cgroups
+    print("an idle purge left nothing: no file, account, state or cgroup")
 
 
 if __name__ == "__main__":
