@@ -36,8 +36,13 @@ def _serve_bundle():
         @staticmethod
         def exec_module(module):
             e = table[module.__name__]
-            module.__file__ = module.__spec__.origin
-            exec(marshal.loads(os.pread(fd, e[4], base + e[3])), module.__dict__)
+            src = module.__file__ = module.__spec__.origin
+            try:
+                code = marshal.loads(os.pread(fd, e[4], base + e[3]))
+            except (OSError, ValueError, EOFError, TypeError):     # a damaged bundle: the source
+                with open(src, "rb") as f:
+                    code = compile(f.read(), src, "exec", dont_inherit=True)
+            exec(code, module.__dict__)
 
     class Finder:
         @staticmethod

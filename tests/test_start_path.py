@@ -300,6 +300,18 @@ def test_the_launchers_interpreter_reads_modules_from_the_bundle_while_their_sou
         f.write("\nCHANGED = 1\n")
     assert _bundle_probe(top, ["-IS"]) == [f"starter.errors bundle {pkg}/errors.py",
                                            f"starter.values pyc {pkg}/values.py", "1"]
+    # starter.errors' code damaged in the bundle: compiled from its source instead.
+    import marshal
+
+    bundle = os.path.join(pkg, "__pycache__", "bundle." + sys.implementation.cache_tag)
+    with open(bundle, "r+b") as f:
+        n = int.from_bytes(f.read(8), "little")
+        entry = marshal.loads(f.read(n))["starter.errors"]
+        f.seek(8 + n + entry[3])
+        f.write(b"\xff" * entry[4])
+    p = subprocess.run([PY, "-IS", "-c", f"import sys; sys.path[:0] = [{top!r}]; import starter.errors as e; "
+                        "print(e.StarterError.__name__)"], capture_output=True, text=True, timeout=60)
+    assert (p.returncode, p.stdout) == (0, "StarterError\n"), p.stderr
 
 
 def test_setup_made_the_bundle():
