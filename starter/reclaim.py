@@ -23,19 +23,10 @@ from starter.errors import StarterError
 # still emptying, a scratch tree, the network) are left to `starter gc`.
 
 
-def gc_quick(state_dir):
-    """At the start of every run: reclaim one dead starter's entry, if the
-    scan (state.find_dead) finds one within a small time budget.  What it
-    costs at most: the scan plus one empty cgroup's rmdir (about 1 ms on an
-    idle node)."""
-    found = S.find_dead(state_dir)
-    if found is not None:
-        reclaim_found(state_dir, found)
-
-
 def reclaim_found(state_dir, found):
-    """What state.find_dead found, reclaimed the quick way (nothing that
-    waits), and its lock let go."""
+    """At the start of every run, what state.find_dead found (one dead
+    starter's entry), reclaimed the quick way (nothing that waits: about one
+    empty cgroup's rmdir), and its lock let go."""
     job_id, fd, st = found
     try:
         _reclaim_locked(state_dir, job_id, st, quick=True)

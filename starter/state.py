@@ -85,7 +85,7 @@ from starter.errors import StarterError
 from starter.fileio import read_regular, unlink_quiet
 
 
-# The bounded reclaims at the start of a job (reclaim.gc_quick, and the NAT
+# The bounded reclaims at the start of a job (find_dead, and the NAT
 # pool's self-healing in net/wiring.py) scan for at most this long (wall
 # clock) and reclaim at most one dead entry or lease.
 QUICK_BUDGET_S = 0.003
@@ -453,7 +453,7 @@ def stray_names(state_dir):
 
 
 def find_dead(state_dir):
-    """The scan at the start of every run (reclaim.gc_quick): a dead
+    """The scan at the start of every run (then reclaim.reclaim_found): a dead
     starter's entry that does not wait for `starter gc`, found within
     QUICK_BUDGET_S, with its lock held -> (job_id, fd, entry), fd ours to
     close; None when there is none.  A listdir and one flock per entry;
@@ -473,11 +473,7 @@ def find_dead(state_dir):
         fd = lock_dead(state_dir, job_id)
         if fd is None:
             continue
-        try:
-            st = load(state_dir, job_id, fd)
-        except BaseException:
-            os.close(fd)
-            raise
+        st = load(state_dir, job_id, fd)       # {} when unreadable: never raises
         if st.get("state") == "reclaiming":    # it waits for `starter gc`
             os.close(fd)
             continue
