@@ -100,7 +100,7 @@ class Image:
         self.base = (0, 0)      # (bytes, inodes) the empty file system uses
 
 
-def setup(sc, job_id, size, inodes, uid, gid, job_state, undo, fault, report, seccomp="default", state_dir=None):
+def setup(sc, job_id, size, inodes, uid, gid, job_state, undo, fault, report, seccomp, state_dir):
     """The scratch `sc` (scratch.Scratch, just made) limited to `size`: a
     project quota where its file system enforces them and the job cannot
     step out (starter/quota.py), else the job's image, attached and mounted
@@ -110,7 +110,7 @@ def setup(sc, job_id, size, inodes, uid, gid, job_state, undo, fault, report, se
     `report`: the job's report, which gets the `disk` object at the end."""
     from starter import quota
 
-    if state_dir is not None and quota.why_not(sc.fd, seccomp) is None:
+    if quota.why_not(sc.fd, seccomp) is None:
         return quota.setup(sc.fd, job_id, state_dir, size, inodes, job_state, undo, fault, report)
     mkfs = mkfs_path()
     if not os.access(mkfs, os.X_OK):
@@ -285,14 +285,15 @@ def _attach(ctl, fd, img, job_state):
                        "too many loop devices in use (`losetup -a`); raise max_loop or retry later")
 
 
-def _libc():
+def libc_handle():
+    """(ctypes, libc): imported here, for --disk jobs only (quota.py uses it too)."""
     import ctypes
 
     return ctypes, ctypes.CDLL(None, use_errno=True)
 
 
 def _mount(img, target_fd):
-    ctypes, libc = _libc()
+    ctypes, libc = libc_handle()
     # The target by its fd: the scratch directory just made, whatever its path does.
     if libc.mount(f"/dev/loop{img.loop}".encode(), f"/proc/self/fd/{target_fd}".encode(), b"ext4",
                   MS_NOSUID | MS_NODEV, b"noinit_itable") != 0:
@@ -354,7 +355,7 @@ def unmount(img, report=None):
 
 
 def _umount(path):
-    ctypes, libc = _libc()
+    ctypes, libc = libc_handle()
     if libc.umount2(path.encode(), UMOUNT_NOFOLLOW) != 0:
         e = ctypes.get_errno()
         if e in (errno.EINVAL, errno.ENOENT):

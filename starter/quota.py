@@ -35,6 +35,7 @@ import errno
 import os
 import struct
 
+from starter.disk import libc_handle   # ctypes and libc, loaded only for a --disk job
 from starter.errors import StagingError
 
 PROJECTS = "/run/starter-projects"
@@ -71,14 +72,8 @@ class Project:
         self.tagged = False     # the scratch carries the id
 
 
-def _libc():
-    import ctypes
-
-    return ctypes, ctypes.CDLL(None, use_errno=True)
-
-
 def _quotactl(fd, cmd, qid, buf):
-    ctypes, libc = _libc()
+    ctypes, libc = libc_handle()
     if libc.syscall(SYS_QUOTACTL_FD, ctypes.c_int(fd), ctypes.c_uint((cmd << 8) | PRJQUOTA),
                     ctypes.c_int(qid), buf) != 0:
         e = ctypes.get_errno()
@@ -87,7 +82,7 @@ def _quotactl(fd, cmd, qid, buf):
 
 def get(fd, qid):
     """The project's if_dqblk: (bhard KiB, bsoft, bytes used, ihard, isoft, inodes used, ...)."""
-    ctypes, _ = _libc()
+    ctypes, _ = libc_handle()
     buf = ctypes.create_string_buffer(_DQBLK.size)
     _quotactl(fd, Q_GETQUOTA, qid, buf)
     return _DQBLK.unpack(buf.raw)
@@ -95,7 +90,7 @@ def get(fd, qid):
 
 def set_limits(fd, qid, nbytes, inodes):
     """Hard limits (0: none); block limits are in KiB, rounded up."""
-    ctypes, _ = _libc()
+    ctypes, _ = libc_handle()
     buf = ctypes.create_string_buffer(_DQBLK.pack(-(-nbytes // 1024), 0, 0, inodes, 0, 0, 0, 0,
                                                   QIF_BLIMITS | QIF_ILIMITS), _DQBLK.size)
     _quotactl(fd, Q_SETQUOTA, qid, buf)
@@ -127,7 +122,7 @@ def why_not(fd, seccomp):
 
     if not enforced(mount_options(os.fstat(fd).st_dev, read_text("/proc/self/mountinfo"))):
         return "its file system is not mounted with project quotas (prjquota)"
-    ctypes, libc = _libc()
+    ctypes, libc = libc_handle()
     if libc.syscall(SYS_FILE_SETATTR, -1, None, None, 0, 0) != 0 and ctypes.get_errno() != errno.ENOSYS:
         return "this kernel's file_setattr() would let the job change its files' project id"
     try:
