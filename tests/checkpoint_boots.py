@@ -23,7 +23,7 @@ import sys
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import STARTER  # noqa: E402
-from test_checkpoint import JOB, KEY  # noqa: E402
+from test_checkpoint import JOB, KEY, make_key  # noqa: E402
 
 
 def boot_id():
@@ -33,10 +33,7 @@ def boot_id():
 
 def dump(d):
     if not os.path.exists(KEY):
-        os.makedirs(os.path.dirname(KEY), 0o755, exist_ok=True)
-        fd = os.open(KEY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, os.urandom(32).hex().encode())
-        os.close(fd)
+        make_key()
     job = subprocess.Popen([STARTER, "run", "--id", "boots", "--user", "65534", "--report", "/tmp/r1.json", "--",
                             "sh", "-c", JOB], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                            stderr=subprocess.PIPE, text=True)

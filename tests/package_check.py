@@ -22,6 +22,10 @@ import subprocess
 import sys
 import time
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from conftest import wait_running  # noqa: E402  (the checkout's starter.state reads the entry)
+
 CARRY = sys.argv[1] if len(sys.argv) > 1 else "/job/carry"
 STARTER = "/usr/bin/starter"
 ENV = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "DEBIAN_FRONTEND": "noninteractive", "LC_ALL": "C"}
@@ -49,21 +53,6 @@ def apt_install(path):
 
 def step(name):
     print(f"== {name}", flush=True)
-
-
-def wait_running(job_id, proc, timeout=120):
-    deadline = time.monotonic() + timeout
-    path = f"/run/starter/{job_id}.json"
-    while True:
-        try:
-            with open(path) as f:
-                if json.load(f).get("state") == "running":
-                    return
-        except (OSError, ValueError):
-            pass
-        assert proc.poll() is None, proc.communicate()
-        assert time.monotonic() < deadline, f"job {job_id} did not start"
-        time.sleep(0.1)
 
 
 def main():
@@ -112,7 +101,7 @@ def main():
     step("upgrade")
     job = subprocess.Popen([STARTER, "run", "--id", "across", "--report", "/tmp/up.json", "--", "sleep", "6"],
                            env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_running("across", job)
+    wait_running("/run/starter", "across", job)
     apt_install(deb(2))
     assert sh("dpkg-query", "-W", "-f", "${Version}", "starter").stdout == "0.1.0-2"
     assert job.wait(120) == 0, job.stderr.read()
@@ -124,7 +113,7 @@ def main():
     step("purge")
     job = subprocess.Popen([STARTER, "run", "--id", "busy", "--", "sleep", "8"], env=ENV,
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
-    wait_running("busy", job)
+    wait_running("/run/starter", "busy", job)
     p = sh("apt-get", "purge", "-y", "-q", "starter")
     said = [line for line in (p.stdout + p.stderr).splitlines() if "still run" in line]   # dpkg's output: either
     assert len(said) == 2, (p.stdout, p.stderr)          # prerm's and postrm's

@@ -33,6 +33,14 @@ def _criu_works():
 CRIU = _criu_works()
 
 
+def make_key():
+    """A node checkpoint key where there is none (root's, 0600)."""
+    os.makedirs(os.path.dirname(KEY), 0o755, exist_ok=True)
+    fd = os.open(KEY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    os.write(fd, os.urandom(32).hex().encode())
+    os.close(fd)
+
+
 @pytest.fixture
 def key():
     """The node's checkpoint key, made for the test if there is none, and
@@ -40,10 +48,7 @@ def key():
     made_dir = not os.path.isdir("/etc/starter")
     had = os.path.exists(KEY)
     if not had:
-        os.makedirs("/etc/starter", 0o755, exist_ok=True)
-        fd = os.open(KEY, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-        os.write(fd, os.urandom(32).hex().encode())
-        os.close(fd)
+        make_key()
     yield KEY
     if not had and os.path.exists(KEY):
         os.unlink(KEY)
