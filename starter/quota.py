@@ -35,12 +35,12 @@ import errno
 import os
 import struct
 
+from starter import uids
 from starter.disk import libc_handle   # ctypes and libc, loaded only for a --disk job
 from starter.errors import StagingError
 
 PROJECTS = "/run/starter-projects"
-FIRST = 0x70000000          # as the transient uids' range, in a namespace of its own
-COUNT = 0x10000
+FIRST, COUNT = uids.DEFAULT_FIRST, uids.DEFAULT_COUNT     # the transient uids' numbers, leased apart
 FULL_SLACK = 1 << 20        # as disk.FULL_SLACK
 INODE_BYTES = 16384         # the default inode limit: one per 16 KiB, as mkfs.ext4 -T default
 
@@ -99,7 +99,7 @@ def set_limits(fd, qid, nbytes, inodes):
 def enforced(options):
     """Project quotas enforced, from a mount's options (mountinfo's per-mount
     and super options, comma-separated): ext4 and XFS say `prjquota`."""
-    return "prjquota" in options.split(",") or "pquota" in options.split(",")
+    return not {"prjquota", "pquota"}.isdisjoint(options.split(","))
 
 
 def mount_options(dev, mountinfo):
@@ -135,8 +135,6 @@ def why_not(fd, seccomp):
 def setup(fd, job_id, state_dir, size, inodes, job_state, undo, fault, report):
     """The scratch `fd` (just made, empty) as the job's project; -> Project.
     Each step recorded before it is made, its undo pushed right after."""
-    from starter import uids
-
     p = Project(fd, job_id, state_dir, size)
     p.inodes = inodes or max(size // INODE_BYTES, 16)
 
@@ -191,8 +189,6 @@ def end(p, report=None):
     lease is never given back while its limits stand (a clear that fails
     keeps both, and the entry, for gc).  The scratch's removal frees the
     blocks."""
-    from starter import uids
-
     try:
         if report is not None and p.tagged:
             report["disk"] = measure(p)
@@ -208,7 +204,7 @@ def reclaim_recorded(st, job_id, state_dir):
     """gc after a crashed starter: the recorded project's limits cleared on
     the scratch's file system, and its lease given back, only while the
     lease still names this job.  -> what was done."""
-    from starter import paths, scratch, uids
+    from starter import paths, scratch
 
     qid = st.get("disk_project")
     if not isinstance(qid, int) or uids.holder(qid, PROJECTS) != (os.path.abspath(state_dir), job_id):
