@@ -242,12 +242,13 @@ def entry():
     starter registers no atexit handlers and runs no threads that must
     finish; stdout and stderr are flushed here.
 
-    No cyclic garbage collection in a command's short life: the five young
-    and one older collection that fell into every start's imports and
-    parsing cost 0.4-0.9 ms of each `starter run` (interleaved, 50 rounds).  What lives long turns it back
-    on: a running job's supervision (job.py, over a frozen start-up heap),
-    netd and the metrics server."""
-    gc.disable()
+    No cyclic garbage collection while `starter run` starts its job: the
+    five young and one older collection that fell into every start's
+    imports and parsing cost 0.4-0.9 ms (interleaved, 50 rounds).  job.py
+    turns it back on once the job runs, over a frozen start-up heap.  Every
+    other command (netd, metrics, top: some live long) keeps it."""
+    if sys.argv[1:2] == ["run"]:
+        gc.disable()
     code = main()
     for f in (sys.stdout, sys.stderr):
         try:

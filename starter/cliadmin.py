@@ -5,7 +5,6 @@ reclaim, net or policy; cli.py imports this module only when one of them
 runs, never for a `starter run`.
 """
 
-import gc
 import os
 import sys
 
@@ -157,7 +156,6 @@ def cmd_metrics(argv):
 
     state = _state_dir(values)
     if "listen" in values:
-        gc.enable()     # a service: entry() turned collection off for short commands
         return metrics.serve(state, values["listen"])
     if "textfile" in values:
         from starter import values as V
@@ -223,7 +221,6 @@ def cmd_netd(argv):
         return 0
     values, _, _ = parse(argv, table, command_after=False, usage="starter netd [--state-dir DIR]")
     need_root("starter netd")
-    gc.enable()     # a service: entry() turned collection off for short commands
     from starter import net
 
     state = _state_dir(values)
