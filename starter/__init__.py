@@ -66,11 +66,7 @@ def _serve_bundle():
     sys.meta_path.insert(0, Finder)
 
 
-def _launched():
-    import sys
+import sys as _sys
 
-    return sys.flags.isolated and sys.flags.no_site
-
-
-if _launched():
+if _sys.flags.isolated and _sys.flags.no_site:     # the launcher's -I -S
     _serve_bundle()
