@@ -28,8 +28,8 @@ backed by that inode, and the image carrying the job's mark.
 Measured before the unmount (fstatvfs of the mounted root): the report's
 `disk` object (limit, used, full; the same for inodes).
 
-ctypes (mount, umount2) and fcntl are imported only here: a job without
---disk never loads this module.
+ctypes (fileio.libc_handle: mount, umount2) and fcntl are loaded only by this
+module's work: a job without --disk never loads this module.
 """
 
 import errno
@@ -38,6 +38,7 @@ import stat
 import struct
 
 from starter.errors import StagingError
+from starter.fileio import libc_handle
 
 IMAGES = ".starter-images"
 # "full": less than this (or 1% of the limit) left at the end.  ext4 refuses
@@ -283,13 +284,6 @@ def _attach(ctl, fd, img, job_state):
         return lfd
     raise StagingError("--disk: no free loop device after 32 tries",
                        "too many loop devices in use (`losetup -a`); raise max_loop or retry later")
-
-
-def libc_handle():
-    """(ctypes, libc): imported here, for --disk jobs only (quota.py uses it too)."""
-    import ctypes
-
-    return ctypes, ctypes.CDLL(None, use_errno=True)
 
 
 def _mount(img, target_fd):

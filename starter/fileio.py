@@ -134,3 +134,12 @@ def account_entries(path):
     except OSError:
         return []
     return [line.split(b":") for line in data.split(b"\n") if line and not line.startswith((b"#", b"+", b"-"))]
+
+
+def libc_handle():
+    """(ctypes, libc) for the few system calls Python has no wrapper for
+    (mount, umount2, quotactl_fd: disk.py, quota.py); ctypes is imported
+    only when one is made, never on a start without --disk."""
+    import ctypes
+
+    return ctypes, ctypes.CDLL(None, use_errno=True)

@@ -36,8 +36,8 @@ import os
 import struct
 
 from starter import uids
-from starter.disk import libc_handle   # ctypes and libc, loaded only for a --disk job
 from starter.errors import StagingError
+from starter.fileio import libc_handle
 
 PROJECTS = "/run/starter-projects"
 FIRST, COUNT = uids.DEFAULT_FIRST, uids.DEFAULT_COUNT     # the transient uids' numbers, leased apart
