@@ -12,9 +12,13 @@ installs into the VM's own system, which only a throwaway boot may do.
   upgrade   a job started before `apt install` of revision 2 ends with its
             report after it
   purge     on a busy node the account stays and the message says why; on an
-            idle node no file, account or state of starter is left.
+            idle node no file, account or state of starter is left
+  wheel     the wheelhouse (scripts/build-wheel, in /job/carry/wheelhouse)
+            installs into a fresh venv with `pip install --no-index`, and its
+            `starter` runs a job.
 No systemd runs in the VM (vm-init is PID 1): the units are checked as
-installed files only."""
+installed files here, and under a systemd of their own by
+tests/package_units.py."""
 
 import json
 import os
@@ -130,6 +134,20 @@ def main():
     cgroups = sh("find", "/sys/fs/cgroup", "-name", "*starter*").stdout.split()
     assert not cgroups, cgroups
     print("an idle purge left nothing: no file, account, state or cgroup")
+
+    step("wheel")
+    venv = "/tmp/wheel-venv"
+    sh("python3", "-m", "venv", venv)
+    sh(f"{venv}/bin/pip", "install", "-q", "--disable-pip-version-check", "--no-index", "--find-links",
+       os.path.join(CARRY, "wheelhouse"), "starter")
+    p = sh(f"{venv}/bin/starter", "run", "--report", "/tmp/wheel.json", "--", "id", "-u")
+    with open("/tmp/wheel.json") as f:
+        r = json.load(f)
+    assert r["exit_code"] == 0 and p.stdout.strip() not in ("", "0"), (p.stdout, r)
+    print("the wheel, installed with no index, ran a job as uid", p.stdout.strip())
+    sh("rm", "-rf", venv)
+    cgroups = sh("find", "/sys/fs/cgroup", "-name", "*starter*").stdout.split()
+    assert not cgroups, cgroups
 
 
 if __name__ == "__main__":
