@@ -4,7 +4,10 @@ Started as the `starter` command runs it (python -I -S: the launcher), the
 package serves its modules from one file, starter/__pycache__/bundle.<tag>
 (made by scripts/setup: starter/bundle.py), instead of finding, opening and
 reading a .pyc per module: about 2 ms of every `starter run`.  A module
-whose source changed since (its mtime or size) is imported the usual way."""
+whose source changed since (its mtime or size) is imported the usual way,
+unless a new bundle has replaced the one this process read (an upgrade
+under a running starter): its modules then all come from the version it
+started with."""
 __version__ = "0.1.0"
 
 
@@ -14,9 +17,9 @@ def _serve_bundle():
     import sys
 
     here = __path__[0]
+    path = os.path.join(here, "__pycache__", "bundle." + sys.implementation.cache_tag)
     try:
-        fd = os.open(os.path.join(here, "__pycache__", "bundle." + sys.implementation.cache_tag),
-                     os.O_RDONLY | os.O_CLOEXEC)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError:
         return
     try:
@@ -44,6 +47,18 @@ def _serve_bundle():
                     code = compile(f.read(), src, "exec", dont_inherit=True)
             exec(code, module.__dict__)
 
+    def replaced():
+        """Is the bundle we read no longer the one at its path?  An upgrade
+        (the package's, or scripts/setup's) wrote a new one: then a module
+        this process has yet to import still comes from ours, so that it
+        runs the code it started with, not half of each version."""
+        try:
+            now = os.stat(path)
+        except OSError:
+            return True
+        mine = os.fstat(fd)
+        return (now.st_dev, now.st_ino) != (mine.st_dev, mine.st_ino)
+
     class Finder:
         @staticmethod
         def find_spec(name, path=None, target=None):
@@ -54,8 +69,8 @@ def _serve_bundle():
             try:
                 st = os.stat(src)
             except OSError:
-                return None
-            if st.st_mtime_ns != e[1] or st.st_size != e[2]:
+                st = None
+            if (st is None or st.st_mtime_ns != e[1] or st.st_size != e[2]) and not replaced():
                 return None
             spec = spec_class(name, Loader, origin=src, is_package=e[5])
             spec.has_location = True

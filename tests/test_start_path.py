@@ -314,6 +314,46 @@ def test_the_launchers_interpreter_reads_modules_from_the_bundle_while_their_sou
     assert (p.returncode, p.stdout) == (0, "StarterError\n"), p.stderr
 
 
+UPGRADE_PROBE = """
+import sys
+sys.path[:0] = [{top!r}]
+import starter.errors
+print("ready", flush=True)
+sys.stdin.readline()                 # the upgrade happens here
+import starter.values
+print(getattr(starter.values, "CHANGED", None))
+"""
+
+
+@pytest.mark.fast
+def test_a_starter_upgraded_under_keeps_importing_the_version_it_started_with(tmp_path):
+    """An upgrade (a new source and a new bundle, as the package's postinst
+    or scripts/setup write them) while a starter runs: a module it imports
+    only later comes from the bundle it started with, not the new source."""
+    import shutil
+
+    top = str(tmp_path / "tree")
+    shutil.copytree(os.path.join(REPO, "starter"), os.path.join(top, "starter"), copy_function=shutil.copy2,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    bundle = [PY, "-I", os.path.join(top, "starter", "bundle.py")]
+    subprocess.run(bundle, check=True, timeout=60)
+    p = subprocess.Popen([PY, "-IS", "-c", UPGRADE_PROBE.format(top=top)], stdin=subprocess.PIPE,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        assert p.stdout.readline() == "ready\n", p.stderr.read()
+        with open(os.path.join(top, "starter", "values.py"), "a") as f:
+            f.write("\nCHANGED = 1\n")
+        subprocess.run(bundle, check=True, timeout=60)
+        out, err = p.communicate("\n", timeout=60)
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    assert (p.returncode, out) == (0, "None\n"), err
+    # A process started after the upgrade gets the new version.
+    assert _bundle_probe(top, ["-IS"])[-1] == "1"
+
+
 def test_setup_made_the_bundle():
     import sys as _sys
 
