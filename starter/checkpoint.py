@@ -5,27 +5,8 @@
 
 A job is PID 1 of its own PID namespace, with its own mount, IPC and network
 namespaces and its own cgroup: exactly what lets CRIU dump the tree and bring
-it back without pid collisions.  What DIR holds:
-
-    images/        CRIU's images (`criu dump`): every process and thread, its
-                   namespaces, private mounts and tmpfs contents, SysV IPC,
-                   the seccomp filter
-    starter.json   the starter's record: what the job asked for (the options
-                   it was started with, before the node policy), its uid,
-                   the stdio it had, and its usage so far, one segment per
-                   run (the report sums them, as HTCondor's cumulative wall
-                   clock does)
-    starter.sig    HMAC-SHA256, keyed with the node's checkpoint key, over
-                   the record and the SHA-256 of every image file
-
-Every byte of an image is the job's data, and the directory may travel
-through the job's user's hands to another node.  So a restore checks the
-signature first (the key is root's, /etc/starter/checkpoint.key, the same
-on every node that restores another's images, as munge's key is), and then
-builds the job from the record exactly as a new job is built: the same
-policy checks, the same uid (a transient uid is leased again, the same one,
-or the restore is refused).  An image cannot ask for more than a new job
-could.
+it back without pid collisions.  What DIR holds, and how a restore checks
+it before CRIU reads a byte: starter/checkpoint_dir.py.
 
 CRIU is run as root with these options (found on Debian 12's kernel and
 CRIU 3.17, docs/design.md "Checkpoint and restore"):
@@ -45,21 +26,14 @@ CRIU 3.17, docs/design.md "Checkpoint and restore"):
   * --cgroup-root: into the new job cgroup, whose limits are set first.
 """
 
-import hashlib
-import hmac
-import json
 import os
 import shutil
-import stat
 import subprocess
 import time
 
+from starter.checkpoint_dir import IMAGES, VERSION, node_key, write_signed
 from starter.errors import StarterError, one_line
 
-KEY = "/etc/starter/checkpoint.key"
-RECORD, SIG, IMAGES = "starter.json", "starter.sig", "images"
-VERSION = 1
-MAX_RECORD = 1 << 20
 DUMP_TIMEOUT = 600.0
 # Options that a restore takes from its own command line, not the record:
 # where its report goes, what it is called, how it is signalled.
@@ -67,77 +41,11 @@ RESTORE_OWN = ("id", "report", "report-format", "events", "grace", "on-signal", 
                "cgroup-parent", "kill-timeout")
 
 
-class ImageError(StarterError):
-    def __init__(self, msg, hint="make a new checkpoint, or restore an untouched copy of the directory"):
-        super().__init__(msg, hint)
-
-
 def criu():
     path = shutil.which("criu", path="/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin")
     if path is None:
         raise StarterError("criu is not installed", "install Debian's package: apt install criu")
     return path
-
-
-# ---------------------------------------------------------------- the key
-
-def _key(create=False):
-    """The node's checkpoint key: root's, mode 0600, at least 32 bytes.
-    Made (random) by the first checkpoint on a node that has none."""
-    try:
-        fd = os.open(KEY, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
-    except FileNotFoundError:
-        if not create:
-            raise ImageError(f"{KEY} does not exist: this node cannot check a checkpoint's signature",
-                             f"copy {KEY} from the node that made the checkpoint (root's, mode 0600)") from None
-        os.makedirs(os.path.dirname(KEY), 0o755, exist_ok=True)
-        fd = os.open(KEY, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
-        try:
-            os.write(fd, os.urandom(32).hex().encode() + b"\n")
-        finally:
-            os.close(fd)
-        return _key()
-    try:
-        st = os.fstat(fd)
-        if st.st_uid != 0 or st.st_mode & 0o077 or not stat.S_ISREG(st.st_mode):
-            raise StarterError(f"{KEY} must be a regular file of root's, mode 0600",
-                               f"chown root:root {KEY}; chmod 600 {KEY}")
-        data = os.read(fd, 4096).strip()
-    finally:
-        os.close(fd)
-    if len(data) < 32:
-        raise StarterError(f"{KEY} holds fewer than 32 bytes", "remove it; the next checkpoint makes a new one")
-    return data
-
-
-def _signature(key, record, digests):
-    msg = record + b"\0" + json.dumps(digests, sort_keys=True).encode()
-    return hmac.new(key, msg, hashlib.sha256).hexdigest()
-
-
-def _key_id(key):
-    return hashlib.sha256(b"starter-checkpoint-key\0" + key).hexdigest()[:16]
-
-
-def _digest_images(images_fd):
-    """{name: sha256} of every file of the images directory; anything but a
-    regular file there (a link, a directory) is refused."""
-    out = {}
-    for name in sorted(os.listdir(images_fd)):
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=images_fd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise ImageError(f"images/{name} is not a regular file")
-            h = hashlib.sha256()
-            while True:
-                buf = os.read(fd, 1 << 20)
-                if not buf:
-                    break
-                h.update(buf)
-            out[name] = h.hexdigest()
-        finally:
-            os.close(fd)
-    return out
 
 
 # ---------------------------------------------------------------- dump
@@ -214,12 +122,31 @@ def _criu_error(log):
     return lines[0] if len(lines) == 1 or lines[0] == lines[-1] else f"{lines[0]}; {lines[-1]}"
 
 
-def _criu_version(path):
-    try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True, timeout=10).stdout
-    except (OSError, subprocess.TimeoutExpired):
-        return None
-    return out.split("\n", 1)[0].replace("Version: ", "").strip() or None
+class _CriuVersion:
+    """`criu --version`, asked while the dump runs (a process start is
+    ~0.1 s in the TCG VM, where the dump's time is measured)."""
+
+    def __init__(self, path):
+        try:
+            self.proc = subprocess.Popen([path, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                         stderr=subprocess.DEVNULL, text=True)
+        except OSError:
+            self.proc = None
+
+    def get(self):
+        if self.proc is None:
+            return None
+        try:
+            out = self.proc.communicate(timeout=10)[0]
+        except subprocess.TimeoutExpired:
+            self.close()
+            return None
+        return out.split("\n", 1)[0].replace("Version: ", "").strip() or None
+
+    def close(self):
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
 
 
 def check_dumpable(job_id, st):
@@ -263,12 +190,14 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT):
     stdio = _externals(pid, cg.pids())
     os.mkdir(to, 0o700)         # a new directory: nothing of anyone else's in it
     ok = False
+    version = None
     try:
         images = os.path.join(to, IMAGES)
         os.mkdir(images, 0o700)
         log = os.path.join(to, "dump.log")
         argv = dump_argv(exe, pid, images, log, stdio, leave_running)
         before = cg.stats()
+        version = _CriuVersion(exe)
         t0 = time.time()
         try:
             r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -290,11 +219,13 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT):
                   "transient": bool(st.get("transient")), "net": st.get("net") or "none",
                   "root_pid": pid, "stdio": stdio, "segments": list(st.get("segments") or []) + [segment],
                   "cgroup_kind": st.get("cgroup_kind"), "kernel": os.uname().release,
-                  "criu": _criu_version(exe), "dump_s": round(took, 3)}
-        _write_signed(to, _key(create=True), record)
+                  "criu": version.get(), "dump_s": round(took, 3)}
+        write_signed(to, node_key(create=True), record)
         ok = True
         return record
     finally:
+        if version is not None:
+            version.close()
         if not ok:     # (a tree it failed to dump, CRIU resumes itself)
             shutil.rmtree(to, ignore_errors=True)
 
@@ -319,151 +250,6 @@ def checkpoint(state_dir, job_id, to, leave_running=False):
             time.sleep(0.02)
     print(f"{job_id}: checkpointed to {to}" + (" (left running)" if leave_running else ""))
     return 0
-
-
-def _write_signed(to, key, record):
-    images_fd = os.open(os.path.join(to, IMAGES), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    try:
-        digests = _digest_images(images_fd)
-    finally:
-        os.close(images_fd)
-    data = json.dumps(record, sort_keys=True, indent=1).encode() + b"\n"
-    sig = {"key_id": _key_id(key), "hmac_sha256": _signature(key, data, digests), "images": digests}
-    for name, blob in ((RECORD, data), (SIG, json.dumps(sig, sort_keys=True, indent=1).encode() + b"\n")):
-        fd = os.open(os.path.join(to, name), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
-                     0o600)
-        try:
-            os.write(fd, blob)
-        finally:
-            os.close(fd)
-
-
-# ---------------------------------------------------------------- restore
-
-class Image:
-    """A checked checkpoint directory: its record, and an fd of its images
-    (for a caller that is not root, of a private copy, removed by close())."""
-
-    def __init__(self, path, record, images_fd, private=None):
-        self.path, self.record, self.images_fd, self.private = path, record, images_fd, private
-
-    def close(self):
-        if self.images_fd >= 0:
-            os.close(self.images_fd)
-            self.images_fd = -1
-        if self.private is not None:
-            shutil.rmtree(self.private, ignore_errors=True)
-            self.private = None
-
-
-def _read_small(dir_fd, name):
-    from starter.fileio import read_regular
-
-    try:
-        return read_regular(name, MAX_RECORD, dir_fd=dir_fd)
-    except FileNotFoundError:
-        raise ImageError(f"no {name}: not a checkpoint directory of starter's") from None
-
-
-def _private_copy(src_fds, state_dir):
-    """Copy the caller's image files (fds opened with its rights) into a
-    directory of root's, hashing the bytes written: CRIU reads the copy, so
-    the caller cannot change a file between its check and CRIU's read.
-    -> (path, dir fd, {name: sha256})."""
-    import tempfile
-
-    from starter import state
-    from starter.fileio import copy_hashing, sized_to_fit
-
-    state.ensure_dir(state_dir)
-    priv = tempfile.mkdtemp(prefix=".restore-", dir=state_dir)
-    dfd = os.open(priv, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
-    digests = {}
-    try:
-        for name, fd in src_fds.items():
-            size = sized_to_fit(fd, dfd)
-            out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
-                          dir_fd=dfd)
-            try:
-                digests[name] = copy_hashing(fd, out, ("sha256",), limit=size)["sha256"]
-            finally:
-                os.close(out)
-    except BaseException:
-        os.close(dfd)
-        shutil.rmtree(priv, ignore_errors=True)
-        raise
-    return priv, dfd, digests
-
-
-def load(path, caller=None, state_dir=None):
-    """Open and check a checkpoint directory: signature, every image's
-    digest, the record's form.  -> Image.  A caller that is not root names
-    a directory of its own: it is read with the caller's rights, its images
-    copied to a private place first, and only its own job's image restores."""
-    from starter import paths
-
-    # (a root caller's: paths.as_user with no one to switch to, as job.py's)
-    rights = caller.rights("to read the caller's checkpoint") if caller is not None else paths.as_user(None)
-    src_fds = {}
-    images_fd = -1
-    private = None
-    try:
-        with rights:
-            dfd = paths.open_dir(path, "checkpoint directory")
-            try:
-                d = os.open(".", os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC, dir_fd=dfd)
-            finally:
-                os.close(dfd)
-            try:
-                data = _read_small(d, RECORD)
-                sig_data = _read_small(d, SIG)
-                images_fd = os.open(IMAGES, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
-                if caller is not None:
-                    for name in sorted(os.listdir(images_fd)):
-                        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                                     dir_fd=images_fd)
-                        src_fds[name] = fd
-                        if not stat.S_ISREG(os.fstat(fd).st_mode):
-                            raise ImageError(f"images/{name} is not a regular file")
-            finally:
-                os.close(d)
-        try:
-            sig = json.loads(sig_data)
-        except ValueError:
-            raise ImageError(f"{SIG} is not JSON") from None
-        key = _key()
-        if not isinstance(sig, dict) or sig.get("key_id") != _key_id(key):
-            raise ImageError(f"{path} was signed with another node's checkpoint key",
-                             f"give every node that restores another's checkpoints the same {KEY}")
-        if caller is not None:
-            os.close(images_fd)
-            images_fd = -1
-            private, images_fd, digests = _private_copy(src_fds, state_dir)
-        else:
-            digests = _digest_images(images_fd)
-        if not hmac.compare_digest(str(sig.get("hmac_sha256", "")), _signature(key, data, digests)):
-            raise ImageError(f"{path}: the signature does not match its record and images "
-                             "(changed since the checkpoint)")
-        try:
-            record = json.loads(data)
-        except ValueError:
-            raise ImageError(f"{RECORD} is not JSON") from None
-        if not isinstance(record, dict) or record.get("version") != VERSION or not isinstance(record.get("asked"),
-                                                                                            dict):
-            raise ImageError(f"{RECORD}: not a version {VERSION} record")
-        if caller is not None and (record.get("uid") != caller.uid or record.get("transient")):
-            raise StarterError(f"{path} is the checkpoint of uid {record.get('uid')}'s job: a caller that is not "
-                               f"root restores only its own", "ask the node's admin to restore it")
-        return Image(path, record, images_fd, private)
-    except BaseException:
-        if images_fd >= 0:
-            os.close(images_fd)
-        if private is not None:
-            shutil.rmtree(private, ignore_errors=True)
-        raise
-    finally:
-        for fd in src_fds.values():
-            os.close(fd)
 
 
 def restore_values(image, values):

@@ -148,12 +148,12 @@ def cmd_run(argv):
         image = None
         pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
         if "restore" in values:
-            from starter import checkpoint
+            from starter import checkpoint, checkpoint_dir
 
             if command:
                 raise UsageError("--restore takes no command: the job goes on with its own")
-            image = checkpoint.load(values["restore"], caller,
-                                    S.state_dir(values.get("state-dir") or pol.defaults.get("state-dir")))
+            image = checkpoint_dir.load(values["restore"], caller,
+                                        S.state_dir(values.get("state-dir") or pol.defaults.get("state-dir")))
             values = checkpoint.restore_values(image, values)
             command = values.pop("command", None)
         if caller is None:

@@ -73,19 +73,20 @@ def _end(*procs):
     subprocess.run([STARTER, "gc"], capture_output=True, timeout=60)
 
 
-def _fake_image(tmp_path, record=None):
+def _fake_image(tmp_path, record=None, images=None):
     """A checkpoint directory signed with the node's key, whose images are
     not CRIU's: enough for the checks made before CRIU runs."""
-    from starter import checkpoint
+    from starter import checkpoint_dir
 
     d = tmp_path / "ck"
     (d / "images").mkdir(parents=True, mode=0o700)
-    (d / "images" / "core-1.img").write_bytes(b"\0" * 64)
+    for name, data in (images or {"core-1.img": b"\0" * 64}).items():
+        (d / "images" / name).write_bytes(data)
     rec = {"version": 1, "job_id": "x", "asked": {"command": ["true"], "user": "65534"}, "uid": 65534,
            "gid": 65534, "groups": [], "transient": False, "net": "none", "root_pid": 1, "stdio": {},
            "segments": []}
     rec.update(record or {})
-    checkpoint._write_signed(str(d), checkpoint._key(), rec)
+    checkpoint_dir.write_signed(str(d), checkpoint_dir.node_key(), rec)
     return d
 
 
@@ -113,6 +114,46 @@ def test_restore_refuses_another_nodes_key(key, tmp_path):
     sig.write_text(json.dumps({**json.loads(sig.read_text()), "key_id": "0" * 16}))
     _one_line(subprocess.run([STARTER, "run", "--restore", str(d)], capture_output=True, text=True, timeout=60),
               "another node's checkpoint key")
+
+
+def test_raw_memory_pages_are_signed_by_their_size(key, tmp_path):
+    """pages-N.img is the job's memory, raw: another content of the same
+    size loads (it can only change what the job's memory holds); another
+    size does not.  Every other image is signed by its bytes (above)."""
+    from starter import checkpoint_dir
+
+    d = _fake_image(tmp_path, images={"core-1.img": b"\0" * 64, "pages-1.img": b"\0" * 8192})
+    pages = d / "images" / "pages-1.img"
+    pages.write_bytes(b"\1" * 8192)
+    checkpoint_dir.load(str(d), state_dir=str(tmp_path / "state")).close()
+    pages.write_bytes(b"\1" * 8193)
+    _one_line(subprocess.run([STARTER, "run", "--restore", str(d)], capture_output=True, text=True, timeout=60),
+              "signature does not match")
+
+
+def test_a_root_restore_of_images_not_roots_alone_reads_a_private_copy(key, tmp_path):
+    """Images whose directory or a file in it someone else may write (a
+    checkpoint that came back through its user's hands) could be swapped
+    between the digest check and CRIU's read: CRIU reads a copy of root's."""
+    from starter import checkpoint_dir
+
+    state = str(tmp_path / "state")
+    d = _fake_image(tmp_path)
+    img = checkpoint_dir.load(str(d), state_dir=state)
+    assert img.private is None
+    img.close()
+    for owned in (d / "images", d / "images" / "core-1.img"):
+        os.chown(owned, 65534, 65534)
+        img = checkpoint_dir.load(str(d), state_dir=state)
+        private = img.private
+        try:
+            assert private is not None and os.listdir(private) == ["core-1.img"]
+            st = os.fstat(img.images_fd)
+            assert (st.st_uid, st.st_mode & 0o077) == (0, 0)
+        finally:
+            img.close()
+        assert not os.path.exists(private)
+        os.chown(owned, 0, 0)
 
 
 def test_restore_refuses_links_and_more_than_the_job_asked(key, tmp_path):

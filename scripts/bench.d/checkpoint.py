@@ -10,7 +10,7 @@ Each round, the order alternating, dumps the running job (--leave-running)
 twice:
   starter   `starter checkpoint JOB --to DIR --leave-running` (the CLI's start,
             the job's entry, its fds' scan, the dump, the SHA-256 of every
-            image file and the signed record)
+            image file but the raw memory pages, and the signed record)
   criu      the same CRIU command line run by hand (checkpoint.dump_argv)
 Then one `starter run --restore` of the last image, timed to its job running.
 Target (issue 26): starter's dump at most 1.2x CRIU's.
@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 STARTER = os.path.join(ROOT, ".venv", "bin", "starter")
 JOB_ID = "bench-ck"
 
-from starter import checkpoint  # noqa: E402
+from starter import checkpoint, checkpoint_dir  # noqa: E402
 
 
 def _wait_running(job_id, timeout=120, proc=None):
@@ -64,7 +64,7 @@ def main():
         why = "criu is not installed" if check is None else (check.stderr.strip().splitlines() or ["?"])[-1]
         print(f"skipped: CRIU does not work here ({why}); run it in the VM (see --help)")
         return
-    had_key = os.path.exists(checkpoint.KEY)
+    had_key = os.path.exists(checkpoint_dir.KEY)
     work = tempfile.mkdtemp(prefix="starter-bench-ck-", dir="/var/tmp")
     code = (f"b = bytearray({args.size} << 20)\n"
             "for i in range(0, len(b), 4096): b[i] = 1\n"
@@ -131,7 +131,7 @@ def main():
         shutil.rmtree(work, ignore_errors=True)
         if not had_key:         # made by the first checkpoint, for this run only
             try:
-                os.unlink(checkpoint.KEY)
+                os.unlink(checkpoint_dir.KEY)
             except FileNotFoundError:
                 pass
 
