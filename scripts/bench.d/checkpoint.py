@@ -15,7 +15,7 @@ twice:
 Then one `starter run --restore` of the last image, timed to its job running.
 Target (issue 26): starter's dump at most 1.2x CRIU's.
 
-Usage: .venv/bin/python scripts/bench.d/checkpoint.py [--size MIB] [--rounds N]
+Usage: .venv/bin/python scripts/bench.d/checkpoint.py [--size MIB] [--rounds N] [--dir DIR]
 """
 
 import argparse
@@ -58,6 +58,8 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--size", type=int, default=1024, help="MiB of memory the job touches")
     ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--dir", default="/var/tmp",
+                    help="where the images go (room for two: the VM's disk has ~2 GiB free; its /tmp is RAM)")
     args = ap.parse_args()
     check = subprocess.run(["criu", "check"], capture_output=True, text=True) if shutil.which("criu") else None
     if check is None or check.returncode != 0:
@@ -65,7 +67,7 @@ def main():
         print(f"skipped: CRIU does not work here ({why}); run it in the VM (see --help)")
         return
     had_key = os.path.exists(checkpoint_dir.KEY)
-    work = tempfile.mkdtemp(prefix="starter-bench-ck-", dir="/var/tmp")
+    work = tempfile.mkdtemp(prefix="starter-bench-ck-", dir=args.dir)
     code = (f"b = bytearray({args.size} << 20)\n"
             "for i in range(0, len(b), 4096): b[i] = 1\n"
             "print('ready', flush=True)\n"
@@ -95,7 +97,10 @@ def main():
                 p = subprocess.run(argv, capture_output=True, text=True)
                 times[kind].append(time.perf_counter() - t)
                 if p.returncode != 0:
-                    raise SystemExit(f"{kind} dump failed: {p.stderr.strip()}")
+                    log = os.path.join(d, "dump.log")
+                    why = p.stderr.strip() or (open(log).read().strip().splitlines() or [""])[-1] \
+                        if os.path.exists(log) else p.stderr.strip()
+                    raise SystemExit(f"{kind} dump failed: {why}")
                 if kind == "starter":
                     if last:
                         shutil.rmtree(last, ignore_errors=True)
