@@ -151,19 +151,27 @@ class _CriuVersion:
 
 def check_dumpable(job_id, st):
     """Refuse, in one line, a job this version does not checkpoint."""
-    for what, why in ((st.get("net") not in ("none", None), f"--net {st.get('net')}"),
+    for what, why in ((st.get("net") not in ("none", "nat", None), f"--net {st.get('net')}"),
                       (st.get("scratch") is not None, "a scratch directory"),
                       (st.get("delegate"), "--delegate"), (st.get("userns_root"), "--userns-root")):
         if what:
             raise StarterError(f"job {job_id!r} has {why}: this starter checkpoints only jobs with --net none "
-                               "and no scratch, delegation or user namespace yet",
+                               "or nat and no scratch, delegation or user namespace yet",
                                "docs/reference.md, \"Checkpoint and restore\"")
     if st.get("asked") is None:
         raise StarterError(f"job {job_id!r} was started by a starter that keeps no record of its options",
                            "only jobs started by this version can be checkpointed")
 
 
-def dump_argv(exe, pid, images, log, stdio, leave_running):
+# A NAT job's network namespace is not in its image: the veth's other end,
+# the rules and the counters are the node's.  The dump names it external
+# under this key; a restore hands CRIU a fresh namespace, wired as a new
+# job's, under the same key.  Its TCP connections cannot follow to another
+# address: --tcp-close at both ends (not dumped; restored closed).
+NETNS_KEY = "starter-net"
+
+
+def dump_argv(exe, pid, images, log, stdio, leave_running, netns_ino=None):
     """The dump's command line (scripts/bench.d/checkpoint.py runs the same
     by hand).  CRIU in the job's cgroup namespace (the job's cgroups are "/"
     in the image, for the restore's new one; its cgroup2 mount there does
@@ -176,18 +184,23 @@ def dump_argv(exe, pid, images, log, stdio, leave_running):
     for key in sorted(set(stdio.values())):
         if key.startswith("file["):
             argv += ["--external", key]
+    if netns_ino is not None:
+        argv += ["--external", f"net[{netns_ino}]:{NETNS_KEY}", "--tcp-close"]
     return argv
 
 
-def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT):
+def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_dir=None):
     """Dump the job whose state entry is `st` (its cgroup `cg`) into the new
     directory `to` (root's, 0700), signed.  The tree is left running, or
     stopped (for its starter to end).  A failure removes `to`, leaves the
-    job running and raises StarterError (one line: CRIU's own words)."""
+    job running and raises StarterError (one line: CRIU's own words).  A
+    NAT job's counters (in state_dir's network) go into its segment."""
     check_dumpable(job_id, st)
     exe = criu()
     pid = st["pid"]
     stdio = _externals(pid, cg.pids())
+    nat = st.get("net") == "nat"
+    netns_ino = os.stat(f"/proc/{pid}/ns/net").st_ino if nat else None
     os.mkdir(to, 0o700)         # a new directory: nothing of anyone else's in it
     ok = False
     version = None
@@ -195,7 +208,7 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT):
         images = os.path.join(to, IMAGES)
         os.mkdir(images, 0o700)
         log = os.path.join(to, "dump.log")
-        argv = dump_argv(exe, pid, images, log, stdio, leave_running)
+        argv = dump_argv(exe, pid, images, log, stdio, leave_running, netns_ino)
         before = cg.stats()
         version = _CriuVersion(exe)
         t0 = time.time()
@@ -214,6 +227,11 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT):
                    "wall_s": round(t0 - (st.get("started_at") or t0), 6),
                    "cpu_user_s": before.get("cpu_user_s"), "cpu_system_s": before.get("cpu_system_s"),
                    "node": os.uname().nodename}
+        if nat:     # read with the tree stopped and its network locked: what it sent and got
+            from starter import net
+
+            counters = net.counters(job_id, net.NetConfig(state_dir=state_dir))
+            segment["network"] = {z: counters[z] for z in NET_TOTALS if z in counters} if counters else None
         record = {"version": VERSION, "job_id": job_id, "asked": st["asked"], "uid": st.get("uid"),
                   "gid": st.get("gid"), "groups": st.get("groups") or [], "user": st.get("user"),
                   "transient": bool(st.get("transient")), "net": st.get("net") or "none",
@@ -240,7 +258,7 @@ def checkpoint(state_dir, job_id, to, leave_running=False):
     st = admin._entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id) or st.get("state") not in ("running", "suspended"):
         raise StarterError(f"job {job_id!r} is not running (state {st.get('state')!r})")
-    dump(job_id, st, admin.job_cgroup(st, job_id), to, leave_running)
+    dump(job_id, st, admin.job_cgroup(st, job_id), to, leave_running, state_dir=state_dir)
     if not leave_running:
         # The tree is stopped (--leave-stopped): its starter kills it through
         # the cgroup and reports "checkpointed"; wait for that.
@@ -250,6 +268,75 @@ def checkpoint(state_dir, job_id, to, leave_running=False):
             time.sleep(0.02)
     print(f"{job_id}: checkpointed to {to}" + (" (left running)" if leave_running else ""))
     return 0
+
+
+def check_restore(spec, image, backend):
+    """A restore goes where this version brings one back, as the uid its
+    processes have."""
+    rec = image.record
+    if backend.kind not in ("v2", "v1"):
+        raise StarterError(f"restore of {image.path}: this starter restores onto pure cgroup v2 or v1 nodes only "
+                           f"(this one is {backend.kind}: untested)")
+    if bool(rec.get("transient")) != (spec.transient is not None) or (
+            spec.transient is None and spec.uid != rec.get("uid")):
+        raise StarterError(f"restore of {image.path}: its processes run as uid {rec.get('uid')}, "
+                           f"and the job would now run as {spec.user or spec.uid}",
+                           "restore it where its user resolves to the same uid")
+    if spec.transient is not None and not spec.transient[0] <= rec.get("uid", -1) <= spec.transient[1]:
+        raise StarterError(f"restore of {image.path}: its uid {rec.get('uid')} is outside this node's "
+                           f"job uids {spec.transient[0]}-{spec.transient[1]}")
+
+
+NET_TOTALS = ("lan_in", "lan_out", "wan_in", "wan_out", "dropped")
+
+
+def segments(report, before):
+    """The report of a restored job: each run a segment, and their sums."""
+    now = {k: report.get(k) for k in ("started_at", "ended_at", "wall_s", "cpu_user_s", "cpu_system_s")}
+    now["ended_at"] = now["ended_at"] or round(time.time(), 6)
+    now["node"] = os.uname().nodename
+    segs = list(before) + [now]
+    report["segments"] = segs
+    report["total"] = {k: round(sum(s.get(k) or 0 for s in segs), 6)
+                       for k in ("wall_s", "cpu_user_s", "cpu_system_s")}
+
+
+def network_totals(report):
+    """After the network's teardown (its counters in the report): a NAT
+    job's bytes and packets per zone, this segment's and all segments'
+    summed (each segment counted once: the dump read the counters with the
+    tree stopped, and a restored job's counters start at zero)."""
+    segs = report.get("segments")
+    if not segs or not any("network" in s for s in segs[:-1]):
+        return
+    net = report.get("network") or {}
+    segs[-1]["network"] = {z: net[z] for z in NET_TOTALS if z in net}
+    report["total"]["network"] = {
+        z: {k: sum(((s.get("network") or {}).get(z) or {}).get(k, 0) for s in segs) for k in ("bytes", "packets")}
+        for z in NET_TOTALS}
+
+
+def new_netns():
+    """A fresh network namespace (its loopback up), held by the fd returned:
+    made by a child that exits at once.  A NAT job's restore wires it as a
+    new job's, and CRIU puts the restored tree in it."""
+    from starter import ns
+    from starter.spec import DEFAULT_PATH
+
+    null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+    try:
+        child = ns.spawn(ns.ChildSpec(argv=["true"], env={"PATH": DEFAULT_PATH}, namespaces=frozenset({"net"}),
+                                      private_tmp=False, stdio=(null, null, null)))
+        try:
+            fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            child.release()
+            child.wait_started()
+            child.wait()
+        finally:
+            child.close()
+    finally:
+        os.close(null)
+    return fd
 
 
 def restore_values(image, values):
@@ -272,16 +359,25 @@ def restore_values(image, values):
 
 class Restored:
     """The restored job's PID 1, the starter's child (CRIU's --restore-sibling):
-    what job.py's supervision needs of ns.Child."""
+    what job.py's supervision needs of ns.Child.  CRIU leaves the tree
+    stopped (--leave-stopped); release() lets every process of the job's
+    cgroup go on, once the starter has recorded and wired what it needs
+    (a job that ended at once would leave nothing to read)."""
 
-    def __init__(self, pid, pidfd):
+    def __init__(self, pid, pidfd, cg):
         from starter.ns import Child
 
         self._c = Child(pid, pidfd, -1, -1, -1, False)
-        self.pid, self.pidfd = pid, pidfd
+        self.pid, self.pidfd, self._cg = pid, pidfd, cg
 
     def release(self):
-        pass
+        import signal
+
+        for pid in self._cg.pids():
+            try:
+                os.kill(pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def wait_started(self):
         pass
@@ -293,10 +389,11 @@ class Restored:
         return getattr(self._c, name)
 
 
-def spawn(image, cg, state_dir, job_id):
+def spawn(image, cg, state_dir, job_id, netns=None):
     """`criu restore` of the image into the job cgroup `cg`, in fresh
     namespaces, the tree a child of ours, with our stdio for its outside
     fds; then the mounts CRIU 3.17 gets wrong made right.  -> Restored.
+    netns: a NAT job's network namespace (an fd; new_netns()), wired.
 
     CRIU itself runs through the shim, cloned into the job cgroup with a
     cgroup namespace rooted there and a mount namespace of its own (slave:
@@ -325,16 +422,19 @@ def spawn(image, cg, state_dir, job_id):
         log, pidfile = os.path.join(work, "restore.log"), os.path.join(work, "pid")
         argv = [exe, "restore", "-D", f"/proc/self/fd/{image.images_fd}", "-o", log, "--restore-sibling", "-d",
                 "--pidfile", pidfile, "--ext-mount-map", "auto", "--enable-external-sharing",
-                "--enable-external-masters", "--root", root, "--manage-cgroups=ignore"]
+                "--enable-external-masters", "--root", root, "--manage-cgroups=ignore", "--leave-stopped"]
         for fd, key in sorted(rec.get("stdio", {}).items()):
             mine = os.dup(int(fd))
             fds.append(mine)
             argv += ["--inherit-fd", f"fd[{mine}]:{key}"]
+        if netns is not None:
+            argv += ["--inherit-fd", f"fd[{netns}]:{NETNS_KEY}", "--tcp-close"]
         null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)     # CRIU says what it has to say in its log
         fds.append(null)
         child = ns.spawn(ns.ChildSpec(
             argv=argv, env={"PATH": DEFAULT_PATH}, cwd=work, uid=0, gid=0, namespaces=frozenset({"mnt", "cgroup"}),
-            private_tmp=False, drop_privileges=False, reset_inherited=False, keep_fds=tuple(fds) + (image.images_fd,),
+            private_tmp=False, drop_privileges=False, reset_inherited=False,
+            keep_fds=tuple(fds) + (image.images_fd,) + ((netns,) if netns is not None else ()),
             cgroup_fd=cg.clone_fd(), stdio=(null, null, null)))
         try:
             # In every hierarchy of the job before it runs (v1: by pid; its
@@ -362,7 +462,7 @@ def spawn(image, cg, state_dir, job_id):
             os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
             os.close(pidfd)
             raise
-        return Restored(pid, pidfd)
+        return Restored(pid, pidfd, cg)
     finally:
         for fd in fds:
             os.close(fd)

@@ -99,6 +99,10 @@ def run(spec, caller=None, policy=None):
               "signal": None, "started_at": round(t0, 6)}
     report_dest = None
     job_state = None
+    if spec.restore is not None:    # runs after the network's teardown (pushed later): its counters
+        from starter import checkpoint
+
+        undo.push(checkpoint.network_totals, report, label="segments")
 
     def end(in_main=True):
         trace.mark("measure")
@@ -186,7 +190,9 @@ def run(spec, caller=None, policy=None):
         since = [None]          # the job's start time, once it runs
         image = spec.restore
         if image is not None:
-            _check_restore(spec, image, backend)
+            from starter import checkpoint
+
+            checkpoint.check_restore(spec, image, backend)
         if spec.on_vacate:
             from starter import checkpoint
 
@@ -390,12 +396,33 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter,
         userns_root=spec.userns_root, rlimits=rlimits, cgroupns_at_clone=spec.delegate)
     trace.mark("plan")
+    lease = None
+
+    def wire(fd):       # the job's network, in the namespace fd (the caller closes it)
+        nonlocal lease
+        net_end.append(None)        # from here on, a teardown has work to do
+        lease = net.setup(spec.id, fd, netcfg)
+        fault("net-setup")
+        job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
+                         address6=lease.address6, **({"net_rate": dict(netcfg.rate)} if netcfg.rate else {}))
+        trace.mark("net")
+
     if image is None:
         child = ns.spawn(child_spec)
     else:
         from starter import checkpoint
 
-        child = checkpoint.spawn(image, cg, spec.state_dir, spec.id)
+        # A NAT job's tree goes into a namespace made and wired first.
+        netns = checkpoint.new_netns() if netcfg is not None else None
+        try:
+            if netns is not None:
+                wire(netns)
+            child = checkpoint.spawn(image, cg, spec.state_dir, spec.id, netns)
+        finally:
+            if netns is not None and netcfg.rate:
+                net_fd.append(netns)        # _net_teardown closes it
+            elif netns is not None:
+                os.close(netns)
     undo.push(child.close, label="child")
     # Which namespaces the starter made, for `starter enter` (admin.py),
     # read now: the child runs nothing of the job's before the release.  A
@@ -417,23 +444,15 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     fault("clone")
     trace.mark("attach")
 
-    lease = None
-    if netcfg is not None:
-        from starter import net
-
+    if netcfg is not None and image is None:
         fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         if netcfg.rate:
             net_fd.append(fd)           # _net_teardown closes it
         try:
-            net_end.append(None)        # from here on, a teardown has work to do
-            lease = net.setup(spec.id, fd, netcfg)
+            wire(fd)
         finally:
-            if not net_fd:
+            if not netcfg.rate:
                 os.close(fd)
-        fault("net-setup")
-        job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
-                         address6=lease.address6, **({"net_rate": dict(netcfg.rate)} if netcfg.rate else {}))
-        trace.mark("net")
 
     deadline.check()    # the last moment a start can fail without the job running
     child.release()
@@ -509,7 +528,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                   cgroup=backend.kind, **stats)
     report.update(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
     if image is not None:
-        _segments(report, image.record["segments"])
+        checkpoint.segments(report, image.record["segments"])
     if out.checkpoint_error:
         report["checkpoint_error"] = out.checkpoint_error
     elif reason == "checkpointed" and spec.on_vacate:
@@ -541,23 +560,6 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     return code
 
 
-def _check_restore(spec, image, backend):
-    """A restore goes where this version brings one back, as the uid its
-    processes have (starter/checkpoint.py)."""
-    rec = image.record
-    if backend.kind not in ("v2", "v1"):
-        raise StarterError(f"restore of {image.path}: this starter restores onto pure cgroup v2 or v1 nodes only "
-                           f"(this one is {backend.kind}: untested)")
-    if bool(rec.get("transient")) != (spec.transient is not None) or (
-            spec.transient is None and spec.uid != rec.get("uid")):
-        raise StarterError(f"restore of {image.path}: its processes run as uid {rec.get('uid')}, "
-                           f"and the job would now run as {spec.user or spec.uid}",
-                           "restore it where its user resolves to the same uid")
-    if spec.transient is not None and not spec.transient[0] <= rec.get("uid", -1) <= spec.transient[1]:
-        raise StarterError(f"restore of {image.path}: its uid {rec.get('uid')} is outside this node's "
-                           f"job uids {spec.transient[0]}-{spec.transient[1]}")
-
-
 def _checkpointer(spec, job_state, cg):
     """--on-vacate checkpoint:DIR: -> dump(leave_running, timeout) -> DIR.
     Each dump goes to DIR.new and replaces DIR only once it is whole, so
@@ -571,7 +573,7 @@ def _checkpointer(spec, job_state, cg):
     def dump(leave_running, timeout):
         new, old = to + ".new", to + ".old"
         shutil.rmtree(new, ignore_errors=True)     # an earlier one cut short
-        checkpoint.dump(spec.id, dict(job_state.data), cg, new, leave_running, timeout)
+        checkpoint.dump(spec.id, dict(job_state.data), cg, new, leave_running, timeout, spec.state_dir)
         if os.path.lexists(to):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(to, old)
@@ -580,17 +582,6 @@ def _checkpointer(spec, job_state, cg):
         return to
 
     return dump
-
-
-def _segments(report, before):
-    """The report of a restored job: each run a segment, and their sums."""
-    now = {k: report.get(k) for k in ("started_at", "ended_at", "wall_s", "cpu_user_s", "cpu_system_s")}
-    now["ended_at"] = now["ended_at"] or round(time.time(), 6)
-    now["node"] = os.uname().nodename
-    segs = list(before) + [now]
-    report["segments"] = segs
-    report["total"] = {k: round(sum(s.get(k) or 0 for s in segs), 6)
-                       for k in ("wall_s", "cpu_user_s", "cpu_system_s")}
 
 
 def _end_transient(*args):

@@ -351,7 +351,7 @@ def test_vacate_whose_checkpoint_fails_vacates(tmp_path):
 
 
 def test_on_vacate_refuses_what_cannot_be_checkpointed(tmp_path):
-    for args, words in ((["--net", "nat"], "--net nat"), (["--scratch", str(tmp_path / "s")], "scratch"),
+    for args, words in ((["--net", "host"], "--net host"), (["--scratch", str(tmp_path / "s")], "scratch"),
                         (["--checkpoint-every", "10"], None)):
         extra = [] if args[0] == "--checkpoint-every" else ["--on-vacate", f"checkpoint:{tmp_path}/ck"]
         p = subprocess.run([STARTER, "run", *extra, *args, "--", "true"], capture_output=True, text=True, timeout=60)
