@@ -214,6 +214,18 @@ def test_restore_by_a_caller_that_is_not_root(key, policy, caller_dir):
     _one_line(run(mine), "starter.json")
 
 
+def checkpoint_and_end(job_id, ck, job, report):
+    """`starter checkpoint JOB --to ck`: the job's starter (`job`) then ends
+    it, 137, its report's reason "checkpointed" -> that report."""
+    p = subprocess.run([STARTER, "checkpoint", job_id, "--to", str(ck)], capture_output=True, text=True,
+                       timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert job.wait(timeout=60) == 137, job.stderr.read()
+    r = json.loads(report.read_text())
+    assert r["reason"] == "checkpointed", r
+    return r
+
+
 def _hybrid():
     return os.path.isdir("/sys/fs/cgroup/unified")
 
@@ -278,12 +290,7 @@ def test_checkpoint_and_restore(key, tmp_path):
             before.append(line)
             if line.strip() == "tick 5":
                 break
-        p = subprocess.run([STARTER, "checkpoint", "ck1", "--to", str(ck)], capture_output=True, text=True,
-                           timeout=300)
-        assert p.returncode == 0, p.stderr
-        assert job.wait(timeout=60) == 137, job.stderr.read()
-        r = json.loads(r1.read_text())
-        assert r["reason"] == "checkpointed", r
+        checkpoint_and_end("ck1", ck, job, r1)
         before += job.stdout.read().splitlines()    # up to the image: the dump left it stopped, then the kill
         assert not [x for x in before if x.startswith("done")]
         last = max(int(x.split()[1]) for x in before if x.startswith("tick "))

@@ -21,32 +21,24 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
 from conftest import STARTER  # noqa: E402
-from test_checkpoint import CRIU, _end, _hybrid, key  # noqa: E402,F401  (key: the fixture)
+from test_checkpoint import CRIU, _end, _hybrid, checkpoint_and_end, key  # noqa: E402,F401  (key: the fixture)
 
 POOL = f"10.{216 + secrets.randbelow(32)}.0.0/16"
 N = 3_000_000
 
-# The job: one transfer to the WAN host, a connection held open, then it
-# waits for a line on stdin (the dump comes while it waits; the line, to the
-# restored job's stdin); then the held connection is tried and a second
-# transfer made.  Each transfer's retransmitted bytes are printed.
+# The job: one transfer to the WAN host (nethosts.CLIENT, its first
+# argument), a connection held open, then it waits for a line on stdin (the
+# dump comes while it waits; the line, to the restored job's stdin); then
+# the held connection is tried and a second transfer made.
 NAT_JOB = r"""
-import socket, struct, sys
-host, p1, p2, p3, n = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5])
+import socket, sys
+client, host, p1, p2, p3, n = sys.argv[1:7]
 def send(port):
-    s = socket.create_connection((host, port), timeout=60)
-    buf = b"y" * 65536
-    left = n
-    while left:
-        left -= s.send(buf[:min(left, len(buf))])
-    s.shutdown(socket.SHUT_WR)
-    s.recv(1)
-    info = s.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, 256)
-    s.close()
-    return struct.unpack_from("=Q", info, 208)[0] if len(info) >= 216 else 0
-r1 = send(p1)
-held = socket.create_connection((host, p3), timeout=60)
-print("phase1", r1, flush=True)
+    sys.argv = ["client", "send", host, port, n, "", "60"]
+    exec(client, {"__name__": "client"})
+send(p1)
+held = socket.create_connection((host, int(p3)), timeout=60)
+print("phase1", flush=True)
 sys.stdin.readline()
 try:
     held.send(b"x")
@@ -54,7 +46,7 @@ try:
     print("held open", flush=True)
 except OSError as e:
     print("held closed", e.errno, flush=True)
-print("done", send(p2), flush=True)
+send(p2)
 """
 
 
@@ -73,26 +65,22 @@ def test_a_nat_job_restored_counts_every_byte_once(key, site, tmp_path):  # noqa
     s1, s2, s3 = (site.serve("wan", "recv", 0) for _ in range(3))
     nat = ["--net", "nat", "--pool", POOL, "--lan", site.lan_cidr, "--uplink", site.uplink]
     job = subprocess.Popen([STARTER, "run", "--id", "ckn", "--user", "65534", *nat, "--report", str(r1), "--",
-                            "python3", "-c", NAT_JOB, site.wan_addr, str(s1.port), str(s2.port), str(s3.port),
-                            str(N)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                           text=True)
+                            "python3", "-c", NAT_JOB, nethosts.CLIENT, site.wan_addr, str(s1.port), str(s2.port),
+                            str(s3.port), str(N)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
     restored = None
     try:
-        first = job.stdout.readline().split()
-        assert first[:1] == ["phase1"], (first, job.stderr.read() if job.poll() is not None else "")
-        p = subprocess.run([STARTER, "checkpoint", "ckn", "--to", str(ck)], capture_output=True, text=True,
-                           timeout=300)
-        assert p.returncode == 0, p.stderr
-        assert job.wait(timeout=60) == 137, job.stderr.read()
-        rep1 = json.loads(r1.read_text())
-        assert rep1["reason"] == "checkpointed", rep1
+        first = [job.stdout.readline().strip(), job.stdout.readline().strip()]
+        assert first == [f"sent {N}", "phase1"], (first, job.stderr.read() if job.poll() is not None else "")
+        checkpoint_and_end("ckn", ck, job, r1)
+        retrans = nethosts.retransmitted(job.stderr.read())
         restored = subprocess.Popen([STARTER, "run", "--restore", str(ck), "--report", str(r2)],
                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
         out, err = restored.communicate("go\n", timeout=300)
         assert restored.returncode == 0, (out, err)
         lines = out.splitlines()
         assert lines[0].split()[:2] == ["held", "closed"], out      # another address: CRIU's --tcp-close
-        assert lines[-1].startswith("done "), out
+        assert lines[-1] == f"sent {N}", out
         for s in (s1, s2):
             assert s.result()[0].splitlines()[-1] == f"received {N}"
         rep = json.loads(r2.read_text())
@@ -102,7 +90,7 @@ def test_a_nat_job_restored_counts_every_byte_once(key, site, tmp_path):  # noqa
         total = rep["total"]["network"]["wan_out"]
         assert total["bytes"] == sum(s["network"]["wan_out"]["bytes"] for s in segs), rep
         assert rep["network"]["wan_out"] == segs[-1]["network"]["wan_out"]     # this run's own, as ever
-        sent = 2 * N + int(first[1]) + int(lines[-1].split()[1])
+        sent = 2 * N + retrans + nethosts.retransmitted(err)
         payload = total["bytes"] - 52 * total["packets"]        # IP + TCP headers
         assert abs(payload - sent) <= 0.01 * sent, (payload, sent, rep["total"])
     finally:
