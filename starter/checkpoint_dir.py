@@ -182,6 +182,12 @@ def _private_copy(src_fds, state_dir):
     from starter.fileio import copy_hashing, sized_to_fit
 
     state.ensure_dir(state_dir)
+    vfs = os.statvfs(state_dir)
+    need, room = sum(os.fstat(fd).st_size for fd in src_fds.values()), vfs.f_bavail * vfs.f_frsize
+    if need > room:     # (each file is checked again as it is copied: the sizes may change)
+        raise ImageError(f"the images ({need} bytes) do not fit in the state directory {state_dir} ({room} bytes "
+                         "free), where a restore copies images others may write",
+                         "restore from a directory only root may write (no copy is made), or make room there")
     priv = tempfile.mkdtemp(prefix=".restore-", dir=state_dir)
     dfd = os.open(priv, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     digests = {}

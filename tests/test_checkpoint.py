@@ -156,6 +156,22 @@ def test_a_root_restore_of_images_not_roots_alone_reads_a_private_copy(key, tmp_
         os.chown(owned, 0, 0)
 
 
+def test_images_that_do_not_fit_the_private_copy_are_refused_before_a_byte_is_copied(key, tmp_path):
+    from starter import checkpoint_dir
+
+    d = _fake_image(tmp_path, images={"core-1.img": b"\0" * 64, "pages-1.img": b"\0" * (256 << 10)})
+    os.chown(d / "images", 65534, 65534)        # not root's alone: a copy is made
+    state = tmp_path / "state"
+    state.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", "size=128k", "starter-test", str(state)], check=True)
+    try:
+        with pytest.raises(checkpoint_dir.ImageError, match="do not fit in the state directory"):
+            checkpoint_dir.load(str(d), state_dir=str(state))
+        assert os.listdir(state) == []
+    finally:
+        subprocess.run(["umount", str(state)], check=True)
+
+
 def test_restore_refuses_links_and_more_than_the_job_asked(key, tmp_path):
     d = _fake_image(tmp_path)
     # options beyond where the report goes: the job keeps what it had
