@@ -31,7 +31,7 @@ import shutil
 import subprocess
 import time
 
-from starter.checkpoint_dir import IMAGES, VERSION, node_key, write_signed
+from starter.checkpoint_dir import IMAGES, SCRATCH, VERSION, ImageError, node_key, write_signed
 from starter.errors import StarterError, one_line
 
 DUMP_TIMEOUT = 600.0
@@ -152,11 +152,11 @@ class _CriuVersion:
 def check_dumpable(job_id, st):
     """Refuse, in one line, a job this version does not checkpoint."""
     for what, why in ((st.get("net") not in ("none", "nat", None), f"--net {st.get('net')}"),
-                      (st.get("scratch") is not None, "a scratch directory"),
+                      (st.get("disk") or st.get("disk_image") or st.get("disk_project"), "--disk"),
                       (st.get("delegate"), "--delegate"), (st.get("userns_root"), "--userns-root")):
         if what:
             raise StarterError(f"job {job_id!r} has {why}: this starter checkpoints only jobs with --net none "
-                               "or nat and no scratch, delegation or user namespace yet",
+                               "or nat and no --disk, delegation or user namespace yet",
                                "docs/reference.md, \"Checkpoint and restore\"")
     if st.get("asked") is None:
         raise StarterError(f"job {job_id!r} was started by a starter that keeps no record of its options",
@@ -201,6 +201,7 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
     stdio = _externals(pid, cg.pids())
     nat = st.get("net") == "nat"
     netns_ino = os.stat(f"/proc/{pid}/ns/net").st_ino if nat else None
+    scratch = st.get("scratch")     # archived with the tree stopped, even if it is to run on
     os.mkdir(to, 0o700)         # a new directory: nothing of anyone else's in it
     ok = False
     version = None
@@ -208,7 +209,7 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
         images = os.path.join(to, IMAGES)
         os.mkdir(images, 0o700)
         log = os.path.join(to, "dump.log")
-        argv = dump_argv(exe, pid, images, log, stdio, leave_running, netns_ino)
+        argv = dump_argv(exe, pid, images, log, stdio, leave_running and scratch is None, netns_ino)
         before = cg.stats()
         version = _CriuVersion(exe)
         t0 = time.time()
@@ -222,6 +223,14 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
         if r.returncode != 0:
             raise StarterError(f"checkpoint of job {job_id!r}: criu dump failed: {_criu_error(log)}",
                                "the job runs on; `criu check` says what this kernel lacks")
+        if scratch is not None:
+            try:
+                _pack_scratch(scratch, st, images, max(1.0, timeout - (time.time() - t0)))
+            except BaseException:
+                continue_all(cg)        # the job runs on, as after any failed dump
+                raise
+            if leave_running:
+                continue_all(cg)
         took = time.time() - t0
         segment = {"started_at": st.get("started_at"), "ended_at": round(t0, 6),
                    "wall_s": round(t0 - (st.get("started_at") or t0), 6),
@@ -246,6 +255,66 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
             version.close()
         if not ok:     # (a tree it failed to dump, CRIU resumes itself)
             shutil.rmtree(to, ignore_errors=True)
+
+
+def _as_job(uid, gid):
+    """argv prefix: a command with the job's ids and no capabilities."""
+    return ["setpriv", f"--reuid={int(uid)}", f"--regid={int(gid)}", "--clear-groups", "--inh-caps=-all", "--"]
+
+
+def _pack_scratch(path, st, images, timeout):
+    """The job's scratch as images/scratch.tar, by tar with the job's own
+    ids (it reads only what the job could; the tree is stopped), sparse
+    files kept sparse."""
+    from starter.spec import DEFAULT_PATH
+
+    fd = os.open(os.path.join(images, SCRATCH), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
+                 0o600)
+    try:
+        r = subprocess.run(_as_job(st["uid"], st["gid"]) + [
+            "tar", "--create", "--sparse", "--one-file-system", "--numeric-owner", "--file=-", f"--directory={path}",
+            "."], stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.PIPE, text=True, timeout=timeout,
+            env={"PATH": DEFAULT_PATH})
+    except subprocess.TimeoutExpired:
+        raise StarterError(f"checkpoint: archiving the scratch {path} ran past the dump's time") from None
+    finally:
+        os.close(fd)
+    if r.returncode != 0:
+        raise StarterError(f"checkpoint: cannot archive the scratch {path}: {one_line(r.stderr) or r.returncode}")
+
+
+def unpack_scratch(image, path, uid, gid):
+    """Before CRIU: the dumped scratch's files back in the new job's scratch
+    `path` (made as a new job's), where the fds CRIU restores name them;
+    unpacked by tar with the job's own ids, so it makes only what the job
+    could."""
+    from starter.spec import DEFAULT_PATH
+
+    try:
+        fd = os.open(SCRATCH, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=image.images_fd)
+    except FileNotFoundError:
+        raise ImageError(f"{image.path} holds no scratch, and the job has one") from None
+    try:
+        r = subprocess.run(_as_job(uid, gid) + [
+            "tar", "--extract", "--preserve-permissions", "--no-same-owner", "--delay-directory-restore",
+            "--file=-", f"--directory={path}"], stdin=fd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+            text=True, env={"PATH": DEFAULT_PATH})
+    finally:
+        os.close(fd)
+    if r.returncode != 0:
+        raise StarterError(f"restore of {image.path}: cannot unpack its scratch into {path}: "
+                           f"{one_line(r.stderr) or r.returncode}")
+
+
+def continue_all(cg):
+    """SIGCONT to every process of the job's cgroup (a tree CRIU left stopped)."""
+    import signal
+
+    for pid in cg.pids():
+        try:
+            os.kill(pid, signal.SIGCONT)
+        except ProcessLookupError:
+            pass
 
 
 def checkpoint(state_dir, job_id, to, leave_running=False):
@@ -371,13 +440,7 @@ class Restored:
         self.pid, self.pidfd, self._cg = pid, pidfd, cg
 
     def release(self):
-        import signal
-
-        for pid in self._cg.pids():
-            try:
-                os.kill(pid, signal.SIGCONT)
-            except ProcessLookupError:
-                pass
+        continue_all(self._cg)
 
     def wait_started(self):
         pass

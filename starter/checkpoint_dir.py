@@ -84,6 +84,9 @@ def _key_id(key):
     return hashlib.sha256(b"starter-checkpoint-key\0" + key).hexdigest()[:16]
 
 
+SCRATCH = "scratch.tar"     # the job's scratch (starter/checkpoint.py), beside CRIU's images
+
+
 def raw_pages(name):
     """CRIU's pages-N.img: the job's memory, raw bytes that CRIU copies into
     the restored job's own mappings, at the addresses the pagemap and mm
@@ -93,13 +96,16 @@ def raw_pages(name):
     uid, limits, mounts, fds and seccomp filter are in the other images).
     So the signature covers its size, not its bytes: hashing what CRIU
     wrote by splicing would cost more than the dump itself (SHA-256 of 128
-    MiB: 2.8 s in the TCG VM, where CRIU's whole dump takes 2.2 s).  Every
-    other image (the metadata CRIU parses, the tmpfs archives it unpacks
-    as root) is hashed."""
-    return name.startswith("pages-") and name.endswith(".img")
+    MiB: 2.8 s in the TCG VM, where CRIU's whole dump takes 2.2 s).  The
+    scratch's archive too: it is unpacked with the job's own rights, so it
+    can only make what the job could.  Every other image (the metadata CRIU
+    parses, the tmpfs archives it unpacks as root) is hashed."""
+    return name.startswith("pages-") and name.endswith(".img") or name == SCRATCH
 
 
 def _digest(name, fd):
+    if os.fstat(fd).st_nlink != 1:     # a link to a file the caller could not read (as root: any)
+        raise ImageError(f"images/{name} has other links")
     if raw_pages(name):
         return f"size:{os.fstat(fd).st_size}"
     h = hashlib.sha256()
@@ -197,6 +203,8 @@ def _private_copy(src_fds, state_dir):
             out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                           dir_fd=dfd)
             try:
+                if os.fstat(fd).st_nlink != 1:
+                    raise ImageError(f"images/{name} has other links")
                 if raw_pages(name):     # copied by the kernel; its size is what is signed
                     copy_hashing(fd, out, (), limit=size)
                     digests[name] = f"size:{os.fstat(out).st_size}"

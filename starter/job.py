@@ -197,7 +197,7 @@ def run(spec, caller=None, policy=None):
             from starter import checkpoint
 
             checkpoint.check_dumpable(spec.id, {
-                "net": spec.network.mode, "scratch": spec.scratch or spec.execute_dir, "delegate": spec.delegate,
+                "net": spec.network.mode, "disk": spec.limits.disk, "delegate": spec.delegate,
                 "userns_root": spec.userns_root, "asked": spec.asked})
         if spec.transient is not None:
             from starter import uids
@@ -315,6 +315,10 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
             stage_fd = disk.setup(sc, spec.id, spec.limits.disk, spec.limits.disk_inodes, spec.uid, spec.gid,
                                   job_state, undo, fault, report, spec.seccomp, spec.state_dir).root_fd
             trace.mark("disk")
+        if image is not None:   # the dumped scratch's files, before CRIU restores fds naming them
+            from starter import checkpoint
+
+            checkpoint.unpack_scratch(image, sc.path, spec.uid, spec.gid)
         cwd = cwd or sc.path
         if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
             # The job's /tmp is private: show the scratch at the same path inside it.

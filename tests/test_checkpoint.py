@@ -156,6 +156,15 @@ def test_a_root_restore_of_images_not_roots_alone_reads_a_private_copy(key, tmp_
         os.chown(owned, 0, 0)
 
 
+def test_an_image_file_with_other_links_is_refused(key, tmp_path):
+    """A hard link could be to a file the restorer may read and the job may
+    not (the pages and the scratch's archive are signed by size only)."""
+    d = _fake_image(tmp_path, images={"core-1.img": b"\0" * 64, "pages-1.img": b"\0" * 4096})
+    os.link(d / "images" / "pages-1.img", tmp_path / "elsewhere")
+    _one_line(subprocess.run([STARTER, "run", "--restore", str(d)], capture_output=True, text=True, timeout=60),
+              "images/pages-1.img has other links")
+
+
 def test_images_that_do_not_fit_the_private_copy_are_refused_before_a_byte_is_copied(key, tmp_path):
     from starter import checkpoint_dir
 
@@ -331,6 +340,55 @@ def test_checkpoint_and_restore(key, tmp_path):
         _end(job, restored)
 
 
+# A job in its scratch (its cwd): a file it holds open for appending, a
+# sparse file and a subdirectory; it waits for a line on stdin (the dump
+# comes then), appends through the fd it held, and shows what it finds.
+SCRATCH_JOB = r"""
+exec 3>>log
+echo one >&3
+mkdir -p sub && echo inner > sub/file
+truncate -s 1G sparse
+echo ready
+read x
+echo two >&3
+echo "found $(cat log | tr '\n' ' ')$(cat sub/file) $(stat -c %s sparse) $(du -k sparse | cut -f1) $(pwd)"
+"""
+
+
+@pytest.mark.skipif(not CRIU or _hybrid(), reason="needs CRIU working and a pure cgroup v2 or v1 layout: "
+                    "scripts/vm-test [--cgroup v1] -- python -m pytest tests/test_checkpoint.py")
+def test_a_jobs_scratch_goes_with_its_checkpoint(key, tmp_path):
+    """The scratch is archived with the images (by tar, with the job's own
+    ids, the tree stopped) and unpacked into the restored job's new scratch
+    before CRIU runs: the file it held open goes on, a sparse file stays
+    sparse, and what it left there is removed at its end as usual."""
+    # root's, 0755, and outside the job's private /tmp and /var/tmp
+    ck, execute = tmp_path / "ck", f"/var/lib/starter-test-ck-{os.getpid()}"
+    os.mkdir(execute, 0o755)
+    scratch = os.path.join(execute, "job-ck5")
+    r1, r2 = tmp_path / "r1.json", tmp_path / "r2.json"
+    job = subprocess.Popen([STARTER, "run", "--id", "ck5", "--user", "65534", "--execute-dir", execute, "--report",
+                            str(r1), "--", "sh", "-c", SCRATCH_JOB], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    restored = None
+    try:
+        assert job.stdout.readline().strip() == "ready", job.stderr.read() if job.poll() is not None else ""
+        checkpoint_and_end("ck5", ck, job, r1)
+        assert not os.path.exists(scratch)          # its starter removed it, as at any end
+        assert os.path.getsize(ck / "images" / "scratch.tar") < 1 << 20     # the sparse GiB is not in it
+        restored = subprocess.Popen([STARTER, "run", "--restore", str(ck), "--report", str(r2)],
+                                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        out, err = restored.communicate("go\n", timeout=300)
+        assert restored.returncode == 0, (out, err)
+        found = out.split()
+        assert found[:5] == ["found", "one", "two", "inner", str(1 << 30)], out
+        assert int(found[5]) < 1024 and found[6] == scratch, out
+        assert not os.path.exists(scratch)
+    finally:
+        _end(job, restored)
+        subprocess.run(["rm", "-rf", "--one-file-system", execute], check=False)
+
+
 @pytest.mark.skipif(not CRIU or _hybrid(), reason="needs CRIU working and a pure cgroup v2 or v1 layout: "
                     "scripts/vm-test [--cgroup v1] -- python -m pytest tests/test_checkpoint.py")
 def test_vacate_with_a_checkpoint_then_restore(key, tmp_path):
@@ -374,7 +432,8 @@ def test_vacate_whose_checkpoint_fails_vacates(tmp_path):
 
 
 def test_on_vacate_refuses_what_cannot_be_checkpointed(tmp_path):
-    for args, words in ((["--net", "host"], "--net host"), (["--scratch", str(tmp_path / "s")], "scratch"),
+    for args, words in ((["--net", "host"], "--net host"),
+                        (["--scratch", str(tmp_path / "s"), "--disk", "10M"], "--disk"),
                         (["--checkpoint-every", "10"], None)):
         extra = [] if args[0] == "--checkpoint-every" else ["--on-vacate", f"checkpoint:{tmp_path}/ck"]
         p = subprocess.run([STARTER, "run", *extra, *args, "--", "true"], capture_output=True, text=True, timeout=60)
