@@ -103,42 +103,60 @@ def raw_pages(name):
     return name.startswith("pages-") and name.endswith(".img") or name == SCRATCH
 
 
-def _digest(name, fd):
-    if os.fstat(fd).st_nlink != 1:     # a link to a file the caller could not read (as root: any)
-        raise ImageError(f"images/{name} has other links")
-    if raw_pages(name):
-        return f"size:{os.fstat(fd).st_size}"
-    h = hashlib.sha256()
-    while True:
-        buf = os.read(fd, 1 << 20)
-        if not buf:
-            break
-        h.update(buf)
-    return h.hexdigest()
-
-
-def _digest_images(images_fd):
-    """{name: digest} of every file of the images directory (raw_pages():
-    its size); anything but a regular file there (a link, a directory) is
-    refused."""
-    out = {}
-    for name in sorted(os.listdir(images_fd)):
-        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK, dir_fd=images_fd)
-        try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+def _open_images(images_fd):
+    """{name: fd} of every file of the images directory, each opened once
+    (not following links) and checked: a regular file with no other link (a
+    link could be to a file the job may not read, and the pages and the
+    scratch's archive are signed by size).  The caller closes them."""
+    fds = {}
+    try:
+        for name in sorted(os.listdir(images_fd)):
+            fd = fds[name] = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                                     dir_fd=images_fd)
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 raise ImageError(f"images/{name} is not a regular file")
-            out[name] = _digest(name, fd)
-        finally:
-            os.close(fd)
+            if st.st_nlink != 1:
+                raise ImageError(f"images/{name} has other links")
+    except BaseException:
+        _close_all(fds)
+        raise
+    return fds
+
+
+def _close_all(fds):
+    for fd in fds.values():
+        os.close(fd)
+
+
+def _digests(fds):
+    """{name: digest} of the open image files: raw_pages(), its size; every
+    other, the SHA-256 of its bytes."""
+    out = {}
+    for name, fd in fds.items():
+        if raw_pages(name):
+            out[name] = f"size:{os.fstat(fd).st_size}"
+            continue
+        h = hashlib.sha256()
+        while True:
+            buf = os.read(fd, 1 << 20)
+            if not buf:
+                break
+            h.update(buf)
+        out[name] = h.hexdigest()
     return out
 
 
 def write_signed(to, key, record):
     images_fd = os.open(os.path.join(to, IMAGES), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
     try:
-        digests = _digest_images(images_fd)
+        fds = _open_images(images_fd)
     finally:
         os.close(images_fd)
+    try:
+        digests = _digests(fds)
+    finally:
+        _close_all(fds)
     data = json.dumps(record, sort_keys=True, indent=1).encode() + b"\n"
     sig = {"key_id": _key_id(key), "hmac_sha256": _signature(key, data, digests), "images": digests}
     for name, blob in ((RECORD, data), (SIG, json.dumps(sig, sort_keys=True, indent=1).encode() + b"\n")):
@@ -181,7 +199,7 @@ def _private_copy(src_fds, state_dir):
     """Copy the caller's image files (fds opened with its rights) into a
     directory of root's, hashing the bytes written: CRIU reads the copy, so
     the caller cannot change a file between its check and CRIU's read.
-    -> (path, dir fd, {name: digest as _digest_images gives it})."""
+    -> (path, dir fd, {name: digest as _digests gives it})."""
     import tempfile
 
     from starter import state
@@ -203,8 +221,6 @@ def _private_copy(src_fds, state_dir):
             out = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                           dir_fd=dfd)
             try:
-                if os.fstat(fd).st_nlink != 1:
-                    raise ImageError(f"images/{name} has other links")
                 if raw_pages(name):     # copied by the kernel; its size is what is signed
                     copy_hashing(fd, out, (), limit=size)
                     digests[name] = f"size:{os.fstat(out).st_size}"
@@ -219,23 +235,14 @@ def _private_copy(src_fds, state_dir):
     return priv, dfd, digests
 
 
-def _roots_alone(images_fd):
-    """Are the images directory and every entry in it regular files of
-    root's that no one else may write?  Else (images that came back through
+def _roots_alone(images_fd, fds):
+    """Are the images directory and its files (open: _open_images) root's,
+    and may no one else write them?  Else (images that came back through
     their user's hands) whoever may write one could swap it for another
     between the check of its digest and CRIU's read: CRIU reads a private
     copy instead."""
-    st = os.fstat(images_fd)
-    if st.st_uid != 0 or st.st_mode & 0o022:
-        return False
-    for name in os.listdir(images_fd):
-        try:
-            st = os.stat(name, dir_fd=images_fd, follow_symlinks=False)
-        except OSError:
-            return False
-        if not stat.S_ISREG(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022:
-            return False
-    return True
+    return all(st.st_uid == 0 and not st.st_mode & 0o022
+               for st in [os.fstat(images_fd)] + [os.fstat(fd) for fd in fds.values()])
 
 
 def load(path, caller=None, state_dir=None):
@@ -262,14 +269,8 @@ def load(path, caller=None, state_dir=None):
                 data = _read_small(d, RECORD)
                 sig_data = _read_small(d, SIG)
                 images_fd = os.open(IMAGES, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=d)
-                copy = caller is not None or not _roots_alone(images_fd)
-                if copy:
-                    for name in sorted(os.listdir(images_fd)):
-                        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
-                                     dir_fd=images_fd)
-                        src_fds[name] = fd
-                        if not stat.S_ISREG(os.fstat(fd).st_mode):
-                            raise ImageError(f"images/{name} is not a regular file")
+                src_fds = _open_images(images_fd)
+                copy = caller is not None or not _roots_alone(images_fd, src_fds)
             finally:
                 os.close(d)
         try:
@@ -285,7 +286,7 @@ def load(path, caller=None, state_dir=None):
             images_fd = -1
             private, images_fd, digests = _private_copy(src_fds, state_dir)
         else:
-            digests = _digest_images(images_fd)
+            digests = _digests(src_fds)
         if not hmac.compare_digest(str(sig.get("hmac_sha256", "")), _signature(key, data, digests)):
             raise ImageError(f"{path}: the signature does not match its record and images "
                              "(changed since the checkpoint)")
@@ -307,5 +308,4 @@ def load(path, caller=None, state_dir=None):
             shutil.rmtree(private, ignore_errors=True)
         raise
     finally:
-        for fd in src_fds.values():
-            os.close(fd)
+        _close_all(src_fds)
