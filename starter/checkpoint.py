@@ -122,31 +122,14 @@ def _criu_error(log):
     return lines[0] if len(lines) == 1 or lines[0] == lines[-1] else f"{lines[0]}; {lines[-1]}"
 
 
-class _CriuVersion:
-    """`criu --version`, asked while the dump runs (a process start is
-    ~0.1 s in the TCG VM, where the dump's time is measured)."""
-
-    def __init__(self, path):
-        try:
-            self.proc = subprocess.Popen([path, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                                         stderr=subprocess.DEVNULL, text=True)
-        except OSError:
-            self.proc = None
-
-    def get(self):
-        if self.proc is None:
-            return None
-        try:
-            out = self.proc.communicate(timeout=10)[0]
-        except subprocess.TimeoutExpired:
-            self.close()
-            return None
-        return out.split("\n", 1)[0].replace("Version: ", "").strip() or None
-
-    def close(self):
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            self.proc.wait()
+def _criu_version(proc):
+    """What `criu --version` (started beside the dump: a process start is
+    ~0.1 s in the TCG VM, where the dump is timed) printed, or None."""
+    try:
+        out = proc.communicate(timeout=10)[0]
+    except subprocess.TimeoutExpired:
+        return None
+    return out.split("\n", 1)[0].replace("Version: ", "").strip() or None
 
 
 def check_dumpable(job_id, st):
@@ -211,7 +194,8 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
         log = os.path.join(to, "dump.log")
         argv = dump_argv(exe, pid, images, log, stdio, leave_running and scratch is None, netns_ino)
         before = cg.stats()
-        version = _CriuVersion(exe)
+        version = subprocess.Popen([exe, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                   stderr=subprocess.DEVNULL, text=True)
         t0 = time.time()
         try:
             r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
@@ -240,19 +224,20 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
             from starter import net
 
             counters = net.counters(job_id, net.NetConfig(state_dir=state_dir))
-            segment["network"] = {z: counters[z] for z in NET_TOTALS if z in counters} if counters else None
+            segment["network"] = _zones(counters) if counters else None
         record = {"version": VERSION, "job_id": job_id, "asked": st["asked"], "uid": st.get("uid"),
                   "gid": st.get("gid"), "groups": st.get("groups") or [], "user": st.get("user"),
                   "transient": bool(st.get("transient")), "net": st.get("net") or "none",
                   "root_pid": pid, "stdio": stdio, "segments": list(st.get("segments") or []) + [segment],
                   "cgroup_kind": st.get("cgroup_kind"), "kernel": os.uname().release,
-                  "criu": version.get(), "dump_s": round(took, 3)}
+                  "criu": _criu_version(version), "dump_s": round(took, 3)}
         write_signed(to, node_key(create=True), record)
         ok = True
         return record
     finally:
-        if version is not None:
-            version.close()
+        if version is not None and version.poll() is None:
+            version.kill()
+            version.wait()
         if not ok:     # (a tree it failed to dump, CRIU resumes itself)
             shutil.rmtree(to, ignore_errors=True)
 
@@ -359,8 +344,19 @@ def check_restore(spec, image, backend):
 NET_TOTALS = ("lan_in", "lan_out", "wan_in", "wan_out", "dropped")
 
 
+def _zones(counters):
+    """A NAT job's counters as a segment keeps them: bytes and packets per zone."""
+    return {z: counters[z] for z in NET_TOTALS if z in counters}
+
+
 def segments(report, before):
-    """The report of a restored job: each run a segment, and their sums."""
+    """The report of a restored job, once its teardown is done (its network
+    counters read): each run a segment, and their sums.  Nothing for a
+    restore that did not run.  A NAT job's counters start at zero in each
+    run's namespace and its dump read them with the tree stopped, so each
+    byte is in one segment."""
+    if "wall_s" not in report:
+        return
     now = {k: report.get(k) for k in ("started_at", "ended_at", "wall_s", "cpu_user_s", "cpu_system_s")}
     now["ended_at"] = now["ended_at"] or round(time.time(), 6)
     now["node"] = os.uname().nodename
@@ -368,21 +364,11 @@ def segments(report, before):
     report["segments"] = segs
     report["total"] = {k: round(sum(s.get(k) or 0 for s in segs), 6)
                        for k in ("wall_s", "cpu_user_s", "cpu_system_s")}
-
-
-def network_totals(report):
-    """After the network's teardown (its counters in the report): a NAT
-    job's bytes and packets per zone, this segment's and all segments'
-    summed (each segment counted once: the dump read the counters with the
-    tree stopped, and a restored job's counters start at zero)."""
-    segs = report.get("segments")
-    if not segs or not any("network" in s for s in segs[:-1]):
-        return
-    net = report.get("network") or {}
-    segs[-1]["network"] = {z: net[z] for z in NET_TOTALS if z in net}
-    report["total"]["network"] = {
-        z: {k: sum(((s.get("network") or {}).get(z) or {}).get(k, 0) for s in segs) for k in ("bytes", "packets")}
-        for z in NET_TOTALS}
+    if any("network" in s for s in before):
+        now["network"] = _zones(report.get("network") or {})
+        report["total"]["network"] = {
+            z: {k: sum(((s.get("network") or {}).get(z) or {}).get(k, 0) for s in segs) for k in ("bytes", "packets")}
+            for z in NET_TOTALS}
 
 
 def new_netns():

@@ -102,7 +102,7 @@ def run(spec, caller=None, policy=None):
     if spec.restore is not None:    # runs after the network's teardown (pushed later): its counters
         from starter import checkpoint
 
-        undo.push(checkpoint.network_totals, report, label="segments")
+        undo.push(checkpoint.segments, report, spec.restore.record["segments"], label="segments")
 
     def end(in_main=True):
         trace.mark("measure")
@@ -190,8 +190,6 @@ def run(spec, caller=None, policy=None):
         since = [None]          # the job's start time, once it runs
         image = spec.restore
         if image is not None:
-            from starter import checkpoint
-
             checkpoint.check_restore(spec, image, backend)
         if spec.on_vacate:
             from starter import checkpoint
@@ -265,6 +263,8 @@ def _reclaim_for_start(state_dir, job_id, st):
 
 def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_root_rights, since=None):
     image = spec.restore     # a checkpoint to restore (starter/checkpoint.py), or None
+    if image is not None:
+        from starter import checkpoint
     from starter import cgroups, ns
     from starter.nsidentity import made_for
     from starter.mounts import Mount
@@ -316,8 +316,6 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                                   job_state, undo, fault, report, spec.seccomp, spec.state_dir).root_fd
             trace.mark("disk")
         if image is not None:   # the dumped scratch's files, before CRIU restores fds naming them
-            from starter import checkpoint
-
             checkpoint.unpack_scratch(image, sc.path, spec.uid, spec.gid)
         cwd = cwd or sc.path
         if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
@@ -402,7 +400,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     trace.mark("plan")
     lease = None
 
-    def wire(fd):       # the job's network, in the namespace fd (the caller closes it)
+    def wire(fd):       # the job's network, in the namespace fd (let_go() after)
         nonlocal lease
         net_end.append(None)        # from here on, a teardown has work to do
         lease = net.setup(spec.id, fd, netcfg)
@@ -411,11 +409,15 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                          address6=lease.address6, **({"net_rate": dict(netcfg.rate)} if netcfg.rate else {}))
         trace.mark("net")
 
+    def let_go(fd):     # a capped job's namespace stays open for its teardown, which closes it
+        if netcfg.rate:
+            net_fd.append(fd)
+        else:
+            os.close(fd)
+
     if image is None:
         child = ns.spawn(child_spec)
     else:
-        from starter import checkpoint
-
         # A NAT job's tree goes into a namespace made and wired first.
         netns = checkpoint.new_netns() if netcfg is not None else None
         try:
@@ -423,10 +425,8 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                 wire(netns)
             child = checkpoint.spawn(image, cg, spec.state_dir, spec.id, netns)
         finally:
-            if netns is not None and netcfg.rate:
-                net_fd.append(netns)        # _net_teardown closes it
-            elif netns is not None:
-                os.close(netns)
+            if netns is not None:
+                let_go(netns)
     undo.push(child.close, label="child")
     # Which namespaces the starter made, for `starter enter` (admin.py),
     # read now: the child runs nothing of the job's before the release.  A
@@ -450,13 +450,10 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
 
     if netcfg is not None and image is None:
         fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        if netcfg.rate:
-            net_fd.append(fd)           # _net_teardown closes it
         try:
             wire(fd)
         finally:
-            if not netcfg.rate:
-                os.close(fd)
+            let_go(fd)
 
     deadline.check()    # the last moment a start can fail without the job running
     child.release()
@@ -531,8 +528,6 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
                   wall_s=round(time.monotonic() - sup.started, 6),
                   cgroup=backend.kind, **stats)
     report.update(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
-    if image is not None:
-        checkpoint.segments(report, image.record["segments"])
     if out.checkpoint_error:
         report["checkpoint_error"] = out.checkpoint_error
     elif reason == "checkpointed" and spec.on_vacate:
