@@ -47,12 +47,21 @@ def deb(rev):
     return os.path.join(CARRY, name)
 
 
-def apt_install(path):
+def apt_install(path, run=sh):
     # No index, no network: everything it depends on is already installed.
-    # apt takes a local package from a local file system (not the 9p share).
-    local = os.path.join("/tmp", os.path.basename(path))
+    # apt takes a local package from a local file system (not the 9p share;
+    # the root disk's /var/tmp, which package_units.py's systemd box sees too).
+    local = os.path.join("/var/tmp", os.path.basename(path))
     sh("cp", path, local)
-    return sh("apt-get", "install", "-y", "-q", local)
+    return run("apt-get", "install", "-y", "-q", local)
+
+
+def uplink():
+    """up0, a dummy uplink for NAT jobs (the VM has no network), once."""
+    if not os.path.exists("/sys/class/net/up0"):
+        sh("ip", "link", "add", "up0", "type", "dummy")
+        sh("ip", "link", "set", "up0", "up")
+        sh("ip", "addr", "add", "198.51.100.1/24", "dev", "up0")
 
 
 def step(name):
@@ -81,9 +90,7 @@ def main():
     assert sh(STARTER, "run", "--", "sh", "-c", "exit 3", ok=False).returncode == 3
 
     step("nat")
-    sh("ip", "link", "add", "up0", "type", "dummy")
-    sh("ip", "link", "set", "up0", "up")
-    sh("ip", "addr", "add", "198.51.100.1/24", "dev", "up0")
+    uplink()
     netd = subprocess.Popen([STARTER, "netd"], env=ENV, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
         deadline = time.monotonic() + 60

@@ -23,7 +23,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from package_check import CARRY, ENV, deb, sh, step  # noqa: E402
+from package_check import CARRY, ENV, apt_install, deb, sh, step, uplink  # noqa: E402
 
 BOX = "/sys/fs/cgroup/systemd-box"          # the v2 VM's cgroup2 root is /sys/fs/cgroup
 ENABLED = ("starter-netd.service", "starter-gc.timer")
@@ -101,9 +101,7 @@ def main():
             print(box("systemctl", "--failed", "--no-legend", ok=False).stdout)
 
         step("install")
-        local = "/var/tmp/" + os.path.basename(deb(1))
-        sh("cp", deb(1), local)
-        box("apt-get", "install", "-y", "-q", local)
+        apt_install(deb(1), run=box)
         for unit in ENABLED:
             assert box("systemctl", "is-enabled", unit).stdout.strip() == "enabled", unit
             box("systemctl", "is-active", "--quiet", unit)
@@ -115,10 +113,7 @@ def main():
 
         # A NAT job through the unit's netd, run by a service with a delegated
         # cgroup, as a batch system's daemon is (no D-Bus here for systemd-run).
-        if not os.path.exists("/sys/class/net/up0"):
-            sh("ip", "link", "add", "up0", "type", "dummy")
-            sh("ip", "link", "set", "up0", "up")
-            sh("ip", "addr", "add", "198.51.100.1/24", "dev", "up0")
+        uplink()
         with open("/etc/systemd/system/starter-nat-job.service", "w") as f:
             f.write(NAT_JOB)
         box("systemctl", "daemon-reload")
@@ -131,9 +126,7 @@ def main():
         print("a NAT job under systemd, through the unit's netd:", out.split()[3])
 
         step("upgrade")
-        local = "/var/tmp/" + os.path.basename(deb(2))
-        sh("cp", deb(2), local)
-        box("apt-get", "install", "-y", "-q", local)
+        apt_install(deb(2), run=box)
         box("systemctl", "is-active", "--quiet", *ENABLED)
         after = prop("starter-netd.service", "MainPID")
         assert after not in ("0", netd), (netd, after)
