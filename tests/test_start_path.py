@@ -274,6 +274,22 @@ print(getattr(starter.values, "CHANGED", None))
 """
 
 
+def _bundle(top):
+    """scripts/setup's bundle step, in the tree `top`."""
+    subprocess.run([PY, "-I", os.path.join(top, "starter", "bundle.py")], check=True, timeout=60)
+
+
+def _bundled_copy(tmp_path):
+    """A copy of the package's sources under tmp_path, with its bundle -> its top."""
+    import shutil
+
+    top = str(tmp_path / "tree")
+    shutil.copytree(os.path.join(REPO, "starter"), os.path.join(top, "starter"), copy_function=shutil.copy2,
+                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
+    _bundle(top)
+    return top
+
+
 def _bundle_probe(top, flags):
     p = subprocess.run([PY, *flags, "-c", BUNDLE_PROBE.format(top=top)], capture_output=True, text=True,
                        timeout=60)
@@ -286,12 +302,7 @@ def test_the_launchers_interpreter_reads_modules_from_the_bundle_while_their_sou
     """python -I -S (as the launcher runs it) takes the package's modules
     from the bundle scripts/setup made; a module whose source changed since
     comes from its source, as do all of them without -I -S."""
-    import shutil
-
-    top = str(tmp_path / "tree")
-    shutil.copytree(os.path.join(REPO, "starter"), os.path.join(top, "starter"), copy_function=shutil.copy2,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    subprocess.run([PY, "-I", os.path.join(top, "starter", "bundle.py")], check=True, timeout=60)
+    top = _bundled_copy(tmp_path)
     pkg = os.path.join(top, "starter")
     assert _bundle_probe(top, ["-IS"]) == [f"starter.errors bundle {pkg}/errors.py",
                                            f"starter.values bundle {pkg}/values.py", "None"]
@@ -330,20 +341,14 @@ def test_a_starter_upgraded_under_keeps_importing_the_version_it_started_with(tm
     """An upgrade (a new source and a new bundle, as the package's postinst
     or scripts/setup write them) while a starter runs: a module it imports
     only later comes from the bundle it started with, not the new source."""
-    import shutil
-
-    top = str(tmp_path / "tree")
-    shutil.copytree(os.path.join(REPO, "starter"), os.path.join(top, "starter"), copy_function=shutil.copy2,
-                    ignore=shutil.ignore_patterns("__pycache__", "*.so"))
-    bundle = [PY, "-I", os.path.join(top, "starter", "bundle.py")]
-    subprocess.run(bundle, check=True, timeout=60)
+    top = _bundled_copy(tmp_path)
     p = subprocess.Popen([PY, "-IS", "-c", UPGRADE_PROBE.format(top=top)], stdin=subprocess.PIPE,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline() == "ready\n", p.stderr.read()
         with open(os.path.join(top, "starter", "values.py"), "a") as f:
             f.write("\nCHANGED = 1\n")
-        subprocess.run(bundle, check=True, timeout=60)
+        _bundle(top)
         out, err = p.communicate("\n", timeout=60)
     finally:
         if p.poll() is None:

@@ -97,9 +97,7 @@ def main():
                 p = subprocess.run(argv, capture_output=True, text=True)
                 times[kind].append(time.perf_counter() - t)
                 if p.returncode != 0:
-                    log = os.path.join(d, "dump.log")
-                    why = p.stderr.strip() or (open(log).read().strip().splitlines() or [""])[-1] \
-                        if os.path.exists(log) else p.stderr.strip()
+                    why = p.stderr.strip() or checkpoint._criu_error(os.path.join(d, "dump.log"))
                     raise SystemExit(f"{kind} dump failed: {why}")
                 if kind == "starter":
                     if last:
