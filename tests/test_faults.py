@@ -103,6 +103,7 @@ def test_table_removed_under_running_jobs_is_rebuilt_without_refusing_the_next(s
     # What the soak found: another state dir's last job removed the shared
     # table; the rebuild took this state dir's own live veths for a conflict.
     from starter import net
+    from starter.net import ipam
 
     cfg = net.NetConfig(state_dir=str(tmp_path / "state"), pool=POOL, table=f"startert{os.getpid()}")
     a, b = site.job(), site.job()
@@ -112,12 +113,16 @@ def test_table_removed_under_running_jobs_is_rebuilt_without_refusing_the_next(s
             net.setup("rebuild-a", fd, cfg)
         finally:
             os.close(fd)
+        assert ipam.LeaseStore(cfg.state_dir).table_record()["marks"] is True
         subprocess.run(["nft", "delete", "table", "inet", cfg.table], check=True)
         fd = b.open_fd()
         try:
             assert net.setup("rebuild-b", fd, cfg).address
         finally:
             os.close(fd)
+        # rebuilt under a's connections, which carry no mark now: a's and b's
+        # are found by address at their ends
+        assert ipam.LeaseStore(cfg.state_dir).table_record()["marks"] is False
         assert net.counters("rebuild-a", cfg) is not None and net.counters("rebuild-b", cfg) is not None
     finally:
         net.teardown("rebuild-b", cfg)

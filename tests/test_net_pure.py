@@ -188,6 +188,14 @@ def test_conntrack_messages():
     e = struct.pack("=IHHII", 20, 2, 0, 7, 0) + struct.pack("=i", -95)
     assert conntrack.parse_entries(e, socket.AF_INET, {a}) == ([], True, -95)
     assert conntrack.forget([]) == 0
+    # the flush by mark: a DELETE with no tuple (a flush), both families,
+    # acked, filtered by the mark under an all-ones mask (ctnetlink's u32s
+    # are big-endian)
+    req = conntrack.flush_mark_request(0x0AD50002, 9)
+    length, mtype, flags, seq, _ = struct.unpack_from("=IHHII", req)
+    assert (length, mtype, flags, seq) == (len(req), (1 << 8) | 2, 0x5, 9)
+    assert req[16:20] == struct.pack("=BBH", socket.AF_UNSPEC, 0, 0)
+    assert req[20:] == netlink.attr(8, b"\x0a\xd5\x00\x02") + netlink.attr(21, b"\xff" * 4)
 
 
 def test_facade_import_is_cheap():

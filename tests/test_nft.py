@@ -55,7 +55,7 @@ def test_a_jobs_changes_encode_as_their_fixture():
     t = nftrules.Table("starter")
     got = []
     for verb in ("add", "delete"):
-        changes = t.job_changes(verb, *FIXTURE_JOB)
+        changes = t.job_changes(verb, *FIXTURE_JOB, mark=True)
         msgs = nftwire.job_messages(t.name, verb, changes, 100)
         got += [f"{verb} {c[0]} {c[1]} {m.hex()}" for c, m in zip(changes, msgs)]
     with open(os.path.join(FIX, "job.netlink")) as f:
@@ -77,13 +77,20 @@ def test_rule_rendering_table():
     hooks = {o["name"]: (o.get("hook"), o.get("prio")) for c in cmds for v in c.values()
              for k, o in v.items() if k == "chain" and "hook" in o}
     assert hooks == {"prerouting": ("prerouting", -300), "input": ("input", 0),
-                     "forward": ("forward", 0), "postrouting": ("postrouting", 100)}
+                     "forward": ("forward", 0), "postrouting": ("postrouting", 100), "nat_input": ("input", 100)}
     rules = [o for c in cmds for v in c.values() for k, o in v.items() if k == "rule"]
-    # per-job dispatch is by map: every counter in a rule is a map lookup or the global one
+    # every new connection of a job gets its mark, in the nat chains only
+    # (their first packet), unless a site's rule marked it first
+    marking = [r for r in rules if '"@job_marks"' in json.dumps(r)]
+    assert [(r["chain"], r["expr"][0]["match"]["left"]["meta"]["key"]) for r in marking] == \
+        [("postrouting", "iifname"), ("postrouting", "oifname"), ("nat_input", "iifname")]
+    assert all(r["expr"][1] == {"match": {"op": "==", "left": {"ct": {"key": "mark"}}, "right": 0}} for r in marking)
+    assert nftrules.job_mark("10.213.0.2") == 0x0AD50002
+    # per-job dispatch is by map: every counter in a rule is a map lookup or a global one
     for r in rules:
         for e in r["expr"]:
             if "counter" in e:
-                assert e["counter"] == "dropped" or e["counter"]["map"]["data"].startswith("@ctr_")
+                assert e["counter"] in ("dropped", "foreign_marks") or e["counter"]["map"]["data"].startswith("@ctr_")
     sets = {o["name"]: o for c in cmds for v in c.values() for k, o in v.items() if k in ("set", "map")}
     assert sets["host_allow"]["elem"] == [{"concat": [6, 3128]}, {"concat": [17, 53]}]  # by number: no /etc/protocols needed
     assert sets["lan"]["elem"] == [{"prefix": {"addr": "10.77.0.0", "len": 16}}]
@@ -176,7 +183,7 @@ def test_rule_rendering_ipv6():
     # router messages from the job are counted drops; NAT66 out of the uplinks
     assert '"nd-router-advert"' in text and '"masquerade"' in text
     rules = [o for c in cmds for v in c.values() for k, o in v.items() if k == "rule"]
-    masq = [r for r in rules if r["chain"] == "postrouting"]
+    masq = [r for r in rules if r["chain"] == "postrouting" and '"masquerade"' in json.dumps(r)]
     assert len(masq) == 2 and "job_nets6" in json.dumps(masq[1])
     # a job with IPv6: four more counters and one more element, still no rule
     add = t.add_job("stj0123456789ab", "stj0123456789ab", "10.213.0.2", "fd70:7639:1864::2")
@@ -236,7 +243,7 @@ def _drawn_rule(text):
     refs = set(re.findall(r"@(\w+)", text))
     words = re.findall(r"[\w]+", action)
     refs |= {"ctr_drop" for w in words if w == "count"} | {"ctr_" + w for w in words if w in ZONE_WORDS}
-    refs |= {"dropped" for w in words if w == "dropped"}
+    refs |= {w for w in words if w in ("dropped", "foreign_marks")}      # the table's own counters
     jump = re.search(r"\b(jump|goto) (\w+)", text)
     verdict = next((w for w in ("accept", "drop", "masquerade") if re.search(rf"\b{w}\b", text)), None)
     return _rule_shape(refs, jump and f"{jump[1]} {jump[2]}", verdict)

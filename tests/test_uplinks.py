@@ -27,7 +27,7 @@ import nethosts  # noqa: E402
 from conftest import STARTER, running_netd  # noqa: E402
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import conntrack, ipam, nft  # noqa: E402
+from starter.net import conntrack, ipam, nft, nftrules  # noqa: E402
 
 POOL = f"10.{216 + secrets.randbelow(32)}.{secrets.randbelow(256)}.0/24"
 
@@ -251,7 +251,7 @@ def _torn_down(job_id, cfg, live=()):
 
 
 @pytest.mark.net
-def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg, netmode):
+def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg, netmode, monkeypatch):
     # A host flow with an address of the site: teardown must leave it alone.
     other = uplinks.servers[1]
     subprocess.run(["conntrack", "-I", "-s", other, "-d", uplinks.servers[0], "-p", "udp", "--sport", "9",
@@ -265,7 +265,10 @@ def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg,
             cli = job.popen(nethosts.PY, "-c", MANY_CLIENT, uplinks.servers[1], str(port), str(N))
             assert cli.stdout.readline().strip() == f"open {N}", cli.stderr.read()
             assert srv.stdout.readline().strip() == f"accepted {N}"
-            assert len(_flows(lease.address)) >= N
+            flows = _flows(lease.address)
+            assert len(flows) >= N
+            # each carries the job's mark (conntrack -L prints it in decimal)
+            assert all(f"mark={nftrules.job_mark(lease.address)} " in f for f in flows), flows[:3]
             srv.stdin.write("close\n")
             srv.stdin.flush()
             assert cli.stdout.readline().strip() == "eof", cli.stderr.read()
@@ -273,7 +276,11 @@ def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg,
         finally:
             job.close()
         assert len(_flows(lease.address)) >= N      # TIME_WAIT: they would linger for minutes
+        # One flush by the job's mark (counted in-process; netd's worker
+        # flushes in its own process).
+        flushed = _count_flushes(monkeypatch)
         _torn_down("many", cfg)
+        assert len(flushed) == (1 if netmode is None else 0)
         assert _flows(lease.address) == []
         assert len(_flows(other)) == 1               # not the job's: untouched
         # the next job gets the same address at once, and its connections work
@@ -292,26 +299,66 @@ def test_teardown_forgets_the_jobs_flows_and_the_address_is_reused(uplinks, cfg,
                        capture_output=True)
 
 
+def _count_flushes(monkeypatch):
+    """[each flush request conntrack.forget sends] (in this process)."""
+    flushed, real = [], conntrack._flush
+    monkeypatch.setattr(conntrack, "_flush", lambda s, req, seq: (flushed.append(req), real(s, req, seq)))
+    return flushed
+
+
 @pytest.mark.net
-@pytest.mark.parametrize("walk", ["one walk", "filtered per address"])
+def test_a_sites_own_marks_are_kept_and_the_flows_forgotten_by_address(uplinks, cfg, monkeypatch):
+    """A site's rule that marks a job's connections before the table does:
+    its mark stays (the table counts it in foreign_marks), and teardown,
+    no longer trusting the marks, finds the job's entries by address."""
+    site = "starter_tsite" + secrets.token_hex(3)     # a table of the project's own name
+    job = nethosts.Netns()
+    try:
+        lease = _setup(job, "marked", cfg)
+        rules = (f"table inet {site} {{\n chain site_forward {{\n type filter hook forward priority -150; policy accept;\n"
+                 f' iifname "{lease.host_ifname}" ct mark set 7\n }}\n}}\n')
+        subprocess.run(["nft", "-f", "-"], input=rules, text=True, check=True)
+        try:
+            s = uplinks.serve(1, "send", 10_000)
+            assert nethosts.client(job, "recv", uplinks.servers[1], s.port) == (0, "received 10000")
+            flows = _flows(lease.address)
+            assert flows and all(" mark=7 " in f for f in flows), flows
+            assert nft.foreign_marks(cfg.table) >= 1
+            flushed = _count_flushes(monkeypatch)
+            _torn_down("marked", cfg)
+            assert _flows(lease.address) == [] and flushed == []
+        finally:
+            subprocess.run(["nft", "delete", "table", "inet", site], capture_output=True)
+    finally:
+        job.close()
+
+
+@pytest.mark.net
+@pytest.mark.parametrize("walk", ["one walk", "filtered per address", "by mark"])
 def test_conntrack_forget_takes_exactly_the_addresses_given(monkeypatch, walk):
-    """Both ways of finding a job's entries (conntrack.py: one unfiltered
-    walk while the table is small, kernel-filtered dumps per address and
-    direction above SMALL_TABLE), on entries made with the conntrack tool
-    (no traffic): the given addresses' entries go, as source or as
-    destination, in both families; another address's stay."""
+    """The three ways of finding a job's entries (conntrack.py: one flush
+    per job by its mark; where its marks are not trusted, one unfiltered
+    walk while the table is small, else kernel-filtered dumps per address
+    and direction), on entries made with the conntrack tool (no
+    traffic, each job entry with the job's mark, the other's with its own):
+    the given addresses' entries go, as source or as destination, in both
+    families; another address's stay."""
     t = secrets.randbelow(200) + 20
     job4, job6, other = f"10.251.{t}.2", f"fd70:7639:1864::{t:x}:2", f"10.251.{t}.3"
-    made = [("-s", job4, "-d", "192.0.2.1", "-p", "udp", "--sport", "9", "--dport", "9"),
-            ("-s", "192.0.2.1", "-d", job4, "-p", "udp", "--sport", "10", "--dport", "11"),
-            ("-s", job6, "-d", "2001:db8::1", "-p", "udp", "--sport", "9", "--dport", "9"),
-            ("-s", other, "-d", "192.0.2.1", "-p", "udp", "--sport", "9", "--dport", "9")]
+    mark = str(nftrules.job_mark(job4))
+    made = [("-s", job4, "-d", "192.0.2.1", "-p", "udp", "--sport", "9", "--dport", "9", "-m", mark),
+            ("-s", "192.0.2.1", "-d", job4, "-p", "udp", "--sport", "10", "--dport", "11", "-m", mark),
+            ("-s", job6, "-d", "2001:db8::1", "-p", "udp", "--sport", "9", "--dport", "9", "-m", mark),
+            ("-s", other, "-d", "192.0.2.1", "-p", "udp", "--sport", "9", "--dport", "9",
+             "-m", str(nftrules.job_mark(other)))]
     monkeypatch.setattr(conntrack, "SMALL_TABLE", 1 << 30 if walk == "one walk" else -1)
+    marks = (lambda: {int(mark): [job4, job6]}) if walk == "by mark" else None
     try:
         for m in made:
             subprocess.run(["conntrack", "-I", *m, "-t", "120"], check=True, capture_output=True)
         assert len(_flows(job4)) == 2 and len(_flows(job6)) == 1
-        assert conntrack.forget([job4, job6]) == 3
+        # (a flush does not say how many it took)
+        assert conntrack.forget([job4, job6], marks) == (0 if walk == "by mark" else 3)
         assert _flows(job4) == [] and _flows(job6) == []
         assert len(_flows(other)) == 1
     finally:

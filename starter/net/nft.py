@@ -133,6 +133,18 @@ def combine(raw):
     return out
 
 
+def foreign_marks(table_name):
+    """Packets of new job connections that a rule outside the table had
+    marked first (the table's foreign_marks counter), or None where there
+    is no such counter (no table, or one made before marks)."""
+    (r,) = _getobjs(table_name, ["foreign_marks"])
+    if isinstance(r, int):
+        if r == -2:
+            return None
+        raise _counter_error("foreign_marks", r)
+    return r["packets"]
+
+
 def read_uplink_counters(table_name, uplinks):
     """-> {ifname: {"in": {bytes, packets}, "out": {...}}} node-wide, for the
     uplinks the table was built with; {} when there is no table."""
@@ -233,10 +245,10 @@ class Nft:
                 c = changes[i]
                 raise NftError(what, f"{os.strerror(-err)} ({verb} {c[0]} {c[1]})")
 
-    def add_job(self, table, key, address, address6=None, what="add job rules"):
+    def add_job(self, table, key, address, address6=None, what="add job rules", mark=False):
         """apply() of Table.job_changes("add", ...): the job's counters and
-        elements, its host veth named by its key."""
-        self.apply(table, "add", table.job_changes("add", key, key, address, address6), what)
+        elements, its host veth named by its key (mark: its job_marks element)."""
+        self.apply(table, "add", table.job_changes("add", key, key, address, address6, mark=mark), what)
 
     def has_element(self, table, set_name, parts):
         """Is this element in the set now?  (A get: see nftwire.getsetelem_request.)"""

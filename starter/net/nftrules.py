@@ -24,6 +24,8 @@ opened.  An accept here does not override other tables: a site firewall
 that drops forwarded traffic must allow the pool.
 """
 
+import _socket
+
 from starter.net.ipam import JOB_LINK_LOCAL6
 
 FAMILY = "inet"
@@ -44,6 +46,13 @@ ROUTER_MSGS = ["nd-router-solicit", "nd-router-advert", "nd-redirect"]
 MLD = ["mld-listener-query", "mld-listener-report", "mld-listener-done", "mld2-listener-report"]
 UPLINK_DIRECTIONS = ("in", "out")
 
+
+
+def job_mark(address):
+    """The conntrack mark of a job's connections: its IPv4 address as a
+    32-bit number (pure).  Unique among live jobs (one lease per address),
+    and far from the small marks sites give their own flows."""
+    return int.from_bytes(_socket.inet_aton(address), "big")
 
 
 # Protocols by number: a name makes libnftables call getprotobyname(), which
@@ -141,6 +150,7 @@ class Table:
         iif, oif = _meta("iifname"), _meta("oifname")
         cmds = [{"add": {"table": t}}, {"delete": {"table": t}}, {"add": {"table": t}}]
         cmds.append({"add": {"counter": self._obj(name="dropped")}})
+        cmds.append({"add": {"counter": self._obj(name="foreign_marks")}})
         cmds += [
             self._set("job_nets", "ipv4_addr", ["interval"], [_prefix(pool)]),
             self._set("job_nets6", "ipv6_addr", ["interval"], [_prefix(pool6)] if pool6 else []),
@@ -152,6 +162,9 @@ class Table:
             self._set("guard_ifs", "ifname", elem=list(guard_ifs)),
             self._set("guard6_ifs", "ifname", elem=list(guard6_ifs)),
             self._set("job_ifs", "ifname"),
+            # per job (by its veth): the mark its connections get (job_mark),
+            # by which teardown flushes them (conntrack.forget)
+            self._set("job_marks", "ifname", map_="mark"),
             # per job (by its veth): its tracked connections, counted by the
             # kernel; filled from the packet path (nft makes it dynamic)
             {"add": {"set": self._obj(name="job_flows", type="ifname", size=65535)}},
@@ -179,6 +192,7 @@ class Table:
             self._chain("job_in_count"),
             self._chain("job_in_count6"),
             self._chain("postrouting", "postrouting", type_="nat", prio=100),
+            self._chain("nat_input", "input", type_="nat", prio=100),
         ]
         drop_job = [_ctr_map(iif, "ctr_drop"), DROP]
         nfproto = _meta("nfproto")
@@ -238,12 +252,27 @@ class Table:
             self._rule("job_in_count6", _ctr_map(oif, "ctr_wan_in6"), ACCEPT),
             self._rule("job_in_count", _match(_payload("ip", "saddr"), "@lan"), _ctr_map(oif, "ctr_lan_in"), ACCEPT),
             self._rule("job_in_count", _ctr_map(oif, "ctr_wan_in"), ACCEPT),
+            # Every new connection of a job gets its mark, once (a nat
+            # chain sees only a connection's first packet): made by the job
+            # (in through its veth: routed out, or to the host) or by the
+            # host towards it (out through its veth).  A mark a site's own
+            # rule gave it first is kept and counted (foreign_marks): then
+            # teardown finds the job's connections by address instead.
+            *self._mark_rules("postrouting", iif),
+            *self._mark_rules("postrouting", oif),
+            *self._mark_rules("nat_input", iif),
             self._rule("postrouting", _match(_payload("ip", "saddr"), "@job_nets"),
                        _match(oif, "@uplinks"), {"masquerade": None}),
             self._rule("postrouting", _match(_payload("ip6", "saddr"), "@job_nets6"),
                        _match(oif, "@uplinks"), {"masquerade": None}),
         ]
         return cmds
+
+    def _mark_rules(self, chain, dev):
+        ct_mark = {"ct": {"key": "mark"}}
+        return [self._rule(chain, _match(dev, "@job_ifs"), _match(ct_mark, 0, "!="), {"counter": "foreign_marks"}),
+                self._rule(chain, _match(dev, "@job_ifs"), _match(ct_mark, 0),
+                           {"mangle": {"key": ct_mark, "value": {"map": {"key": dev, "data": "@job_marks"}}}})]
 
     def add_guard6(self, ifnames):
         """Uplinks whose IPv6 forwarding we turned on later (the first job
@@ -258,11 +287,13 @@ class Table:
     def _elem(self, verb, set_name, elems):
         return {verb: {"element": self._obj(name=set_name, elem=elems)}}
 
-    def job_changes(self, verb, key, ifname, address, address6=None, has6=None):
+    def job_changes(self, verb, key, ifname, address, address6=None, has6=None, mark=False):
         """What adding ("add") or removing ("delete") one job changes, in
         order: [("counter", name) | ("element", set, [element, ...])], an
-        element being (key parts, counter name or None).  IPv6 counters and
-        sources only for a job with address6 (has6: override for removal).
+        element being (key parts, counter name, Mark or None).  IPv6 counters and
+        sources only for a job with address6 (has6: override for removal);
+        its job_marks element only with mark (a table made with the marks
+        for every job in it: wiring's table record says).
         Rendered as JSON (add_job, del_job) or as netlink (nftwire, for Nft.apply)."""
         names = COUNTERS + (COUNTERS6 if (address6 if has6 is None else has6) else ())
         counters = [("counter", f"{key}_{c}") for c in names]
@@ -271,6 +302,8 @@ class Table:
         if address6:
             src.append(("element", "job_src6", [((ifname, Addr(address6)), None),
                                                 ((ifname, Addr(JOB_LINK_LOCAL6)), None)]))
+        if mark and address:
+            src.append(("element", "job_marks", [((ifname,), Mark(job_mark(address)))]))
         ifs = [("element", "job_ifs", [((ifname,), None)])]
         if verb == "add":
             # Counters first (map elements refer to them); job_ifs last: the
@@ -293,14 +326,18 @@ class Table:
             cmds.append(self._elem(verb, change[1], elems))
         return cmds
 
-    def add_job(self, key, ifname, address, address6=None):
+    def add_job(self, key, ifname, address, address6=None, mark=False):
         """The JSON commands of job_changes("add", ...)."""
-        return self.to_json("add", self.job_changes("add", key, ifname, address, address6))
+        return self.to_json("add", self.job_changes("add", key, ifname, address, address6, mark=mark))
 
-    def del_job(self, key, ifname, address, address6=None, has6=None):
+    def del_job(self, key, ifname, address, address6=None, has6=None, mark=False):
         """The JSON commands of job_changes("delete", ...)."""
-        return self.to_json("delete", self.job_changes("delete", key, ifname, address, address6, has6))
+        return self.to_json("delete", self.job_changes("delete", key, ifname, address, address6, has6, mark))
 
 
 class Addr(str):
     """An address part of a set element's key (an ifname part is a plain str)."""
+
+
+class Mark(int):
+    """A map element's data that is a conntrack mark (not a counter's name)."""

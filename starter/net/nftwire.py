@@ -11,7 +11,7 @@ directly.  The table itself is made through libnftables (nft.Nft.run).
 
 from starter.errors import NetworkError
 from starter.net import netlink
-from starter.net.nftrules import Addr
+from starter.net.nftrules import Addr, Mark
 
 NETLINK_NETFILTER = 12     # the socket's protocol
 _NFNL_SUBSYS_NFTABLES = 10
@@ -23,7 +23,7 @@ _NFPROTO_INET = 1
 # the per-job changes (job_messages, transaction)
 _NFT_MSG_NEWSETELEM, _NFT_MSG_GETSETELEM, _NFT_MSG_DELSETELEM, _NFT_MSG_DELOBJ = 12, 13, 14, 20
 _NFTA_SET_ELEM_LIST_SET, _NFTA_SET_ELEM_LIST_ELEMENTS = 2, 3
-_NFTA_LIST_ELEM, _NFTA_SET_ELEM_KEY, _NFTA_SET_ELEM_OBJREF, _NFTA_DATA_VALUE = 1, 1, 9, 1
+_NFTA_LIST_ELEM, _NFTA_SET_ELEM_KEY, _NFTA_SET_ELEM_DATA, _NFTA_SET_ELEM_OBJREF, _NFTA_DATA_VALUE = 1, 1, 2, 9, 1
 _NFNL_MSG_BATCH_BEGIN, _NFNL_MSG_BATCH_END = 16, 17
 
 
@@ -54,13 +54,19 @@ def job_messages(table_name, verb, changes, seq):
 
 
 def _elements(set_name, items, add):
-    """A set's name and its elements [(key parts, counter name or None)] as
-    NFTA_SET_ELEM_LIST attributes (the counter only when adding)."""
+    """A set's name and its elements [(key parts, counter name, Mark or
+    None)] as NFTA_SET_ELEM_LIST attributes (the data only when adding: a
+    mark as nf_tables keeps one, host-endian)."""
+    import struct
+
     elems = b""
     for parts, ref in items:
         e = netlink.attr(_NFTA_SET_ELEM_KEY | netlink.NLA_F_NESTED,
                          netlink.attr(_NFTA_DATA_VALUE, b"".join(_key_part(p) for p in parts)))
-        if ref is not None and add:
+        if isinstance(ref, Mark) and add:
+            e += netlink.attr(_NFTA_SET_ELEM_DATA | netlink.NLA_F_NESTED,
+                              netlink.attr(_NFTA_DATA_VALUE, struct.pack("=I", ref)))
+        elif ref is not None and add:
             e += netlink.attr(_NFTA_SET_ELEM_OBJREF, ref.encode() + b"\0")
         elems += netlink.attr(_NFTA_LIST_ELEM | netlink.NLA_F_NESTED, e)
     return (netlink.attr(_NFTA_SET_ELEM_LIST_SET, set_name.encode() + b"\0")

@@ -81,6 +81,11 @@ def checked_pools(cfg):
     return pool, pool6
 
 
+def _has_marks(store):
+    """Was the state dir's table made with job marks (its record)?"""
+    return bool((store.table_record() or {}).get("marks"))
+
+
 def _if_exists(ifname):
     return os.path.exists(f"/sys/class/net/{ipam.check_ifname('ifname', ifname)}")
 
@@ -90,20 +95,38 @@ def _if_exists(ifname):
 JOB_ADDRESS_KEYS = ("address", "address6")
 
 
-def _forget_flows(*leases):
+def _forget_flows(*items):
     """Delete the dead jobs' conntrack entries (both families) before their
-    leases go, so their addresses can be leased again at once (one table
-    walk for them all where the table is small).  A failure keeps the
-    leases (raised): `starter gc` retries."""
-    addrs = [lease[k] for lease in leases for k in JOB_ADDRESS_KEYS if lease and lease.get(k)]
+    leases go, so their addresses can be leased again at once: one flush
+    by mark per job, or by address where its marks are not trusted.  items:
+    (cfg, lease).  A failure keeps the leases (raised): `starter gc` retries."""
+    addrs = [lease[k] for _cfg, lease in items for k in JOB_ADDRESS_KEYS if lease and lease.get(k)]
     if addrs:
         from starter.net import conntrack
 
         try:
-            conntrack.forget(addrs)
+            conntrack.forget(addrs, lambda: _marks(items))
         except OSError as e:
             raise NetworkError(f"deleting the conntrack entries of {', '.join(addrs)} failed: {e}",
                                "the lease is kept; `starter gc` retries") from None
+
+
+def _marks(items):
+    """{mark: addresses} of the jobs whose every connection carries their mark:
+    their table was made with marks before its jobs (its record says so) and
+    no site rule marked a job's connection first (foreign_marks is 0)."""
+    out, trusted = {}, {}
+    for cfg, lease in items:
+        if not lease or not lease.get("address"):
+            continue
+        if cfg.table not in trusted:
+            rec = ipam.LeaseStore(cfg.state_dir).table_record() or {}
+            with contextlib.suppress(NetworkError):     # unread: untrusted
+                trusted[cfg.table] = bool(rec.get("marks")) and nft.foreign_marks(cfg.table) == 0
+            trusted.setdefault(cfg.table, False)
+        if trusted[cfg.table]:
+            out[nftrules.job_mark(lease["address"])] = [lease[k] for k in JOB_ADDRESS_KEYS if lease.get(k)]
+    return out
 
 
 PINNED = float("inf")   # an idle table's "since": never expires (Wiring.pin)
@@ -242,8 +265,11 @@ class Wiring:
             if name in old.get("guard", ()) or read_sysctl(forwarding_path(name)) == "0":
                 guard.append(name)
         # Record first: a crash after the sysctl write must still restore it.
+        # "marks": every connection of its jobs carries the job's mark (see
+        # _marks); not so in a table rebuilt under running jobs' connections.
         v6 = old.get("v6")
-        store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard, "v6": v6})
+        store.set_table_record({"cfg": cfg_fingerprint(cfg), "guard": guard, "v6": v6,
+                                "marks": not store.has_leases()})
         try:
             self.nft.run(table.create(cfg.pool, cfg.lan, list(cfg.uplink), guard, cfg.allow_host_ports,
                                       cfg.pool6, (v6 or {}).get("guard6", ()), nft.max_flows()),
@@ -476,13 +502,13 @@ class Wiring:
 
     def _add_job(self, store, cfg, table, key, address, address6=None):
         try:
-            self.nft.add_job(table, key, address, address6)
+            self.nft.add_job(table, key, address, address6, mark=_has_marks(store))
         except nft.NftError as e:
             if not e.enoent or self.nft.table_exists(table):
                 raise
             # Someone removed our table under running jobs (nft flush ruleset):
             # rebuild it with every live lease, then add this job.
-            self._create_table(store, cfg, table)
+            self._create_table(store, cfg, table)       # (without marks: jobs run)
             for other in store.all():
                 if other.get("key") != key and other.get("address") and _if_exists(other["key"]):
                     self.nft.add_job(table, other["key"], other["address"], other.get("address6"), "re-add job")
@@ -528,7 +554,7 @@ class Wiring:
         if _if_exists(key):
             self.links.set_down(key)
         if counters is not None or address:
-            changes = table.job_changes("delete", key, key, address, address6, has6)
+            changes = table.job_changes("delete", key, key, address, address6, has6, mark=_has_marks(store))
             # Its connection count, made by its first connection (if it had
             # one): a set that only grew would fill up after 65535 jobs.
             # Asked first, and removed in the same transaction: deleting an
@@ -549,7 +575,7 @@ class Wiring:
             self._later.append((cfg, key, lease))   # queued by start_deferred()
         else:
             self._delete_veth(self.links, key)
-            _forget_flows(lease)
+            _forget_flows((cfg, lease))
             self._release(store, cfg, key, lease, removed, keep_table)
         return counters
 
@@ -566,7 +592,7 @@ class Wiring:
         the conntrack entries of them all, then the bookkeeping with it."""
         for _cfg, key, _lease in items:
             self._delete_veth(links, key)
-        _forget_flows(*(lease for _cfg, _key, lease in items))
+        _forget_flows(*((cfg, lease) for cfg, _key, lease in items))
         for cfg, key, lease in items:
             store = ipam.LeaseStore(cfg.state_dir)
             with store:
