@@ -54,8 +54,11 @@ def test_exit_codes_propagate(starter, code):
 
 def test_all_256_exit_codes(starter):
     # One job that forks 256 children would not test the starter; run the
-    # starter itself for each code, quickly, in one loop.
-    for code in range(256):
+    # starter itself for each code, quickly, in one loop.  In the VMs every
+    # 15th code, 0 to 255: a start takes ~0.3 s under TCG (256 of them were
+    # 85 s, the longest test there), the decoding is the same on every
+    # cgroup layout, and all 256 run natively.
+    for code in range(0, 256, 15) if os.environ.get("STARTER_VM") else range(256):
         rc = subprocess.run([STARTER, "run", "--", "sh", "-c", f"exit {code}"], capture_output=True).returncode
         assert rc == code
 
