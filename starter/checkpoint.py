@@ -242,24 +242,25 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
             shutil.rmtree(to, ignore_errors=True)
 
 
-def _as_job(uid, gid):
-    """argv prefix: a command with the job's ids and no capabilities."""
-    return ["setpriv", f"--reuid={int(uid)}", f"--regid={int(gid)}", "--clear-groups", "--inh-caps=-all", "--"]
+def _tar_as_job(uid, gid, args, stdin, stdout, timeout=None):
+    """tar with the job's ids and no capabilities (it reads and makes only
+    what the job could) -> its CompletedProcess (stderr as text)."""
+    from starter.spec import DEFAULT_PATH
+
+    return subprocess.run(["setpriv", f"--reuid={int(uid)}", f"--regid={int(gid)}", "--clear-groups",
+                           "--inh-caps=-all", "--", "tar", *args], stdin=stdin, stdout=stdout,
+                          stderr=subprocess.PIPE, text=True, timeout=timeout, env={"PATH": DEFAULT_PATH})
 
 
 def _pack_scratch(path, st, images, timeout):
     """The job's scratch as images/scratch.tar, by tar with the job's own
     ids (it reads only what the job could; the tree is stopped), sparse
     files kept sparse."""
-    from starter.spec import DEFAULT_PATH
-
     fd = os.open(os.path.join(images, SCRATCH), os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     try:
-        r = subprocess.run(_as_job(st["uid"], st["gid"]) + [
-            "tar", "--create", "--sparse", "--one-file-system", "--numeric-owner", "--file=-", f"--directory={path}",
-            "."], stdin=subprocess.DEVNULL, stdout=fd, stderr=subprocess.PIPE, text=True, timeout=timeout,
-            env={"PATH": DEFAULT_PATH})
+        r = _tar_as_job(st["uid"], st["gid"], ["--create", "--sparse", "--one-file-system", "--numeric-owner",
+                                               "--file=-", f"--directory={path}", "."], subprocess.DEVNULL, fd, timeout)
     except subprocess.TimeoutExpired:
         raise StarterError(f"checkpoint: archiving the scratch {path} ran past the dump's time") from None
     finally:
@@ -273,17 +274,14 @@ def unpack_scratch(image, path, uid, gid):
     `path` (made as a new job's), where the fds CRIU restores name them;
     unpacked by tar with the job's own ids, so it makes only what the job
     could."""
-    from starter.spec import DEFAULT_PATH
-
     try:
         fd = os.open(SCRATCH, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=image.images_fd)
     except FileNotFoundError:
         raise ImageError(f"{image.path} holds no scratch, and the job has one") from None
     try:
-        r = subprocess.run(_as_job(uid, gid) + [
-            "tar", "--extract", "--preserve-permissions", "--no-same-owner", "--delay-directory-restore",
-            "--file=-", f"--directory={path}"], stdin=fd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
-            text=True, env={"PATH": DEFAULT_PATH})
+        r = _tar_as_job(uid, gid, ["--extract", "--preserve-permissions", "--no-same-owner",
+                                   "--delay-directory-restore", "--file=-", f"--directory={path}"],
+                        fd, subprocess.DEVNULL)
     finally:
         os.close(fd)
     if r.returncode != 0:
@@ -293,13 +291,11 @@ def unpack_scratch(image, path, uid, gid):
 
 def continue_all(cg):
     """SIGCONT to every process of the job's cgroup (a tree CRIU left stopped)."""
-    import signal
+    import _signal
 
-    for pid in cg.pids():
-        try:
-            os.kill(pid, signal.SIGCONT)
-        except ProcessLookupError:
-            pass
+    from starter.cgroups.kill import kill_pids
+
+    kill_pids(cg.pids(), _signal.SIGCONT)
 
 
 def checkpoint(state_dir, job_id, to, leave_running=False):

@@ -352,7 +352,7 @@ def test_conntrack_forget_takes_exactly_the_addresses_given(monkeypatch, walk):
             ("-s", other, "-d", "192.0.2.1", "-p", "udp", "--sport", "9", "--dport", "9",
              "-m", str(nftrules.job_mark(other)))]
     monkeypatch.setattr(conntrack, "SMALL_TABLE", 1 << 30 if walk == "one walk" else -1)
-    marks = (lambda: {int(mark): [job4, job6]}) if walk == "by mark" else None
+    marks = {int(mark): [job4, job6]} if walk == "by mark" else None
     try:
         for m in made:
             subprocess.run(["conntrack", "-I", *m, "-t", "120"], check=True, capture_output=True)

@@ -131,17 +131,20 @@ def _table_size():
 
 def forget(addresses, marks=None):
     """Delete every conntrack entry of these addresses (IPv4 and/or IPv6) in
-    the caller's network namespace.  marks: None, or a function -> {mark:
-    [the addresses whose entries all carry it]}: those go by one flush per
-    mark, the rest by address.  -> how many were deleted by address (a
-    flush does not say).  A kernel without conntrack has nothing to forget
-    (0)."""
+    the caller's network namespace.  marks: {mark: [the addresses whose
+    entries all carry it]}: those go by one flush per mark, the rest by
+    address.  -> how many were deleted by address (a flush does not say).
+    A kernel without conntrack has nothing to forget (0)."""
+    marks = marks or {}
+    covered = {a for addrs in marks.values() for a in addrs}
     by_family = {}
     for a in addresses:
+        if a in covered:
+            continue
         ip = ipaddress.ip_address(a)
         fam = socket.AF_INET if ip.version == 4 else socket.AF_INET6
         by_family.setdefault(fam, set()).add(ip.packed)
-    if not by_family:
+    if not by_family and not marks:
         return 0
     deleted = 0
     try:
@@ -154,13 +157,9 @@ def forget(addresses, marks=None):
         s.settimeout(5.0)
         s.bind((0, 0))
         seq = 1 << 20           # (above the dumps' and deletes' numbers)
-        for mark, covered in sorted((marks() if marks is not None else {}).items()):
+        for mark in sorted(marks):
             seq += 1
             _flush(s, flush_mark_request(mark, seq), seq)
-            for a in covered:
-                ip = ipaddress.ip_address(a)
-                by_family.get(socket.AF_INET if ip.version == 4 else socket.AF_INET6, set()).discard(ip.packed)
-        by_family = {fam: packed for fam, packed in by_family.items() if packed}
         if not by_family:
             return 0
         size = _table_size()

@@ -151,6 +151,9 @@ def owner_alive(lease):
     return st is not None and st == lease.get("owner_start")
 
 
+_UNREAD = object()
+
+
 class LeaseStore:
     """The leases of one state directory."""
 
@@ -161,6 +164,7 @@ class LeaseStore:
         self.slots = os.path.join(self.dir, "slots")
         self._lockfd = None
         self._depth = 0
+        self._record = _UNREAD     # the table record, read once per hold of the lock
 
     # -- locking -------------------------------------------------------
     def _ensure_dirs(self):
@@ -196,6 +200,7 @@ class LeaseStore:
                 os.close(fd)
                 raise
             self._lockfd = fd
+            self._record = _UNREAD
         self._depth += 1
         return self
 
@@ -345,11 +350,18 @@ class LeaseStore:
 
     # -- the table record ----------------------------------------------
     def table_record(self):
-        try:
-            with open(os.path.join(self.dir, "table.json")) as f:
-                return json.load(f)
-        except (FileNotFoundError, ValueError):
-            return None
+        """The record (a copy: change it through set_table_record), or None.
+        Read from the file once while the lock is held: only a holder writes it."""
+        rec = self._record
+        if rec is _UNREAD:
+            try:
+                with open(os.path.join(self.dir, "table.json")) as f:
+                    rec = json.load(f)
+            except (FileNotFoundError, ValueError):
+                rec = None
+            if self._depth:
+                self._record = rec
+        return dict(rec) if rec is not None else None
 
     def set_table_record(self, rec):
         p = os.path.join(self.dir, "table.json")
@@ -357,3 +369,5 @@ class LeaseStore:
             unlink_quiet(p)
         else:
             write_atomic(p, json.dumps(rec))
+        if self._depth:
+            self._record = dict(rec) if rec is not None else None

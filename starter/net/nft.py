@@ -94,8 +94,14 @@ def _getobjs(table_name, names):
     return [err or nftwire.counter_of(replies[0][1]) for replies, err in answers]
 
 
-def _counter_error(name, err):
-    return NetworkError(f"nftables: reading counter {name} failed: {os.strerror(-err)}")
+def _counter(name, answer):
+    """One counter's answer from _getobjs -> {"bytes", "packets"}, or None
+    where there is no such table or counter; another error raises."""
+    if not isinstance(answer, int):
+        return answer
+    if answer == -2:    # ENOENT
+        return None
+    raise NetworkError(f"nftables: reading counter {name} failed: {os.strerror(-answer)}")
 
 
 def read_counters(table_name, key):
@@ -104,12 +110,11 @@ def read_counters(table_name, key):
     names = [f"{key}_{c}" for c in nftrules.COUNTERS + nftrules.COUNTERS6]
     raw = {}
     for c, name, r in zip(nftrules.COUNTERS + nftrules.COUNTERS6, names, _getobjs(table_name, names)):
-        if isinstance(r, int):
-            if r == -2:  # ENOENT: no such table or counter
-                if c in nftrules.COUNTERS6:
-                    continue   # a job without IPv6
-                return None
-            raise _counter_error(name, r)
+        r = _counter(name, r)
+        if r is None:
+            if c in nftrules.COUNTERS6:
+                continue   # a job without IPv6
+            return None
         raw[c] = r
     return combine(raw)
 
@@ -138,11 +143,8 @@ def foreign_marks(table_name):
     marked first (the table's foreign_marks counter), or None where there
     is no such counter (no table, or one made before marks)."""
     (r,) = _getobjs(table_name, ["foreign_marks"])
-    if isinstance(r, int):
-        if r == -2:
-            return None
-        raise _counter_error("foreign_marks", r)
-    return r["packets"]
+    r = _counter("foreign_marks", r)
+    return None if r is None else r["packets"]
 
 
 def read_uplink_counters(table_name, uplinks):
@@ -154,11 +156,9 @@ def read_uplink_counters(table_name, uplinks):
     names = [nftrules.uplink_counter(u, d) for u, d in pairs]
     out = {}
     for (u, d), name, r in zip(pairs, names, _getobjs(table_name, names)):
-        if isinstance(r, int):
-            if r == -2:
-                continue   # no such table or counter (a table made before these existed)
-            raise _counter_error(name, r)
-        out.setdefault(u, {})[d] = r
+        r = _counter(name, r)
+        if r is not None:   # (none: no such table or counter, a table made before these existed)
+            out.setdefault(u, {})[d] = r
     return out
 
 

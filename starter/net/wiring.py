@@ -105,7 +105,7 @@ def _forget_flows(*items):
         from starter.net import conntrack
 
         try:
-            conntrack.forget(addrs, lambda: _marks(items))
+            conntrack.forget(addrs, _marks(items))
         except OSError as e:
             raise NetworkError(f"deleting the conntrack entries of {', '.join(addrs)} failed: {e}",
                                "the lease is kept; `starter gc` retries") from None
