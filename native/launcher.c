@@ -19,7 +19,9 @@
  *
  * Only for `starter run` as root; anything failing here is silently skipped
  * (the starter then warms up itself).  The grandchild is reparented and
- * reaped by the batch system's reaper; the starter never sees it.
+ * reaped by the batch system's reaper; the starter never sees it.  For a
+ * caller that is not root the relay starts the mover beside the starter
+ * and reaps it (caller_run()).
  *
  * Installed set-user-ID root (scripts/setup), this is also the entry point
  * of callers that are not root (a Slurm batch script, HTCondor's job
@@ -43,6 +45,7 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
+#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -128,26 +131,41 @@ static void keep_warm(int tasks, int done)
 	_exit(0);
 }
 
+/* The v1 tasks file and the pipe the starter closes once its migrations are
+ * done (done[1], its $STARTER_WARM_FD); -1 where there is nothing to warm
+ * (pure cgroup v2) or no fd to spare. */
+static int warm_fds(int done[2])
+{
+	int fd;
+
+	unsetenv("STARTER_WARM_FD");    /* only ever ours */
+	fd = v1_tasks();
+	if (fd < 0)
+		return -1;
+	if (pipe2(done, O_CLOEXEC) < 0) {
+		close(fd);
+		return -1;
+	}
+	if (done[0] < 3 || done[1] < 3) {       /* the caller closed stdio: stay out of its way */
+		close(done[0]);
+		close(done[1]);
+		close(fd);
+		return -1;
+	}
+	return fd;
+}
+
+/* `starter run` as root: the mover is a grandchild (reparented to the batch
+ * system's reaper: the starter never sees it), then exec. */
 static void warm_up(void)
 {
 	int fd, pipefd[2], status = -1;
 	pid_t p;
 	char num[16];
 
-	unsetenv("STARTER_WARM_FD");    /* only ever ours */
-	fd = v1_tasks();
+	fd = warm_fds(pipefd);
 	if (fd < 0)
 		return;
-	if (pipe2(pipefd, O_CLOEXEC) < 0) {
-		close(fd);
-		return;
-	}
-	if (pipefd[0] < 3 || pipefd[1] < 3) {   /* the caller closed stdio: stay out of its way */
-		close(pipefd[0]);
-		close(pipefd[1]);
-		close(fd);
-		return;
-	}
 	p = fork();
 	if (p == 0) {
 		pid_t g = fork();
@@ -178,9 +196,10 @@ static void warm_up(void)
  *                         drop to U (real, effective,      rlimits, umask, signals reset,
  *                         saved): no privilege left        environment emptied, then
  *   signals ────────────► every catchable signal ──sock──► exec python: `starter run`
- *                         (sigwaitinfo), one byte each     with $STARTER_CALLER (who),
+ *                         (signalfd), one byte each        with $STARTER_CALLER (who),
  *                                                          $STARTER_CALLER_FD (sock) and
- *                         ◄───────── exit status ───────── $STARTER_CALLER_RELAY (its pid)
+ *                         ◄──── exit code (sock), ─────── $STARTER_CALLER_RELAY (its pid)
+ *                               or exit status
  *   exit code ◄────────── exits with it
  *   (SIGKILL)             dies: sock hangs up ───────────► the starter kills the job
  *
@@ -211,7 +230,7 @@ static void die(const char *what)
 
 /* The root half: becomes the starter. */
 static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
-		      gid_t *groups, int ngroups, pid_t relay_pid)
+		      gid_t *groups, int ngroups, pid_t relay_pid, int warm)
 {
 	static const struct { int res; rlim_t soft, hard; } limits[] = {
 		{ RLIMIT_CORE, 0, 0 },                  /* a root process never dumps the caller's data */
@@ -222,7 +241,6 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 	char *who = malloc(size), *e_who = malloc(size + 16), e_fd[40], e_relay[48], e_warm[48];
 	char *args[argc + 5], *env[7];
 	int trace = getenv("STARTER_TRACE") && *getenv("STARTER_TRACE");
-	const char *warm;
 	size_t len;
 	int n = 0, ne = 0;
 	sigset_t none;
@@ -259,8 +277,6 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 	/* The whole environment is ours: nothing of the caller's reaches root. */
 	if (clearenv() != 0)
 		die("cannot empty the environment");
-	warm_up();              /* after the switch: the v1 move is root's */
-	warm = getenv("STARTER_WARM_FD");
 	env[ne++] = "PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin";
 	snprintf(e_who, size + 16, "STARTER_CALLER=%s", who);
 	env[ne++] = e_who;
@@ -270,8 +286,8 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 	env[ne++] = e_relay;
 	if (trace)
 		env[ne++] = "STARTER_TRACE=1";
-	if (warm) {
-		snprintf(e_warm, sizeof e_warm, "STARTER_WARM_FD=%s", warm);
+	if (warm >= 0 && fcntl(warm, F_SETFD, 0) == 0) {    /* the relay's mover waits for its end */
+		snprintf(e_warm, sizeof e_warm, "STARTER_WARM_FD=%d", warm);
 		env[ne++] = e_warm;
 	}
 	env[ne] = NULL;
@@ -286,11 +302,20 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 	die("cannot run " STARTER_PYTHON);
 }
 
-/* The caller's half: forward signals, wait, exit with the starter's code. */
-static int relay(pid_t starter, int sock, uid_t uid, gid_t gid)
+/* The caller's half: forward signals, wait, exit with the starter's code.
+ *
+ * The starter's last word on the socket is its exit code (one byte), sent
+ * once everything is done (teardown, report, stdio flushed): the relay exits
+ * with it at once, while the root starter's own exit (a 20 MB interpreter's
+ * memory given back) still runs beside it, so the caller's wait ends that
+ * much sooner.  A starter that hangs up without a word died: then its wait
+ * status says how. */
+static int relay(pid_t starter, pid_t warm, int sock, uid_t uid, gid_t gid)
 {
+	struct signalfd_siginfo si;
+	struct pollfd fds[2];
+	unsigned char code;
 	sigset_t all;
-	siginfo_t si;
 	int status;
 
 	/* Nothing of root's stays with the process the caller can signal. */
@@ -299,20 +324,38 @@ static int relay(pid_t starter, int sock, uid_t uid, gid_t gid)
 		die("cannot drop privileges");
 	}
 	sigfillset(&all);
+	fds[0] = (struct pollfd){ .fd = signalfd(-1, &all, SFD_CLOEXEC), .events = POLLIN };
+	fds[1] = (struct pollfd){ .fd = sock, .events = POLLIN };
+	if (fds[0].fd < 0) {
+		kill(starter, SIGKILL);
+		die("cannot watch the caller's signals");
+	}
 	for (;;) {
-		int sig = sigwaitinfo(&all, &si);
-
-		if (sig < 0)
+		if (poll(fds, 2, -1) < 0)
 			continue;                   /* EINTR */
-		if (sig == SIGCHLD) {
-			pid_t p = waitpid(starter, &status, WNOHANG);
+		if (fds[1].revents) {
+			ssize_t n = recv(sock, &code, 1, MSG_DONTWAIT);
+
+			if (n == 1)
+				return code;        /* its last word: done, exiting */
+			if (n == 0 || (errno != EAGAIN && errno != EINTR))
+				fds[1].fd = -1;     /* hung up without one: it died (SIGCHLD says how) */
+		}
+		if (!(fds[0].revents & POLLIN) || read(fds[0].fd, &si, sizeof si) != sizeof si)
+			continue;
+		if (si.ssi_signo == SIGCHLD) {
+			pid_t p;
+
+			if (warm > 0 && waitpid(warm, NULL, WNOHANG) == warm)
+				warm = 0;           /* the mover, done */
+			p = waitpid(starter, &status, WNOHANG);
 
 			if (p == starter)
 				break;
 			continue;
 		}
-		if (forwarded(sig)) {
-			unsigned char b = (unsigned char)sig;
+		if (forwarded((int)si.ssi_signo)) {
+			unsigned char b = (unsigned char)si.ssi_signo;
 
 			/* Never blocks: a starter too busy to read would lose a
 			 * repeat of a signal it already has. */
@@ -371,9 +414,9 @@ static int caller_run(int argc, char **argv)
 {
 	uid_t uid = getuid();
 	gid_t gid = getgid(), *groups;
-	int ngroups = getgroups(0, NULL), sv[2];
+	int ngroups = getgroups(0, NULL), sv[2], done[2], tasks;
 	sigset_t all;
-	pid_t p, relay_pid;
+	pid_t p, relay_pid, warm = 0;
 
 	check_install();
 	/* The starter's own variables are root's to set: said, not silently
@@ -404,16 +447,32 @@ static int caller_run(int argc, char **argv)
 	for (int sig = 1; sig < NSIG; sig++)
 		if (sig != SIGKILL && sig != SIGSTOP)
 			signal(sig, SIG_DFL);
+	tasks = warm_fds(done);
 	relay_pid = getpid();           /* the relay: this process, after the fork */
 	p = fork();
 	if (p < 0)
 		die("cannot fork");
 	if (p == 0) {
 		close(sv[1]);
-		root_half(sv[0], argv, argc, uid, gid, groups, ngroups, relay_pid);
+		root_half(sv[0], argv, argc, uid, gid, groups, ngroups, relay_pid, tasks >= 0 ? done[1] : -1);
 	}
 	close(sv[0]);
-	return relay(p, sv[1], uid, gid);
+	/* The first migration's grace period (see the top), started here, beside
+	 * the starter's own start rather than before it: the mover is the
+	 * relay's child, root through and through (the caller cannot signal
+	 * it), and the relay reaps it. */
+	if (tasks >= 0) {
+		close(done[1]);
+		warm = fork();
+		if (warm == 0) {
+			if (setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
+				_exit(1);
+			keep_warm(tasks, done[0]);
+		}
+		close(tasks);
+		close(done[0]);
+	}
+	return relay(p, warm, sv[1], uid, gid);
 }
 
 int main(int argc, char **argv)

@@ -272,6 +272,42 @@ def test_caller_sigkill_leaves_nothing(policy, home, state_root):
     assert r["reason"] == "caller_gone"
 
 
+def _children(pid):
+    """{pid: state letter} of the processes whose parent is pid."""
+    kids = {}
+    for name in os.listdir("/proc"):
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                fields = f.read().rsplit(b")", 1)[1].split()
+        except (OSError, IndexError):
+            continue
+        if int(fields[1]) == pid:
+            kids[int(name)] = fields[0].decode()
+    return kids
+
+
+def test_caller_relay_reaps_and_reports_a_dead_starter(policy, home, state_root, starter):
+    """While the job runs the relay's one child is the root starter: the
+    warm-up mover it started beside it (v1 layouts) is reaped, not left a
+    zombie.  A root starter that dies without its last word (the exit code
+    on the relay's socket) is said in one line, exit 125."""
+    proc = _start(home)
+    deadline = time.monotonic() + 5 * SLOWDOWN
+    while len(kids := _children(proc.pid)) != 1 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert len(kids) == 1, kids
+    (root_starter, st), = kids.items()
+    assert st != "Z"
+    with open(f"/proc/{root_starter}/status") as f:
+        assert [line.split()[1:] for line in f if line.startswith("Uid:")] == [["0"] * 4]
+    os.kill(root_starter, signal.SIGKILL)
+    assert proc.wait(30 * SLOWDOWN) == 125
+    lines = proc.stderr.read().strip().splitlines()
+    assert lines == ["starter: the root starter died of signal 9 (exit 125)"], lines
+    assert starter("gc", "--state-dir", state_root).returncode == 0
+    _job_gone(state_root)
+
+
 def test_caller_max_jobs(policy, home, state_root):
     policy("[callers]\nmax_jobs = 1\n")
     proc = _start(home)
