@@ -310,25 +310,17 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
  * memory given back) still runs beside it, so the caller's wait ends that
  * much sooner.  A starter that hangs up without a word died: then its wait
  * status says how. */
-static int relay(pid_t starter, pid_t warm, int sock, uid_t uid, gid_t gid)
+static int relay(pid_t starter, pid_t warm, int sock, int sigs, uid_t uid, gid_t gid)
 {
+	struct pollfd fds[2] = { { .fd = sigs, .events = POLLIN }, { .fd = sock, .events = POLLIN } };
 	struct signalfd_siginfo si;
-	struct pollfd fds[2];
 	unsigned char code;
-	sigset_t all;
 	int status;
 
 	/* Nothing of root's stays with the process the caller can signal. */
 	if (setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0) {
 		kill(starter, SIGKILL);     /* our own child, still ours to end */
 		die("cannot drop privileges");
-	}
-	sigfillset(&all);
-	fds[0] = (struct pollfd){ .fd = signalfd(-1, &all, SFD_CLOEXEC), .events = POLLIN };
-	fds[1] = (struct pollfd){ .fd = sock, .events = POLLIN };
-	if (fds[0].fd < 0) {
-		kill(starter, SIGKILL);
-		die("cannot watch the caller's signals");
 	}
 	for (;;) {
 		if (poll(fds, 2, -1) < 0)
@@ -341,7 +333,7 @@ static int relay(pid_t starter, pid_t warm, int sock, uid_t uid, gid_t gid)
 			if (n == 0 || (errno != EAGAIN && errno != EINTR))
 				fds[1].fd = -1;     /* hung up without one: it died (SIGCHLD says how) */
 		}
-		if (!(fds[0].revents & POLLIN) || read(fds[0].fd, &si, sizeof si) != sizeof si)
+		if (!(fds[0].revents & POLLIN) || read(sigs, &si, sizeof si) != sizeof si)
 			continue;
 		if (si.ssi_signo == SIGCHLD) {
 			pid_t p;
@@ -414,7 +406,7 @@ static int caller_run(int argc, char **argv)
 {
 	uid_t uid = getuid();
 	gid_t gid = getgid(), *groups;
-	int ngroups = getgroups(0, NULL), sv[2], done[2], tasks;
+	int ngroups = getgroups(0, NULL), sv[2], done[2], tasks, sigs;
 	sigset_t all;
 	pid_t p, relay_pid, warm = 0;
 
@@ -441,6 +433,11 @@ static int caller_run(int argc, char **argv)
 		die("cannot make the caller's socket");
 	sigfillset(&all);
 	sigprocmask(SIG_BLOCK, &all, NULL);     /* none is lost before the relay waits */
+	/* Made before the fork, as the socket: nothing of the job's exists
+	 * yet if the caller's fd limit leaves no room for it. */
+	sigs = signalfd(-1, &all, SFD_CLOEXEC);
+	if (sigs < 0)
+		die("cannot watch the caller's signals");
 	/* An ignored signal is dropped even while blocked: the caller may have
 	 * exec'd us with SIGTERM ignored (nohup, a wrapper), and the relay must
 	 * still see it. */
@@ -454,6 +451,7 @@ static int caller_run(int argc, char **argv)
 		die("cannot fork");
 	if (p == 0) {
 		close(sv[1]);
+		close(sigs);
 		root_half(sv[0], argv, argc, uid, gid, groups, ngroups, relay_pid, tasks >= 0 ? done[1] : -1);
 	}
 	close(sv[0]);
@@ -472,7 +470,7 @@ static int caller_run(int argc, char **argv)
 		close(tasks);
 		close(done[0]);
 	}
-	return relay(p, warm, sv[1], uid, gid);
+	return relay(p, warm, sv[1], sigs, uid, gid);
 }
 
 int main(int argc, char **argv)

@@ -100,6 +100,7 @@ class Caller:
 
 
 _fd = None      # the relay's socket, once relay() watches it
+_gone = None    # supervisor.CALLER_GONE, kept for leaving(), which imports nothing
 
 
 def relay(fd):
@@ -107,11 +108,11 @@ def relay(fd):
     process (a blocked thread: it never holds the GIL while it waits)."""
     import _thread
 
-    global _fd
-    _fd = fd
-
     from starter.deadline import ENDING
     from starter.supervisor import CALLER_GONE, CHECKPOINTED
+
+    global _fd, _gone
+    _fd, _gone = fd, CALLER_GONE
 
     # Imported here, not in the thread: an import there, while this thread
     # imports the start's modules, is a race for the import lock and the GIL
@@ -152,23 +153,22 @@ def leaving(code):
     memory given back: ~0.6 ms here).  Our stdio goes first: a caller that
     reads the job's output from a pipe waits for its end as well as for the
     relay.  The relay's hang-up, which may now come before our exit, is
-    ignored."""
+    ignored.  Nothing here may fail or import: a start that ran out of fds
+    ends here too."""
     if _fd is None:
         return
     import _signal
 
-    from starter.supervisor import CALLER_GONE
-
-    _signal.signal(CALLER_GONE, _signal.SIG_IGN)
-    for fd in (0, 1, 2):
-        try:
-            os.close(fd)
-        except OSError:
-            pass
     try:
+        _signal.signal(_gone, _signal.SIG_IGN)
+        for fd in (0, 1, 2):
+            try:
+                os.close(fd)
+            except OSError:
+                pass
         os.write(_fd, bytes((code & 0xFF,)))
-    except OSError:
-        pass        # the relay is gone: nobody waits for the code
+    except (OSError, ValueError):
+        pass        # the relay is gone (nobody waits for the code), or no word: it reads our status
 
 
 def from_environ(environ=os.environ):
