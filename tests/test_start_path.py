@@ -24,7 +24,7 @@ PY = os.path.join(REPO, ".venv", "bin", "python")
 RUN_IMPORTS = {
     # C modules and the few pure-Python ones -S does not load by itself
     "_cffi_backend", "_collections_abc", "_sha256", "_stat", "_struct", "errno", "fcntl", "gc",
-    "genericpath", "math", "os", "os.path", "posixpath", "pwd", "select", "stat", "struct",
+    "genericpath", "math", "os", "os.path", "posixpath", "pwd", "select", "stat",
     # the starter's own run path
     "starter", "starter._native", "starter._shim", "starter._shim.lib",
     "starter.cgroups", "starter.cgroups.backend", "starter.cgroups.base", "starter.cgroups.dirs",

@@ -37,7 +37,7 @@ facade does the work in-process.
 """
 
 import os
-import struct
+import _struct as struct  # the C module: struct.py is one more module to find per NAT job
 
 # The client side is on every NAT job's start path: it speaks through the C
 # socket module and the state module's `_json` codec.  `import socket` pulls
