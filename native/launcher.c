@@ -45,7 +45,6 @@
 #include <signal.h>
 #include <sys/prctl.h>
 #include <sys/resource.h>
-#include <sys/signalfd.h>
 #include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/syscall.h>
@@ -196,10 +195,9 @@ static void warm_up(void)
  *                         drop to U (real, effective,      rlimits, umask, signals reset,
  *                         saved): no privilege left        environment emptied, then
  *   signals ────────────► every catchable signal ──sock──► exec python: `starter run`
- *                         (signalfd), one byte each        with $STARTER_CALLER (who),
+ *                         (sigwaitinfo), one byte each     with $STARTER_CALLER (who),
  *                                                          $STARTER_CALLER_FD (sock) and
- *                         ◄──── exit code (sock), ─────── $STARTER_CALLER_RELAY (its pid)
- *                               or exit status
+ *                         ◄───────── exit status ───────── $STARTER_CALLER_RELAY (its pid)
  *   exit code ◄────────── exits with it
  *   (SIGKILL)             dies: sock hangs up ───────────► the starter kills the job
  *
@@ -264,9 +262,8 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 		(void)setrlimit(r, &rl);
 	}
 	umask(022);
-	for (int sig = 1; sig < NSIG; sig++)
-		if (sig != SIGKILL && sig != SIGSTOP)
-			signal(sig, SIG_DFL);               /* SIG_IGN would survive the exec */
+	/* Every disposition is already the default (caller_run(), before the
+	 * fork: a SIG_IGN would survive the exec); the mask is emptied here. */
 	sigemptyset(&none);
 	sigprocmask(SIG_SETMASK, &none, NULL);
 	len = (size_t)snprintf(who, size, "%u:%u:", (unsigned)uid, (unsigned)gid);
@@ -303,51 +300,40 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 }
 
 /* The caller's half: forward signals, wait, exit with the starter's code.
- *
- * The starter's last word on the socket is its exit code (one byte), sent
- * once everything is done (teardown, report, stdio flushed): the relay exits
- * with it at once, while the root starter's own exit (a 20 MB interpreter's
- * memory given back) still runs beside it, so the caller's wait ends that
- * much sooner.  A starter that hangs up without a word died: then its wait
- * status says how. */
-static int relay(pid_t starter, pid_t warm, int sock, int sigs, uid_t uid, gid_t gid)
+ * It exits only once the starter and the mover are reaped: when the batch
+ * system sees its child end, nothing the launcher started is left in the
+ * caller's cgroup (a zombie reparented elsewhere can keep a cgroup from
+ * being removed). */
+static int relay(pid_t starter, pid_t warm, int sock, uid_t uid, gid_t gid)
 {
-	struct pollfd fds[2] = { { .fd = sigs, .events = POLLIN }, { .fd = sock, .events = POLLIN } };
-	struct signalfd_siginfo si;
-	unsigned char code;
-	int status;
+	int status, reaped = 0;
+	sigset_t all;
+	siginfo_t si;
 
 	/* Nothing of root's stays with the process the caller can signal. */
 	if (setresgid(gid, gid, gid) < 0 || setresuid(uid, uid, uid) < 0) {
 		kill(starter, SIGKILL);     /* our own child, still ours to end */
 		die("cannot drop privileges");
 	}
+	sigfillset(&all);
 	for (;;) {
-		if (poll(fds, 2, -1) < 0)
+		int sig = sigwaitinfo(&all, &si);
+
+		if (sig < 0)
 			continue;                   /* EINTR */
-		if (fds[1].revents) {
-			ssize_t n = recv(sock, &code, 1, MSG_DONTWAIT);
-
-			if (n == 1)
-				return code;        /* its last word: done, exiting */
-			if (n == 0 || (errno != EAGAIN && errno != EINTR))
-				fds[1].fd = -1;     /* hung up without one: it died (SIGCHLD says how) */
-		}
-		if (!(fds[0].revents & POLLIN) || read(sigs, &si, sizeof si) != sizeof si)
-			continue;
-		if (si.ssi_signo == SIGCHLD) {
-			pid_t p;
-
+		if (sig == SIGCHLD) {
+			/* The mover ends at the latest with the starter (EOF on
+			 * its pipe); SIGCHLDs coalesce: both are asked each time. */
 			if (warm > 0 && waitpid(warm, NULL, WNOHANG) == warm)
-				warm = 0;           /* the mover, done */
-			p = waitpid(starter, &status, WNOHANG);
-
-			if (p == starter)
+				warm = 0;
+			if (!reaped && waitpid(starter, &status, WNOHANG) == starter)
+				reaped = 1;
+			if (reaped && warm <= 0)
 				break;
 			continue;
 		}
-		if (forwarded((int)si.ssi_signo)) {
-			unsigned char b = (unsigned char)si.ssi_signo;
+		if (forwarded(sig) && !reaped) {
+			unsigned char b = (unsigned char)sig;
 
 			/* Never blocks: a starter too busy to read would lose a
 			 * repeat of a signal it already has. */
@@ -406,7 +392,7 @@ static int caller_run(int argc, char **argv)
 {
 	uid_t uid = getuid();
 	gid_t gid = getgid(), *groups;
-	int ngroups = getgroups(0, NULL), sv[2], done[2], tasks, sigs;
+	int ngroups = getgroups(0, NULL), sv[2], done[2], tasks;
 	sigset_t all;
 	pid_t p, relay_pid, warm = 0;
 
@@ -433,11 +419,6 @@ static int caller_run(int argc, char **argv)
 		die("cannot make the caller's socket");
 	sigfillset(&all);
 	sigprocmask(SIG_BLOCK, &all, NULL);     /* none is lost before the relay waits */
-	/* Made before the fork, as the socket: nothing of the job's exists
-	 * yet if the caller's fd limit leaves no room for it. */
-	sigs = signalfd(-1, &all, SFD_CLOEXEC);
-	if (sigs < 0)
-		die("cannot watch the caller's signals");
 	/* An ignored signal is dropped even while blocked: the caller may have
 	 * exec'd us with SIGTERM ignored (nohup, a wrapper), and the relay must
 	 * still see it. */
@@ -451,7 +432,6 @@ static int caller_run(int argc, char **argv)
 		die("cannot fork");
 	if (p == 0) {
 		close(sv[1]);
-		close(sigs);
 		root_half(sv[0], argv, argc, uid, gid, groups, ngroups, relay_pid, tasks >= 0 ? done[1] : -1);
 	}
 	close(sv[0]);
@@ -470,7 +450,7 @@ static int caller_run(int argc, char **argv)
 		close(tasks);
 		close(done[0]);
 	}
-	return relay(p, warm, sv[1], sigs, uid, gid);
+	return relay(p, warm, sv[1], uid, gid);
 }
 
 int main(int argc, char **argv)

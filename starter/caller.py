@@ -21,9 +21,6 @@ What it means here:
     job runs, the supervisor's pipe after; the hang-up (the caller died,
     even of SIGKILL) becomes supervisor.CALLER_GONE: the start fails, or
     the job is killed, reason "caller_gone";
-  * the same socket carries the starter's last word, its exit code
-    (leaving()): the relay exits with it at once, while this process's own
-    exit still runs;
   * the job's cgroups nest in the caller's own, which must be root's all the
     way up (cgroups: Backend.check_trusted_parents);
   * the relay is a process of the caller's uid that started before the job:
@@ -99,10 +96,6 @@ class Caller:
             return False
 
 
-_fd = None      # the relay's socket, once relay() watches it
-_gone = None    # supervisor.CALLER_GONE, kept for leaving(), which imports nothing
-
-
 def relay(fd):
     """Start the thread that turns the relay's bytes into signals to this
     process (a blocked thread: it never holds the GIL while it waits)."""
@@ -110,9 +103,6 @@ def relay(fd):
 
     from starter.deadline import ENDING
     from starter.supervisor import CALLER_GONE, CHECKPOINTED
-
-    global _fd, _gone
-    _fd, _gone = fd, CALLER_GONE
 
     # Imported here, not in the thread: an import there, while this thread
     # imports the start's modules, is a race for the import lock and the GIL
@@ -144,31 +134,6 @@ def _relay(fd, ENDING, CALLER_GONE, CHECKPOINTED):
             if sig not in ENDING and _signal.getsignal(sig) in (_signal.SIG_DFL, None):
                 continue
             os.kill(me, sig)
-
-
-def leaving(code):
-    """Tell the relay our exit code, the last thing before os._exit (cli.entry):
-    everything is done (teardown, report, stdio flushed), and the relay exits
-    with it at once rather than after this process's exit (the interpreter's
-    memory given back: ~0.6 ms here).  Our stdio goes first: a caller that
-    reads the job's output from a pipe waits for its end as well as for the
-    relay.  The relay's hang-up, which may now come before our exit, is
-    ignored.  Nothing here may fail or import: a start that ran out of fds
-    ends here too."""
-    if _fd is None:
-        return
-    import _signal
-
-    try:
-        _signal.signal(_gone, _signal.SIG_IGN)
-        for fd in (0, 1, 2):
-            try:
-                os.close(fd)
-            except OSError:
-                pass
-        os.write(_fd, bytes((code & 0xFF,)))
-    except (OSError, ValueError):
-        pass        # the relay is gone (nobody waits for the code), or no word: it reads our status
 
 
 def from_environ(environ=os.environ):

@@ -292,8 +292,7 @@ def _children(pid):
 def test_caller_relay_reaps_and_reports_a_dead_starter(policy, home, state_root, starter):
     """While the job runs the relay's one child is the root starter: the
     warm-up mover it started beside it (v1 layouts) is reaped, not left a
-    zombie.  A root starter that dies without its last word (the exit code
-    on the relay's socket) is said in one line, exit 125."""
+    zombie.  A root starter killed by a signal is said in one line, exit 125."""
     proc = _start(home)
     deadline = time.monotonic() + 5 * SLOWDOWN
     while len(kids := _children(proc.pid)) != 1 and time.monotonic() < deadline:
@@ -309,6 +308,46 @@ def test_caller_relay_reaps_and_reports_a_dead_starter(policy, home, state_root,
     assert lines == ["starter: the root starter died of signal 9 (exit 125)"], lines
     assert starter("gc", "--state-dir", state_root).returncode == 0
     _job_gone(state_root)
+
+
+def _own_cgroup_dir(name):
+    """A new cgroup below the test's own: cgroup2 where there is one, else a
+    v1 hierarchy a task can join as it is (cpuset's needs cpus first)."""
+    from starter.cgroups import files
+    layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
+    role = "unified" if layout.unified else ("pids" if "pids" in layout.v1 else "memory")
+    m = layout.unified or layout.v1[role]
+    d = os.path.join(m.mount_point, layout.own.get(role).lstrip("/"), f"{name}-{os.getpid()}")
+    os.mkdir(d)
+    return d
+
+
+def _remove_cgroup_dir(d):
+    """rmdir d and what the starter made in it, once empty, with a deadline."""
+    deadline = time.monotonic() + 10 * SLOWDOWN
+    while open(os.path.join(d, "cgroup.procs")).read().strip() and time.monotonic() < deadline:
+        time.sleep(0.01)
+    for sub in sorted((e.path for e in os.scandir(d) if e.is_dir()), reverse=True):
+        os.rmdir(sub)
+    os.rmdir(d)
+
+
+def test_caller_leaves_nothing_in_its_cgroup(policy, home):
+    """When a caller's `starter run` returns, nothing the launcher started is
+    left in the caller's cgroup, not even a zombie: the relay exits only
+    once it has reaped the root starter and the warm-up mover.  The batch
+    system removes its step's cgroup the moment its child ends."""
+    d = _own_cgroup_dir("starter-callercg")
+    try:
+        argv = ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh", *caller_argv("run", "--", "true")]
+        for _ in range(5):
+            p = subprocess.run(argv, capture_output=True, text=True, cwd=home, timeout=60 * SLOWDOWN)
+            assert p.returncode == 0, p.stderr
+            assert open(os.path.join(d, "cgroup.procs")).read() == ""
+            if os.path.exists(os.path.join(d, "cgroup.events")):
+                assert "populated 0" in open(os.path.join(d, "cgroup.events")).read().splitlines()
+    finally:
+        _remove_cgroup_dir(d)
 
 
 def test_caller_max_jobs(policy, home, state_root):
@@ -382,14 +421,7 @@ def test_config_check_and_show(policy, tmp_path):
 def test_caller_cgroup_must_be_roots(policy, home):
     """A caller in a cgroup it may write (delegated to it) is refused: it
     could move the job's processes out of the job's cgroup."""
-    from starter.cgroups import files
-    layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
-    # cgroup2 where there is one, else a v1 hierarchy a task can join as it is (cpuset's needs cpus first)
-    role = "unified" if layout.unified else ("pids" if "pids" in layout.v1 else "memory")
-    m = layout.unified or layout.v1[role]
-    own = layout.own.get(role)
-    d = os.path.join(m.mount_point, own.lstrip("/"), f"starter-caller-{os.getpid()}")
-    os.mkdir(d)
+    d = _own_cgroup_dir("starter-caller")
     try:
         os.chown(d, UID, GID)
         os.chown(os.path.join(d, "cgroup.procs"), UID, GID)
@@ -397,12 +429,7 @@ def test_caller_cgroup_must_be_roots(policy, home):
         p = subprocess.run(argv, capture_output=True, text=True, cwd=home, timeout=60)
         refused(p, "is not root's alone")
     finally:
-        # The launcher's processes have exited, but may not have left the
-        # cgroup yet (a loaded machine): rmdir once it is empty, with a deadline.
-        deadline = time.monotonic() + 10 * SLOWDOWN
-        while open(os.path.join(d, "cgroup.procs")).read().strip() and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.rmdir(d)
+        _remove_cgroup_dir(d)
 
 
 # ---------------------------------------------------------------- pure: parse and apply
