@@ -310,11 +310,15 @@ def test_caller_relay_reaps_and_reports_a_dead_starter(policy, home, state_root,
     _job_gone(state_root)
 
 
+def _layout():
+    from starter.cgroups import files
+    return files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
+
+
 def _own_cgroup_dir(name):
     """A new cgroup below the test's own: cgroup2 where there is one, else a
     v1 hierarchy a task can join as it is (cpuset's needs cpus first)."""
-    from starter.cgroups import files
-    layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
+    layout = _layout()
     role = "unified" if layout.unified else ("pids" if "pids" in layout.v1 else "memory")
     m = layout.unified or layout.v1[role]
     d = os.path.join(m.mount_point, layout.own.get(role).lstrip("/"), f"{name}-{os.getpid()}")
@@ -323,9 +327,12 @@ def _own_cgroup_dir(name):
 
 
 def _remove_cgroup_dir(d):
-    """rmdir d and what the starter made in it, once empty, with a deadline."""
+    """rmdir d and what the starter made in it, once empty (no process, not
+    populated), with a deadline."""
+    events = os.path.join(d, "cgroup.events")
     deadline = time.monotonic() + 10 * SLOWDOWN
-    while open(os.path.join(d, "cgroup.procs")).read().strip() and time.monotonic() < deadline:
+    while time.monotonic() < deadline and (open(os.path.join(d, "cgroup.procs")).read().strip() or (
+            os.path.exists(events) and "populated 1" in open(events).read().splitlines())):
         time.sleep(0.01)
     for sub in sorted((e.path for e in os.scandir(d) if e.is_dir()), reverse=True):
         os.rmdir(sub)
@@ -337,6 +344,10 @@ def test_caller_leaves_nothing_in_its_cgroup(policy, home):
     left in the caller's cgroup, not even a zombie: the relay exits only
     once it has reaped the root starter and the warm-up mover.  The batch
     system removes its step's cgroup the moment its child ends."""
+    layout = _layout()
+    if layout.kind == "v2":
+        pytest.skip("pure cgroup v2: a caller's cgroup that holds its relay cannot have the job's "
+                    "controller-enabled cgroups below it (no internal processes); the start is refused")
     d = _own_cgroup_dir("starter-callercg")
     try:
         argv = ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh", *caller_argv("run", "--", "true")]
