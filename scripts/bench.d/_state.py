@@ -1,9 +1,15 @@
 """What more than one bench section needs (not a section itself:
 scripts/bench runs only the files whose names do not start with "_")."""
 
+import os
 import shutil
 import subprocess
 import tempfile
+
+# The node's default state directory and its uid and project leases: a
+# section that runs jobs in a state directory of its own leaves them as it
+# found them (check_node_state).
+NODE_STATE = ("/run/starter", "/run/starter-uids", "/run/starter-projects")
 
 
 def state_dir(stack, prefix, tmpfs):
@@ -18,6 +24,25 @@ def state_dir(stack, prefix, tmpfs):
         subprocess.run(["mount", "-t", "tmpfs", "-o", "mode=0700,size=64m", "starter-bench", path], check=True)
         stack.callback(subprocess.run, ["umount", "-l", path], check=False)
     return path
+
+
+def node_state():
+    """Every path below NODE_STATE, at any depth."""
+    found = set()
+    for top in NODE_STATE:
+        for root, dirs, files in os.walk(top):
+            found |= {os.path.join(root, n) for n in dirs + files}
+    return found
+
+
+def check_node_state(before):
+    """Exit, naming them, if paths below NODE_STATE appeared since `before`
+    (node_state()): the bench leaked into the node's state."""
+    import sys
+
+    left = sorted(node_state() - before)
+    if left:
+        sys.exit(f"the bench left these in the node's state: {', '.join(left)}")
 
 
 def interleaved_pair(variants, runs, env, warmup=5, each=None):

@@ -10,12 +10,16 @@ difference beyond noise).
 Each revision is checked out in a temporary worktree and set up there
 (scripts/setup: its venv, native build and launcher), then removed.  Both
 start through their own launcher as root, with STARTER_TRACE, so the table
-gives the wall time and the starter's own (from its first line to its end).
+gives the wall time and the starter's own (from its first line to its end),
+in a state directory of the bench's own: an older revision keeps things
+there that today's does not (its uid leases, once), and the node's default
+state directory must be left as it was found (checked at the end).
 
 Usage: .venv/bin/python scripts/bench.d/revisions.py [--runs 40] [OLD..NEW ...]
 """
 
 import argparse
+import contextlib
 import os
 import shutil
 import statistics
@@ -25,7 +29,7 @@ import tempfile
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _state import interleaved_pair, print_difference  # noqa: E402
+from _state import check_node_state, interleaved_pair, node_state, print_difference, state_dir  # noqa: E402
 
 
 def git(*args):
@@ -65,9 +69,12 @@ def main():
         if not sep or not old or not new:
             sys.exit(f"revisions.py: {p!r}: give OLD..NEW")
         pairs.append((old, new))
+    before = node_state()
     where = tempfile.mkdtemp(prefix="starter-bench-revisions-")
     trees = {}
-    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "STARTER_TRACE": "1"}
+    stack = contextlib.ExitStack()
+    env = {"PATH": "/usr/sbin:/usr/bin:/sbin:/bin", "STARTER_TRACE": "1",
+           "STARTER_STATE_DIR": state_dir(stack, "starter-bench-revisions-", tmpfs=False)}
     try:
         print(f"`starter run --net none -- /bin/true`, {args.runs} rounds a pair, interleaved, "
               "order alternating; medians")
@@ -89,10 +96,12 @@ def main():
                 print_difference(f"{new} - {old}, the starter's own",
                                  [(b - a) / 1e3 for a, b in zip(own[old], own[new])])
     finally:
+        stack.close()
         for path in trees.values():
             subprocess.run(["git", "-C", ROOT, "worktree", "remove", "--force", path], capture_output=True)
         shutil.rmtree(where, ignore_errors=True)
         subprocess.run(["git", "-C", ROOT, "worktree", "prune"], capture_output=True)
+    check_node_state(before)
 
 
 if __name__ == "__main__":
