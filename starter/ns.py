@@ -50,6 +50,7 @@ __all__ = ["Mount", "ChildSpec", "Child", "spawn", "enter", "setns", "decode_sta
 
 _REPORT = Struct(f"ii{lib.SHIM_STEP_MAX}s")
 _CREDS = Struct("iII")  # struct ucred
+_INT = Struct("i")
 _USERNS_STEP = b"map user namespace"  # SHIM_STEP_USERNS in shim_internal.h: a request, not a failure
 
 
@@ -343,7 +344,7 @@ class _ExecProbe:
             events = p.poll(0)
             if not events or not events[0][1] & select.POLLHUP:
                 return False            # the child still holds its end
-            left = Struct("i").unpack(fcntl.ioctl(self.fd, self._FIONREAD, b"\0\0\0\0"))[0]
+            left = _INT.unpack(fcntl.ioctl(self.fd, self._FIONREAD, b"\0\0\0\0"))[0]
             return left == 0            # closed at exec, no failure report
         except OSError:
             return False

@@ -263,9 +263,9 @@ def _mounts():
         return {" ".join(l.split()[2:]) for l in f}
 
 
-def _children():
-    me = str(os.getpid())
-    kids = set()
+def children_of(parent):
+    """{pid: (comm, state letter)} of the processes whose parent is `parent`."""
+    kids = {}
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
@@ -275,9 +275,13 @@ def _children():
         except OSError:
             continue
         fields = data[data.rindex(")") + 2:].split()
-        if fields[1] == me:
-            kids.add((pid, data[data.index("(") + 1:data.rindex(")")]))
+        if int(fields[1]) == parent:
+            kids[int(pid)] = (data[data.index("(") + 1:data.rindex(")")], fields[0])
     return kids
+
+
+def _children():
+    return {(str(pid), comm) for pid, (comm, _) in children_of(os.getpid()).items()}
 
 
 def _image_loops():

@@ -17,7 +17,7 @@ import time
 
 import pytest
 
-from conftest import GID, POLICY, PYTHON, SLOWDOWN, STARTER, UID, caller_argv
+from conftest import GID, POLICY, PYTHON, SLOWDOWN, STARTER, UID, caller_argv, children_of
 
 def as_caller(*args, cwd=None, timeout=60, check=None, env=None, **kw):
     p = subprocess.run(caller_argv(*args, keep_env=env is not None), capture_output=True, text=True, timeout=timeout * SLOWDOWN,
@@ -149,8 +149,8 @@ def test_caller_refused(policy, home, args, words):
 def test_caller_tiny_fd_limit_fails_closed(policy, home, nofile):
     """Where root lacks CAP_SYS_RESOURCE (this host), the caller's hard
     limits bind the starter too: a start that runs out fails whole, in one
-    line, wherever it runs out (the launcher's socket, signalfd and warm-up
-    pipe take fds 3-7 before anything of the job exists)."""
+    line, wherever it runs out (the launcher's socket and warm-up pipe take
+    fds 3-6 before anything of the job exists)."""
     p = subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "sh", "-c",
                         f'ulimit -n {nofile}; exec {STARTER} run -- true'], capture_output=True, text=True,
                        cwd=home, timeout=60 * SLOWDOWN)
@@ -275,30 +275,16 @@ def test_caller_sigkill_leaves_nothing(policy, home, state_root):
     assert r["reason"] == "caller_gone"
 
 
-def _children(pid):
-    """{pid: state letter} of the processes whose parent is pid."""
-    kids = {}
-    for name in os.listdir("/proc"):
-        try:
-            with open(f"/proc/{name}/stat", "rb") as f:
-                fields = f.read().rsplit(b")", 1)[1].split()
-        except (OSError, IndexError):
-            continue
-        if int(fields[1]) == pid:
-            kids[int(name)] = fields[0].decode()
-    return kids
-
-
 def test_caller_relay_reaps_and_reports_a_dead_starter(policy, home, state_root, starter):
     """While the job runs the relay's one child is the root starter: the
     warm-up mover it started beside it (v1 layouts) is reaped, not left a
     zombie.  A root starter killed by a signal is said in one line, exit 125."""
     proc = _start(home)
     deadline = time.monotonic() + 5 * SLOWDOWN
-    while len(kids := _children(proc.pid)) != 1 and time.monotonic() < deadline:
+    while len(kids := children_of(proc.pid)) != 1 and time.monotonic() < deadline:
         time.sleep(0.05)
     assert len(kids) == 1, kids
-    (root_starter, st), = kids.items()
+    (root_starter, (_, st)), = kids.items()
     assert st != "Z"
     with open(f"/proc/{root_starter}/status") as f:
         assert [line.split()[1:] for line in f if line.startswith("Uid:")] == [["0"] * 4]
