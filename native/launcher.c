@@ -226,15 +226,74 @@ static void die(const char *what)
 	_exit(125);
 }
 
+/* The limits the root half runs under.  Raising a hard limit needs
+ * CAP_SYS_RESOURCE, which some nodes' root lacks (containers, hardened
+ * nodes): there a limit the caller lowered stays.  Most of those can only
+ * fail the caller's own start (125: a tiny RLIMIT_NOFILE) or cap its own
+ * job (the shim never raises a job's limit above the starter's hard one).
+ * A few would let the caller reach past its own job: a file size limit cuts
+ * what root writes for everyone (the state directory, the filter cache), a
+ * CPU, data, address-space or stack limit can kill the root starter in the
+ * middle of a job (which then runs on unsupervised until gc), and a process
+ * limit below what the end-of-job escape check needs leaves the job's entry
+ * for gc.  `need` is the least hard limit the root half runs under: below
+ * it, the start is refused naming the limit. */
+static const struct root_limit {
+	int res;
+	const char *name, *flag;
+	rlim_t soft, hard, need;
+} root_limits[] = {
+	{ RLIMIT_CPU, "CPU time", "-t", RLIM_INFINITY, RLIM_INFINITY, RLIM_INFINITY },
+	{ RLIMIT_FSIZE, "file size", "-f", RLIM_INFINITY, RLIM_INFINITY, RLIM_INFINITY },
+	{ RLIMIT_DATA, "data size", "-d", RLIM_INFINITY, RLIM_INFINITY, RLIM_INFINITY },
+	{ RLIMIT_AS, "address space", "-v", RLIM_INFINITY, RLIM_INFINITY, RLIM_INFINITY },
+	{ RLIMIT_STACK, "stack size", "-s", 8 << 20, RLIM_INFINITY, 8 << 20 },
+	{ RLIMIT_NPROC, "processes", "-u", RLIM_INFINITY, RLIM_INFINITY, 64 },
+	{ RLIMIT_CORE, "core file size", "-c", 0, 0, 0 },  /* a root process never dumps the caller's data */
+	{ RLIMIT_NOFILE, "open files", "-n", 1024, 524288, 0 },
+	{ RLIMIT_RSS, "resident set", "-m", RLIM_INFINITY, RLIM_INFINITY, 0 },
+	{ RLIMIT_LOCKS, "file locks", "-x", RLIM_INFINITY, RLIM_INFINITY, 0 },
+	{ RLIMIT_MSGQUEUE, "message queues", "-q", RLIM_INFINITY, RLIM_INFINITY, 0 },
+	{ RLIMIT_RTTIME, "real-time CPU time", "-R", RLIM_INFINITY, RLIM_INFINITY, 0 },
+	/* RLIMIT_NICE, RLIMIT_RTPRIO, RLIMIT_SIGPENDING and RLIMIT_MEMLOCK are
+	 * kept as the caller set them: they only restrict the starter. */
+};
+
+/* Set the root half's limits; where a hard limit cannot be raised, the soft
+ * one goes as high as it allows, and a hard limit below `need` refuses the
+ * start, in one line. */
+static void set_root_limits(void)
+{
+	for (size_t i = 0; i < sizeof root_limits / sizeof root_limits[0]; i++) {
+		const struct root_limit *l = &root_limits[i];
+		struct rlimit rl = { l->soft, l->hard }, cur;
+
+		if (setrlimit(l->res, &rl) == 0)
+			continue;
+		if (getrlimit(l->res, &cur) < 0)
+			die("cannot read the caller's resource limits");
+		rl = (struct rlimit){ l->soft < cur.rlim_max ? l->soft : cur.rlim_max, cur.rlim_max };
+		(void)setrlimit(l->res, &rl);
+		if (cur.rlim_max < l->need) {
+			char need[32];
+
+			if (l->need == RLIM_INFINITY)
+				snprintf(need, sizeof need, "unlimited");
+			else
+				snprintf(need, sizeof need, "%llu", (unsigned long long)l->need);
+			fprintf(stderr, "starter: the caller's hard limit on %s (ulimit -H %s) is %llu, the root "
+				"starter needs %s, and root cannot raise it on this node (no CAP_SYS_RESOURCE): "
+				"raise it before `starter run` (exit 125)\n", l->name, l->flag,
+				(unsigned long long)cur.rlim_max, need);
+			_exit(125);
+		}
+	}
+}
+
 /* The root half: becomes the starter. */
 static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 		      gid_t *groups, int ngroups, pid_t relay_pid, int warm)
 {
-	static const struct { int res; rlim_t soft, hard; } limits[] = {
-		{ RLIMIT_CORE, 0, 0 },                  /* a root process never dumps the caller's data */
-		{ RLIMIT_NOFILE, 1024, 524288 },
-		{ RLIMIT_STACK, 8 << 20, RLIM_INFINITY },
-	};
 	size_t size = 64 + 12 * (size_t)ngroups;
 	char *who = malloc(size), *e_who = malloc(size + 16), e_fd[40], e_relay[48], e_warm[48];
 	char *args[argc + 5], *env[7];
@@ -247,20 +306,7 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 		die("out of memory");
 	if (setsid() < 0 || setgroups(0, NULL) < 0 || setresgid(0, 0, 0) < 0 || setresuid(0, 0, 0) < 0)
 		die("cannot become root for the caller's job");
-	for (int r = 0; r < RLIM_NLIMITS; r++) {     /* the caller's rlimits are not root's */
-		struct rlimit rl = { RLIM_INFINITY, RLIM_INFINITY };
-
-		if (r == RLIMIT_NICE || r == RLIMIT_RTPRIO || r == RLIMIT_SIGPENDING || r == RLIMIT_MEMLOCK)
-			continue;                       /* kept: they only restrict the starter */
-		for (size_t i = 0; i < sizeof limits / sizeof limits[0]; i++)
-			if (limits[i].res == r)
-				rl = (struct rlimit){ limits[i].soft, limits[i].hard };
-		/* Best effort: raising a hard limit needs CAP_SYS_RESOURCE,
-		 * which some nodes' root lacks; a limit the caller lowered then
-		 * stays, which can only fail the caller's own start (125), and
-		 * caps the job's own limits at the caller's (the shim). */
-		(void)setrlimit(r, &rl);
-	}
+	set_root_limits();
 	umask(022);
 	/* Every disposition is already the default (caller_run(), before the
 	 * fork: a SIG_IGN would survive the exec); the mask is emptied here. */
@@ -289,7 +335,7 @@ static void root_half(int sock, char **argv, int argc, uid_t uid, gid_t gid,
 	}
 	env[ne] = NULL;
 	args[n++] = STARTER_PYTHON;
-	args[n++] = "-IS";
+	args[n++] = "-ISB";     /* no byte code written under limits a caller chose */
 	args[n++] = "-c";
 	args[n++] = STARTER_CODE;
 	for (int i = 1; i < argc; i++)

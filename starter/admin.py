@@ -17,8 +17,10 @@ from starter.reclaim import job_cgroup
 def _live_entries(state_dir):
     for job_id in S.list_ids(state_dir):
         st = S.load(state_dir, job_id)
-        if not st:
-            continue
+        if not st:         # never skipped: a job of unknown owner while its lock is held
+            if not os.path.exists(os.path.join(state_dir, job_id + ".lock")):
+                continue   # ended since the listing
+            st = S.unreadable(state_dir, job_id)
         st["id"] = job_id
         st["live"] = S.is_live(state_dir, job_id)
         yield st
@@ -55,9 +57,10 @@ def ps(state_dir, as_json):
         if u.get("network"):
             netb = sum(c.get("bytes", 0) for c in u["network"].values() if isinstance(c, dict))
         rows.append({
-            "id": st["id"], "user": st.get("user") or st.get("uid"),
+            "id": st["id"], "user": "?" if st.get("unreadable") else st.get("user") or st.get("uid"),
             "state": st.get("state") if st["live"] or st.get("state") == "reclaiming" else "dead",
-            "pid": st.get("pid"), "held": st.get("held"),
+            "pid": st.get("pid"),
+            "held": st.get("held"),
             "address": st.get("address"), "cpu_s": u.get("cpu_s"),
             "memory_bytes": u.get("memory_bytes"), "net_bytes": netb,
         })
@@ -139,10 +142,9 @@ def _entry(state_dir, job_id):
     from starter import values
 
     values.job_id("job", job_id)
-    st = S.load(state_dir, job_id) if os.path.exists(os.path.join(state_dir, job_id + ".lock")) else {}
-    if not st:
+    if not os.path.exists(os.path.join(state_dir, job_id + ".lock")):
         raise StarterError(f"no job {job_id!r} on this node", "`starter ps` lists the jobs")
-    return st
+    return S.load(state_dir, job_id) or S.unreadable(state_dir, job_id)
 
 
 # ---------------------------------------------------------------- control
@@ -155,8 +157,8 @@ def control(state_dir, job_id, action):
     st = _entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id):
         raise StarterError(f"job {job_id!r} has no live starter", "run `starter gc` to clean it up")
-    pid = st["starter_pid"]
-    if S.process_start_time(pid) != st.get("starter_start"):
+    pid = st.get("starter_pid")
+    if not isinstance(pid, int) or S.process_start_time(pid) != st.get("starter_start"):
         raise StarterError(f"the starter of job {job_id!r} (pid {pid}) is gone")
     failed = st.get("control_failed")      # an earlier one
     os.kill(pid, ACTION_SIGNALS[action])

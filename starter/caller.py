@@ -66,8 +66,11 @@ class Caller:
             # Fewer jobs on the node than the limit: none to read (reading every
             # entry is a file and a JSON parse each, on every caller's start).
             if limit is not None and len(ids) >= limit:
+                # An entry that cannot be read is a live job of unknown
+                # owner: counted as every caller's.
                 running = sum(1 for i in ids
-                              if state.load(state_dir, i).get("caller") == self.uid and state.is_live(state_dir, i))
+                              if state.load(state_dir, i).get("caller", self.uid) == self.uid
+                              and state.is_live(state_dir, i))
                 if running >= limit:
                     from starter.policy import PolicyError
 

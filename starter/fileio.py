@@ -31,6 +31,17 @@ def unlink_best_effort(name, dir_fd=None):
         pass
 
 
+def write_all(fd, data):
+    """Write every byte of `data` to `fd`, or raise OSError: a short write (a
+    file size limit, a full disk) never passes for a whole one."""
+    mv = memoryview(data)
+    while mv:
+        n = os.write(fd, mv)
+        if n <= 0:
+            raise OSError(errno.EIO, "short write")
+        mv = mv[n:]
+
+
 class NotRegular(OSError):
     """read_regular(): the name is not a regular file."""
 
@@ -118,9 +129,7 @@ def copy_hashing(src_fd, dst_fd, algorithms, limit=None):
         for h in hs.values():
             h.update(buf)
         if dst_fd is not None:
-            mv = memoryview(buf)
-            while mv:
-                mv = mv[os.write(dst_fd, mv):]
+            write_all(dst_fd, buf)
     return {a: h.hexdigest() for a, h in hs.items()}
 
 

@@ -22,7 +22,7 @@ import sys
 
 from starter import state as S
 from starter.errors import StarterError, one_line
-from starter.fileio import unlink_quiet
+from starter.fileio import unlink_quiet, write_all
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TEXTFILE_NAME = "starter.prom"
@@ -162,10 +162,13 @@ def collect(state_dir):
     samples, counts, errors = {}, dict.fromkeys(STATES, 0), 0
     backends, links = {}, []
     for job_id in S.list_ids(state_dir):
-        try:
-            entry = S.loads(S.read_entry(os.path.join(state_dir, job_id + ".json")))
-        except (OSError, ValueError, RecursionError):
-            continue  # ended (or not yet written) between the listing and now; or not an entry
+        entry = S.load(state_dir, job_id)
+        if not entry:
+            # Cut short or not JSON: a job of unknown owner while a root
+            # process holds its lock; else ended since the listing.
+            entry = S.unreadable(state_dir, job_id)
+            if "starter_pid" not in entry:
+                continue
         if not isinstance(entry, dict) or entry.get("id") != job_id:
             continue
         live = S.starter_alive(entry)
@@ -299,7 +302,7 @@ def write_textfile(state_dir, directory):
             os.unlink(tmp)
             fd = os.open(tmp, flags, 0o644)
         try:
-            os.write(fd, data)
+            write_all(fd, data)
             os.fchmod(fd, 0o644)   # readable by node_exporter whatever our umask
         finally:
             os.close(fd)

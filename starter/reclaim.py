@@ -56,6 +56,9 @@ def gc(state_dir, cgroup_parent=None):
     lines += more
     ok = ok and not held
     lines += _reclaim_project_leases()
+    from starter import seccomp
+
+    lines += [f"seccomp cache: removed {n} (not a whole cache file)" for n in seccomp.check_cache(state_dir)]
     for name in S.stray_names(state_dir):
         ok = False
         lines.append(f"{os.path.join(state_dir, name)}: not an entry of this state directory; left alone")

@@ -13,6 +13,7 @@ import errno
 import logging
 import os
 
+from starter.fileio import write_all
 from starter.spoolname import LINKSTATE_NAME, TMP_PREFIX
 
 log = logging.getLogger("starter.spool")
@@ -87,7 +88,10 @@ class LinkState:
         tmp = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o644, dir_fd=self.dfd)
         try:
-            os.write(fd, f"{int(ok)} {fails}\n".encode())
+            write_all(fd, f"{int(ok)} {fails}\n".encode())
+        except OSError:
+            os.unlink(tmp, dir_fd=self.dfd)
+            raise
         finally:
             os.close(fd)
         os.rename(tmp, LINKSTATE_NAME, src_dir_fd=self.dfd, dst_dir_fd=self.dfd)

@@ -82,7 +82,7 @@ import os
 import time
 
 from starter.errors import StarterError
-from starter.fileio import read_regular, unlink_quiet
+from starter.fileio import read_regular, unlink_quiet, write_all
 
 
 # The bounded reclaims at the start of a job (find_dead, and the NAT
@@ -189,7 +189,9 @@ def loads(text):
     s = text.strip()
     try:
         obj, end = _scan(s, 0)
-    except StopIteration:
+    except (StopIteration, SystemError, ImportError):
+        # SystemError: the C scanner, asked to report a cut string under
+        # `python -S`, fails to import the error class it would raise.
         raise ValueError("not JSON") from None
     if end != len(s):
         raise ValueError("trailing data after JSON")
@@ -203,9 +205,12 @@ def write_atomic(path, text, mode=0o600):
     tmp = path + ".tmp"
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC | os.O_NOFOLLOW, mode)
     try:
-        os.write(fd, text.encode())
-    finally:
+        write_all(fd, text.encode())
+    except OSError:
         os.close(fd)
+        unlink_quiet(tmp)
+        raise
+    os.close(fd)
     os.replace(tmp, path)
 
 
@@ -305,7 +310,7 @@ class JobState:
                                "set --state-dir or STARTER_STATE_DIR to a writable local directory") from None
         try:
             fcntl.flock(t, fcntl.LOCK_EX)      # nobody else can reach it yet
-            os.write(t, text.encode())
+            write_all(t, text.encode())
             name = self.id + ".lock"
             for _ in range(100):
                 try:
@@ -421,6 +426,57 @@ def load(state_dir, job_id, lock_fd=None):
         if isinstance(st, dict):
             return st
     return {}
+
+
+def lock_holder(state_dir, job_id):
+    """The pid of the root process that holds the entry's lock, found from
+    the lock itself (/proc/locks) and checked (it runs as root and has the
+    lock file open), or None: how an entry that cannot be read is still
+    reached (`starter kill`), and its starter's pid shown."""
+    try:
+        st = os.stat(_lock_path(state_dir, job_id), follow_symlinks=False)
+        with open("/proc/locks", "rb") as f:
+            text = f.read(1 << 22)
+    except OSError:
+        return None
+    want = b"%02x:%02x:%d" % (os.major(st.st_dev), os.minor(st.st_dev), st.st_ino)
+    for line in text.splitlines():
+        f = line.split()
+        # "1: FLOCK  ADVISORY  WRITE 1234 00:1f:5678 0 EOF" (a blocked waiter: "1: -> FLOCK ...")
+        if len(f) < 6 or f[1] != b"FLOCK" or f[5] != want or not f[4].isdigit():
+            continue
+        pid = int(f[4])
+        if _holds_open(pid, st):
+            return pid
+    return None
+
+
+def _holds_open(pid, st):
+    """Is `pid` a root process with the file `st` open?"""
+    try:
+        if os.stat(f"/proc/{pid}", follow_symlinks=False).st_uid != 0:
+            return False
+        for fd in os.listdir(f"/proc/{pid}/fd"):
+            try:
+                f = os.stat(f"/proc/{pid}/fd/{fd}")
+            except OSError:
+                continue
+            if (f.st_dev, f.st_ino) == (st.st_dev, st.st_ino):
+                return True
+    except OSError:
+        pass
+    return False
+
+
+def unreadable(state_dir, job_id):
+    """What is known of an entry that cannot be read (cut short, or not
+    JSON): a job of unknown owner, live while its lock is held; its starter
+    as lock_holder() finds it."""
+    out = {"id": job_id, "state": "unknown", "unreadable": True}
+    pid = lock_holder(state_dir, job_id)
+    if pid is not None:
+        out.update(starter_pid=pid, starter_start=process_start_time(pid))
+    return out
 
 
 def _listdir(state_dir):

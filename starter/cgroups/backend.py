@@ -16,6 +16,10 @@ from .base import DELEGATE_V1_HINT, DELEGATE_V1_REFUSAL, JOB_PREFIX, JobCgroup, 
 from .dirs import mkdir, rmdir_quiet
 
 
+# The files of a cgroup that move processes into it: cgroup.procs (both
+# versions), tasks (v1: threads) and cgroup.threads (v2: threads).
+MOVERS = ("cgroup.procs", "tasks", "cgroup.threads")
+
 class Backend:
     """The host's cgroup setup, probed once.  Subclasses: V2Backend,
     V1Backend, HybridBackend.
@@ -130,14 +134,18 @@ class Backend:
             for name in [""] + parts:
                 d = os.path.join(d, name) if name else d
                 try:
-                    st, procs = os.lstat(d), os.lstat(os.path.join(d, "cgroup.procs"))
+                    st = os.lstat(d)
+                    movers = [(f, os.lstat(os.path.join(d, f))) for f in MOVERS
+                              if f == "cgroup.procs" or os.path.lexists(os.path.join(d, f))]
                 except OSError as e:
                     raise CgroupError(f"cannot check the caller's cgroup {d}: {e.strerror}") from None
-                if (not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or procs.st_uid != 0
-                        or st.st_mode & 0o022 or procs.st_mode & 0o022):
+                bad = [(f, fs) for f, fs in movers if fs.st_uid != 0 or fs.st_mode & 0o022]
+                if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022 or bad:
+                    f, fst = bad[0] if bad else movers[0]
                     raise CgroupError(
                         f"the caller's cgroup {d} is not root's alone (owner uid {st.st_uid}, "
-                        f"cgroup.procs owner uid {procs.st_uid}): a job of its user could leave its own cgroup",
+                        f"{f} owner uid {fst.st_uid}, mode {stat.S_IMODE(fst.st_mode):o}): a job of "
+                        "its user could leave its own cgroup",
                         "something gave this cgroup to the user: systemd's user@.service, or a batch system "
                         "(Slurm's cgroup/v1 chowns the step's directory with ConstrainRAMSpace; see "
                         "docs/admin-guide.md); start the job from a cgroup only root may write")

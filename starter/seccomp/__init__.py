@@ -23,13 +23,13 @@ trustworthy as the profile next to the starter's code.
 import os
 
 from starter.errors import SpecError, StarterError
-from starter.fileio import NotRegular, TooLarge, read_regular, unlink_best_effort
+from starter.fileio import NotRegular, TooLarge, read_regular, unlink_best_effort, write_all
 
 DEFAULT = os.path.join(os.path.dirname(__file__), "default.json")
 MAX_PROFILE = 1 << 20
 CACHE_SUFFIX = ".seccomp"         # <state_dir>.seccomp/
 CACHE_KEEP = 64                   # more files than this: the others go
-_MAGIC = b"starter-seccomp-1 "    # cache file: magic, ident, newline, 4 bytes flags, BPF
+_MAGIC = b"starter-seccomp-2 "    # cache file: magic, ident, newline, 4 bytes flags, 4 bytes length, BPF
 _memo = {}
 
 
@@ -173,25 +173,64 @@ def _cache_get(cache_dir, key):
     try:
         if not _root_only(os.fstat(dfd)):
             return None
-        fd = os.open(key + ".bpf", os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
-    except OSError:
-        return None
+        return _cache_read(dfd, key + ".bpf")
     finally:
         os.close(dfd)
+
+
+def _cache_read(dfd, name):
+    """The Filter a cache file holds, or None: only a file of root's alone,
+    whole (its length as written), for this libseccomp and machine."""
+    try:
+        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd)
+    except OSError:
+        return None
     try:
         st = os.fstat(fd)
         if not _is_reg(st) or not _root_only(st) or st.st_size > 65536:
             return None
         data = os.read(fd, 65537)
+    except OSError:
+        return None
     finally:
         os.close(fd)
     head = _MAGIC + _cache_ident() + b"\n"
-    if not data.startswith(head) or len(data) < len(head) + 4:
+    if not data.startswith(head) or len(data) < len(head) + 8:
         return None
-    body = data[len(head) + 4:]
-    if not body or len(body) % 8:
+    size = int.from_bytes(data[len(head) + 4:len(head) + 8], "little")
+    body = data[len(head) + 8:]
+    if not body or len(body) != size or size % 8:
         return None
     return Filter(body, int.from_bytes(data[len(head):len(head) + 4], "little"))
+
+
+def check_cache(state_dir):
+    """gc: remove every file of the filter cache next to `state_dir` that is
+    not a whole cache file of this libseccomp and machine (cut short,
+    stale, planted); a later job compiles and writes it again.  -> the
+    names removed."""
+    cache = state_dir.rstrip("/") + CACHE_SUFFIX
+    try:
+        dfd = os.open(cache, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return []
+    removed = []
+    try:
+        if not _root_only(os.fstat(dfd)):
+            return []
+        for n in sorted(os.listdir(dfd)):
+            if n.endswith(".bpf") and _cache_read(dfd, n) is not None:
+                continue
+            try:
+                os.unlink(n, dir_fd=dfd)
+            except IsADirectoryError:
+                continue
+            except OSError:
+                continue
+            removed.append(n)
+    finally:
+        os.close(dfd)
+    return removed
 
 
 def _cache_put(cache_dir, key, f):
@@ -217,7 +256,8 @@ def _cache_put(cache_dir, key, f):
         fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600,
                      dir_fd=dfd)
         try:
-            os.write(fd, _MAGIC + _cache_ident() + b"\n" + f.flags.to_bytes(4, "little") + f.bpf)
+            write_all(fd, _MAGIC + _cache_ident() + b"\n" + f.flags.to_bytes(4, "little")
+                      + len(f.bpf).to_bytes(4, "little") + f.bpf)
         finally:
             os.close(fd)
         os.rename(tmp, key + ".bpf", src_dir_fd=dfd, dst_dir_fd=dfd)
