@@ -8,8 +8,10 @@ What a hostile caller asks for is refused with exit 125 and one line, and
 leaves nothing (the leak check) and no file written with root's rights.
 """
 
+import errno
 import json
 import os
+import shlex
 import signal
 import stat
 import subprocess
@@ -17,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import GID, POLICY, PYTHON, SLOWDOWN, STARTER, UID, caller_argv, children_of
+from conftest import GID, POLICY, PYTHON, SLOWDOWN, STARTER, UID, caller_argv, children_of, wait_running
 
 def as_caller(*args, cwd=None, timeout=60, check=None, env=None, **kw):
     p = subprocess.run(caller_argv(*args, keep_env=env is not None), capture_output=True, text=True, timeout=timeout * SLOWDOWN,
@@ -330,10 +332,6 @@ def test_caller_leaves_nothing_in_its_cgroup(policy, home):
     left in the caller's cgroup, not even a zombie: the relay exits only
     once it has reaped the root starter and the warm-up mover.  The batch
     system removes its step's cgroup the moment its child ends."""
-    layout = _layout()
-    if layout.kind == "v2":
-        pytest.skip("pure cgroup v2: a caller's cgroup that holds its relay cannot have the job's "
-                    "controller-enabled cgroups below it (no internal processes); the start is refused")
     d = _own_cgroup_dir("starter-callercg")
     try:
         argv = ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh", *caller_argv("run", "--", "true")]
@@ -343,6 +341,81 @@ def test_caller_leaves_nothing_in_its_cgroup(policy, home):
             assert open(os.path.join(d, "cgroup.procs")).read() == ""
             if os.path.exists(os.path.join(d, "cgroup.events")):
                 assert "populated 0" in open(os.path.join(d, "cgroup.events")).read().splitlines()
+    finally:
+        _remove_cgroup_dir(d)
+
+
+def test_caller_cgroup_its_user_owns_on_cgroup2(policy, home):
+    """A caller whose cgroup2 directory its user owns, its cgroup.procs and
+    cgroup.threads root's (Slurm's cgroup/v2 with its constraints on):
+    the job runs, nested in it, and a process of the user outside cannot
+    move the job's processes out, not even into a cgroup it makes there."""
+    layout = _layout()
+    if layout.unified is None:
+        pytest.skip("no cgroup2 hierarchy: the kernel's rule on moves across a common ancestor is cgroup2's")
+    d = _own_cgroup_dir("starter-userdir")
+    evil = os.path.join(d, "mine")
+    try:
+        os.chown(d, UID, GID)
+        argv = ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh",
+                *caller_argv("run", "--id", "userdir", "--", "sh", "-c", TRAP + "sleep 30 & wait")]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=home)
+        try:
+            st = wait_running(os.environ["STARTER_STATE_DIR"], "userdir", proc)
+            job_cg = st["cgroup"]["unified"]
+            assert job_cg.startswith(d + "/"), job_cg
+            move = (f"import os\nos.mkdir({evil!r})\nfd = os.open({evil!r} + '/cgroup.procs', os.O_WRONLY)\n"
+                    f"try:\n    os.write(fd, b'{st['pid']}')\nexcept OSError as e:\n    print(e.errno)\n")
+            p = subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", PYTHON, "-c", move],
+                               capture_output=True, text=True)
+            assert p.stdout.strip() == str(errno.EACCES), p
+            assert str(st["pid"]) in open(os.path.join(job_cg, "cgroup.procs")).read().split()
+        finally:
+            proc.send_signal(signal.SIGTERM)
+            out, err = proc.communicate(timeout=30 * SLOWDOWN)
+        assert proc.returncode == 143, err
+        if os.path.isdir(evil):
+            os.rmdir(evil)
+        assert sorted(e.name for e in os.scandir(d) if e.is_dir()) == []
+    finally:
+        _remove_cgroup_dir(d)
+
+
+def test_caller_parent_its_user_made_first_is_refused(policy, home):
+    """In a cgroup2 directory its user owns, the user makes the starter's
+    parent first (its own cgroup.procs): refused, in one line."""
+    layout = _layout()
+    if layout.unified is None:
+        pytest.skip("no cgroup2 hierarchy")
+    d = _own_cgroup_dir("starter-userpre")
+    try:
+        os.chown(d, UID, GID)
+        subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "mkdir",
+                        os.path.join(d, "starter")], check=True)
+        argv = ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh", *caller_argv("run", "--", "true")]
+        p = subprocess.run(argv, capture_output=True, text=True, cwd=home, timeout=60 * SLOWDOWN)
+        refused(p, "is not root's alone")
+    finally:
+        _remove_cgroup_dir(d)
+
+
+def test_caller_batch_script_without_exec(policy, home):
+    """A batch script that runs `starter run` as a child, not by exec, three
+    times in a row and twice at once, in a cgroup of its own (Slurm's task
+    cgroup): every job runs; on pure cgroup v2 the script and the relays are
+    moved into a leaf below their cgroup for the job's time and back after;
+    nothing is left below the script's cgroup."""
+    d = _own_cgroup_dir("starter-batch")
+    try:
+        run = shlex.join(caller_argv("run", "--", "sh", "-c", "exit 3"))
+        script = (f"echo $$ > {d}/cgroup.procs || exit 90\n"
+                  f"for i in 1 2 3; do {run}; [ $? = 3 ] || exit 91; done\n"
+                  f"{run} & a=$!; {run}; b=$?; wait $a; a=$?\n"
+                  f"[ $a = 3 ] && [ $b = 3 ] || exit 92\n"
+                  f"grep -qx $$ {d}/cgroup.procs || exit 93\n")
+        p = subprocess.run(["sh", "-c", script], capture_output=True, text=True, cwd=home, timeout=120 * SLOWDOWN)
+        assert p.returncode == 0, (p.returncode, p.stderr)
+        assert sorted(e.name for e in os.scandir(d) if e.is_dir()) == []
     finally:
         _remove_cgroup_dir(d)
 

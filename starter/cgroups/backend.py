@@ -31,6 +31,7 @@ class Backend:
     kind = None         # every backend names its kind: "v2", "v1", "hybrid"
     job_class = None    # ... and its JobCgroup subclass
     cpuset = False      # v1 layouts: is the job's cgroup made in the cpuset hierarchy too?
+    _verify_parents = False     # check_caller_parents() found a directory its user owns
 
     def __init_subclass__(cls, abstract=False, **kw):
         super().__init_subclass__(**kw)
@@ -140,7 +141,16 @@ class Backend:
                 except OSError as e:
                     raise CgroupError(f"cannot check the caller's cgroup {d}: {e.strerror}") from None
                 bad = [(f, fs) for f, fs in movers if fs.st_uid != 0 or fs.st_mode & 0o022]
-                if not stat.S_ISDIR(st.st_mode) or st.st_uid != 0 or st.st_mode & 0o022 or bad:
+                # cgroup2 moves a process only for a writer of the common
+                # ancestor's cgroup.procs (v2.py's docstring): a directory
+                # the user owns is safe there while those files are root's.
+                # Its user may then remove an empty cgroup in it, or make one
+                # first: the parents are checked once they hold the job.
+                dir_ok = st.st_uid == 0 and not st.st_mode & 0o022
+                if not dir_ok and role == "unified" and not bad and stat.S_ISDIR(st.st_mode):
+                    self._verify_parents = True
+                    continue
+                if not stat.S_ISDIR(st.st_mode) or not dir_ok or bad:
                     f, fst = bad[0] if bad else movers[0]
                     raise CgroupError(
                         f"the caller's cgroup {d} is not root's alone (owner uid {st.st_uid}, "
@@ -149,6 +159,29 @@ class Backend:
                         "something gave this cgroup to the user: systemd's user@.service, or a batch system "
                         "(Slurm's cgroup/v1 chowns the step's directory with ConstrainRAMSpace; see "
                         "docs/admin-guide.md); start the job from a cgroup only root may write")
+
+    def verify_parents(self):
+        """Each parent of the job's cgroups is root's, as are the files that
+        move processes into it.  Called by create() once the parents hold
+        the job's cgroup (they can no longer be removed and made again),
+        where check_caller_parents() found a directory its user owns."""
+        import stat
+
+        for p in self.distinct_parents():
+            for name in ("",) + MOVERS:
+                path = os.path.join(p, name) if name else p
+                try:
+                    st = os.lstat(path)
+                except FileNotFoundError:
+                    if name in ("", "cgroup.procs"):
+                        raise CgroupError(f"cgroup parent {p} vanished while the job was made") from None
+                    continue
+                except OSError as e:
+                    raise CgroupError(f"cannot check cgroup parent {path}: {e.strerror}") from None
+                if st.st_uid != 0 or st.st_mode & 0o022 or (not name and not stat.S_ISDIR(st.st_mode)):
+                    raise CgroupError(f"cgroup parent {path} is not root's alone (owner uid {st.st_uid}): "
+                                      "someone made it before the starter could",
+                                      f"remove it (rmdir {p}) once nothing runs in it")
 
     def check_delegation(self, mountinfo=None):
         """Raise CgroupError unless jobs can get a delegated subtree here."""
@@ -267,6 +300,8 @@ class Backend:
                         made.clear()
                         continue
                     raise
+            if self._verify_parents:
+                self.verify_parents()
             if limits is not None and not limits.empty():
                 job.set_limits(limits)
         except BaseException:

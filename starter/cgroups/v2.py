@@ -12,13 +12,28 @@ starter/cgroup.subtree_control, which needs them in starter/cgroup.controllers,
 which needs them enabled in <own>/cgroup.subtree_control.  The kernel's
 no-internal-processes rule refuses that (EBUSY) while <own> holds processes,
 and the starter itself is one of them.  So, like a systemd delegate, the
-starter moves itself into a leaf <own>/starter/supervisor-<pid>, then enables
-the controllers in <own> and in starter/.  If <own> still has other
-processes (not ours to move) this fails closed with a hint: give the starter
-a cgroup of its own (systemd Delegate=yes, Slurm's task cgroup) or set the
-parent to a delegated cgroup.  prune() (called by JobCgroup.destroy()) undoes
-all of it once no job is left: controllers disabled again, the starter moved
-back, the leaf and starter/ removed, so the node looks as before.
+starter moves itself into a leaf <own>/starter/supervisor-<pid>, then
+enables the controllers in <own> and in starter/.  If <own> still holds
+other processes (a caller's relay, the batch script that ran `starter run`
+in Slurm's task cgroup), they follow into the same leaf: every one of them
+stays below <own>, so whatever <own> and its ancestors impose (the batch
+system's memory limit, freeze, kill, accounting) still covers them, and
+covers the job's cgroups beside them.  A starter started from such a leaf
+(the batch script's next `starter run`) takes <own> as the leaf's owner, not
+the leaf.  prune() (called by JobCgroup.destroy()) undoes all of it once no
+job is left: controllers disabled again, every process of the leaves moved
+back to <own>, the leaves and starter/ removed, so the node looks as before.
+
+The caller's cgroup may be a directory its user owns (Slurm's cgroup/v2 with
+its constraints on hands the task cgroup's directory to the user): the
+kernel moves a process only for a writer that may write cgroup.procs of the
+common ancestor of where it is and where it goes, so while every
+cgroup.procs and cgroup.threads from the root down to <own> and in what the
+starter makes is root's, nothing of the job can be moved out of the job's
+cgroup.  What the user's directory does allow is removing an empty cgroup
+in it, or making one first under the name the starter is about to use: the
+parent starter/ is checked to be root's once it holds the starter's leaf or
+a job (Backend.verify_parents()), when it can no longer be removed.
 """
 
 import errno
@@ -235,7 +250,7 @@ class V2Backend(Backend):
     job_class = V2Job
 
     def __init__(self, layout, parent=None):
-        super().__init__(layout, parent)
+        super().__init__(_owner_of_leaf(layout, parent), parent)
         self._moved_self = None  # the supervisor leaf we moved into, if any
         self._enabled_above = []  # controllers we enabled in the parent's parent
 
@@ -303,27 +318,38 @@ class V2Backend(Backend):
                     "or set the cgroup parent to a delegated cgroup that has them",
                 ) from None
         # The starter's own cgroup holds processes, at least the starter:
-        # move the starter into a leaf below the parent and try again.
+        # move the starter, then whatever else is there, into a leaf below
+        # the parent and try again.
         leaf = os.path.join(p, f"{SUPERVISOR_PREFIX}{os.getpid()}")
         mkdir(leaf)
         files.write(os.path.join(leaf, "cgroup.procs"), os.getpid())
         self._moved_self = leaf
-        try:
-            files.write(target, value)
-            self._enabled_above = missing
-        except CgroupError:
-            self._move_back()
-            raise CgroupError(
-                f"cannot enable controllers {missing} for {p}: {up} holds processes other than the starter",
-                "give the starter a cgroup of its own (systemd Delegate=yes, Slurm's task cgroup) "
-                "or set the cgroup parent to a delegated cgroup with these controllers enabled",
-            ) from None
+        for _ in range(MOVE_ROUNDS):
+            try:
+                files.write(target, value)
+                self._enabled_above = missing
+                return
+            except CgroupError as e:
+                if getattr(e, "errno", None) != errno.EBUSY:
+                    break
+            # A process forking meanwhile puts its child where it is: repeat.
+            if not _move_all(up, leaf):
+                break
+        self._move_back()
+        raise CgroupError(
+            f"cannot enable controllers {missing} for {p}: {up} keeps holding processes the starter "
+            "cannot move below it",
+            "give the starter a cgroup of its own (systemd Delegate=yes, Slurm's task cgroup) "
+            "or set the cgroup parent to a delegated cgroup with these controllers enabled",
+        )
 
     def _is_own(self, d):
         own = self.layout.own.get("unified")
         return own is not None and d == files.join(self.layout.unified.mount_point, own)
 
     def _move_back(self):
+        """Every process of our leaf (the starter, and what followed it)
+        back into the starter's own cgroup; the leaf removed."""
         leaf = self._moved_self
         if leaf is None:
             return True
@@ -333,47 +359,103 @@ class V2Backend(Backend):
         except CgroupError:
             return False
         self._moved_self = None
+        _move_all(leaf, up)
         try:
             os.rmdir(leaf)
         except OSError:
             pass
         return True
 
-    def _prune_extra(self, parent):
-        # Leaves of starters that have exited are empty: rmdir succeeds only then.
+    def _prune_extra(self, parent, move_back=False):
+        # Leaves of starters that have exited are empty: rmdir succeeds only
+        # then, unless move_back (no job left, controllers off): what the
+        # other starters moved there (a batch script) goes back first.
         try:
             with os.scandir(parent) as it:
                 names = [e.name for e in it if e.name.startswith(SUPERVISOR_PREFIX)]
         except OSError:
             return
         for n in names:
+            leaf = os.path.join(parent, n)
+            if move_back:
+                _move_all(leaf, os.path.dirname(parent))
             try:
-                os.rmdir(os.path.join(parent, n))
+                os.rmdir(leaf)
             except OSError:
                 pass
 
     def prune(self):
-        """Once no job is left: disable what we enabled, move the starter
-        back into its own cgroup, remove starter/ (JobCgroup.destroy() calls
-        this, so a starter that destroys its job leaves nothing behind)."""
-        if self._moved_self is not None and not self.list_jobs():
-            p = self.parents["unified"]
+        """Once no job is left: disable the controllers enabled for the
+        leaves' sake, move every process of the leaves back into the
+        starter's own cgroup, remove starter/ (JobCgroup.destroy() calls
+        this, so a starter that destroys its job leaves nothing behind).
+        The last starter of several sharing <own> does it for all: the one
+        that enabled the controllers may be gone."""
+        p = self.parents["unified"]
+        if not self.parent_is_absolute and not self.list_jobs() and (
+                self._moved_self is not None or _leaves(p)):
             up = os.path.dirname(p)
             sub = os.path.join(p, "cgroup.subtree_control")
             enabled = (files.read_text_or_none(sub) or "").split()
             try:
                 if enabled:
                     files.write(sub, " ".join("-" + c for c in enabled))
-                if self._enabled_above:
-                    files.write(
-                        os.path.join(up, "cgroup.subtree_control"),
-                        " ".join("-" + c for c in self._enabled_above),
-                    )
-                    self._enabled_above = []
+                # <own> held processes when a leaf was made, so nothing was
+                # enabled there before the starters came.
+                above = (files.read_text_or_none(os.path.join(up, "cgroup.subtree_control")) or "").split()
+                if above:
+                    files.write(os.path.join(up, "cgroup.subtree_control"), " ".join("-" + c for c in above))
+                self._enabled_above = []
                 self._move_back()
+                self._prune_extra(p, move_back=True)
             except CgroupError:
                 pass  # another starter shares <own>; its prune() finishes
         return super().prune()
+
+
+MOVE_ROUNDS = 8
+
+
+def _move_all(src, dst):
+    """Move every process of cgroup `src` into `dst` (one that exits
+    meanwhile is skipped).  -> False if one could not be moved."""
+    try:
+        pids = files.read_text(os.path.join(src, "cgroup.procs")).split()
+    except (CgroupError, OSError):
+        return False
+    ok = True
+    for pid in pids:
+        try:
+            files.write(os.path.join(dst, "cgroup.procs"), pid)
+        except CgroupError as e:
+            if getattr(e, "errno", None) != errno.ESRCH:
+                ok = False
+    return ok
+
+
+def _leaves(p):
+    try:
+        with os.scandir(p) as it:
+            return [e.name for e in it if e.name.startswith(SUPERVISOR_PREFIX)]
+    except OSError:
+        return []
+
+
+def _owner_of_leaf(layout, parent):
+    """A starter started from a supervisor leaf (a batch script's second
+    `starter run`, after the first moved the script there) takes the leaf's
+    owner as its own cgroup: its jobs go beside the first one's, in the
+    same starter/, not in a starter/ below the leaf."""
+    own = layout.own.get("unified")
+    name = "starter" if parent is None else str(parent)
+    if own is None or name.startswith("/") or "/" in name:
+        return layout
+    parts = own.rsplit("/", 2)
+    if len(parts) != 3 or parts[1] != name or not parts[2].startswith(SUPERVISOR_PREFIX) \
+            or not parts[2][len(SUPERVISOR_PREFIX):].isdigit():
+        return layout
+    return files.Layout(kind=layout.kind, unified=layout.unified, v1=layout.v1,
+                        own={**layout.own, "unified": parts[0] or "/"})
 
 
 def _controllers(d):
