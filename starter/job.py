@@ -227,7 +227,7 @@ def run(spec, caller=None, policy=None):
         deadline.check()
         events.emit("starting", argv=spec.argv, user=spec.uid)
         trace.mark("state")
-        code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter, rights, since)
+        code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter, rights, since, policy)
     except StarterError as e:
         sys.stderr.write(f"starter: {one_line(e)}\n")
         report.update(error=str(e), exit_code=e.exit_code)
@@ -261,19 +261,25 @@ def _reclaim_for_start(state_dir, job_id, st):
     return reclaim.reclaim_for_start(state_dir, job_id, st)
 
 
-def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_root_rights, since=None):
+def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_root_rights, since=None,
+         policy=None):
     image = spec.restore     # a checkpoint to restore (starter/checkpoint.py), or None
     if image is not None:
         from starter import checkpoint
     from starter import cgroups, ns
     from starter.nsidentity import made_for
+    from starter import mounts as M
     from starter.mounts import Mount
     from starter.spec import rlimit_table
     from starter.supervisor import Supervisor, classify
 
     # Scratch directory and verified inputs, before anything can run.
     cwd = spec.cwd
-    mounts = list(spec.mounts)
+    # A transient uid's writable binds (and scratch, below) are nosuid in its view.
+    mounts = list(spec.mounts) if spec.transient is None else M.nosuid_binds(spec.mounts)
+    # The job's own /run, but for what the node policy passes through.
+    run_through = policy.run_passthrough() if policy is not None else M.RUN_PASSTHROUGH
+    private_run = M.RUN not in run_through
     argv = list(spec.argv)
     sc = None
     if spec.scratch or spec.execute_dir:
@@ -318,9 +324,9 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         if image is not None:   # the dumped scratch's files, before CRIU restores fds naming them
             checkpoint.unpack_scratch(image, sc.path, spec.uid, spec.gid)
         cwd = cwd or sc.path
-        if sc.path == "/tmp" or sc.path.startswith("/tmp/"):
-            # The job's /tmp is private: show the scratch at the same path inside it.
-            mounts.append(Mount(kind="bind", src=sc.path, dst=sc.path))
+        # Where the job's own /tmp or /run covers it, the scratch is shown at
+        # the same path inside; a transient uid's always, nosuid.
+        mounts += M.scratch_binds(sc.path, spec.transient is not None, private_run)
         if spec.manifest:
             from starter import manifest
 
@@ -343,14 +349,12 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     # last.  Planned before the cgroup is made: on layouts with v1
     # hierarchies, making it waits for the warm-up's RCU grace period
     # (cgroups.warm_up), and this work fills some of that wait.
-    from starter import mounts as M
-
     # The job's own /dev (only the nodes it was given; its own devpts) goes
     # before /dev/shm and /dev/mqueue, which stack on it, and is made
     # read-only after the spec's binds, which may add nodes to it.
     first_mounts = (M.cgroup_view(backend.view(), writable=spec.delegate)
                     + M.dev(spec.ptys)
-                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory)
+                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory, run_through)
                     + M.device_binds(d[0] for d in spec.devices))
     last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
     rlimits = rlimit_table(spec.rlimits)
@@ -383,7 +387,9 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
         write_atomic(resolv, net.resolv_conf_text(netcfg), 0o644)
         undo.push(unlink_quiet, resolv, label="resolv")
-        mounts.append(Mount(kind="ro-bind", src=resolv, dst="/etc/resolv.conf"))
+        mounts += M.resolv_conf(resolv, private_run)
+    elif spec.network.mode == "host":
+        mounts += M.resolv_conf(None, private_run)     # the host's, where it lies in /run
 
     mounts = first_mounts + mounts + last_mounts
     namespaces = {"pid", "mnt", "ipc", "cgroup"}
@@ -501,7 +507,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace,
                      oom_watch=oom_watch, kill_timeout=spec.kill_timeout,
                      checkpoint=_checkpointer(spec, job_state, cg) if spec.on_vacate else None,
-                     checkpoint_every=spec.checkpoint_every)
+                     checkpoint_every=spec.checkpoint_every, watch_roles=cg.backend.watch_roles)
     out = sup.run()
     if gpu_usage is not None:
         report.update(gpu_usage.stop())

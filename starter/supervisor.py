@@ -65,6 +65,7 @@ DEFAULT_ACTIONS = {
     _signal.SIGUSR1: "suspend", _signal.SIGUSR2: "resume", _signal.SIGQUIT: "kill",
 }
 UNKILLABLE_AFTER = 10.0
+MOVED_OUT_EVERY = 1.0
 # v1 OOM notifications come before the kill is counted: re-check after
 # 10, 20, 40, ... ms, then give up (the OOM was resolved without a kill).
 OOM_RECHECKS = 7
@@ -117,7 +118,8 @@ class Outcome:
 
 class Supervisor:
     def __init__(self, child, cgroup, signals, events, state, wall_time=None, grace=10.0,
-                 oom_watch=None, kill_timeout=UNKILLABLE_AFTER, checkpoint=None, checkpoint_every=None):
+                 oom_watch=None, kill_timeout=UNKILLABLE_AFTER, checkpoint=None, checkpoint_every=None,
+                 watch_roles=()):
         self.child = child
         self.cg = cgroup
         self.signals = signals
@@ -139,6 +141,10 @@ class Supervisor:
         self.checkpoint = checkpoint
         self.every = checkpoint_every
         self.next_checkpoint = self.started + checkpoint_every if checkpoint_every else None
+        # v1 hierarchies whose cgroups the job's user may move processes
+        # between (Backend.watch_roles): checked every MOVED_OUT_EVERY.
+        self.watch_roles = tuple(watch_roles)
+        self.next_watch = self.started + MOVED_OUT_EVERY if self.watch_roles else None
 
     def run(self):
         poller = select.poll()
@@ -174,6 +180,8 @@ class Supervisor:
                 self._check_oom()
             if self.next_checkpoint is not None and now >= self.next_checkpoint and self.out.status is None:
                 self._periodic_checkpoint()
+            if self.next_watch is not None and now >= self.next_watch and self.out.status is None:
+                self._check_moved_out()
         if self.out.status is None:
             # Gave up on unkillable processes; the main one may be among them.
             self.out.status = self.child.poll()
@@ -188,11 +196,27 @@ class Supervisor:
         return self.out
 
     def _timeout_ms(self):
-        deadlines = [d for d in (self.wall_deadline, self.kill_deadline, self.oom_recheck, self.next_checkpoint)
-                     if d is not None]
+        deadlines = [d for d in (self.wall_deadline, self.kill_deadline, self.oom_recheck, self.next_checkpoint,
+                                 self.next_watch) if d is not None]
         if not deadlines:
             return None
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _check_moved_out(self):
+        """A job process moved out of the job's cgroup in a watched v1
+        hierarchy (past the job's limits there, by its user from outside):
+        the job is killed, reason "escaped", with the pids."""
+        self.next_watch = time.monotonic() + MOVED_OUT_EVERY
+        try:
+            moved = self.cg.moved_out(self.watch_roles)
+        except (OSError, StarterError):
+            return
+        if moved and not self.killed:
+            self.next_watch = None
+            if self.out.reason is None:
+                self.out.reason = "escaped"
+            self.events.emit("escaped", pids=moved, hierarchies=list(self.watch_roles))
+            self._kill()
 
     def _check_oom(self):
         """The OOM watch fired (or a re-check is due): end the job if the

@@ -381,6 +381,43 @@ def test_caller_cgroup_its_user_owns_on_cgroup2(policy, home):
         _remove_cgroup_dir(d)
 
 
+def test_caller_v1_memory_cgroup_its_user_owns_is_watched(policy, home):
+    """A caller whose v1 memory cgroup directory its user owns (Slurm's
+    cgroup/v1 with ConstrainRAMSpace): the job runs; a process of the user
+    that moves the job's process into a cgroup it made there (past the job's
+    memory limit) is found within seconds, and the job killed, reason
+    "escaped"."""
+    layout = _layout()
+    if "memory" not in layout.v1:
+        pytest.skip("no cgroup v1 memory hierarchy (pure cgroup v2: the kernel stops such a move)")
+    m = layout.v1["memory"]
+    d = os.path.join(m.mount_point, layout.own["memory"].lstrip("/"), f"starter-memdir-{os.getpid()}")
+    os.mkdir(d)
+    evil = os.path.join(d, "mine")
+    report = f"{home}/r.json"
+    try:
+        os.chown(d, UID, GID)
+        argv = ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh",
+                *caller_argv("run", "--id", "memdir", "--memory", "100M", "--report", report, "--",
+                             "sleep", "60")]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=home)
+        try:
+            st = wait_running(os.environ["STARTER_STATE_DIR"], "memdir", proc)
+            assert st["cgroup"]["memory"].startswith(d + "/")
+            subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "sh", "-c",
+                            f"mkdir {evil} && echo {st['pid']} > {evil}/tasks"], check=True)
+            assert proc.wait(timeout=15 * SLOWDOWN) == 137
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        assert json.loads(open(report).read())["reason"] == "escaped"
+        if os.path.isdir(evil):
+            os.rmdir(evil)
+    finally:
+        _remove_cgroup_dir(d)
+
+
 def test_caller_parent_its_user_made_first_is_refused(policy, home):
     """In a cgroup2 directory its user owns, the user makes the starter's
     parent first (its own cgroup.procs): refused, in one line."""

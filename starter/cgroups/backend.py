@@ -32,6 +32,7 @@ class Backend:
     job_class = None    # ... and its JobCgroup subclass
     cpuset = False      # v1 layouts: is the job's cgroup made in the cpuset hierarchy too?
     _verify_parents = False     # check_caller_parents() found a directory its user owns
+    watch_roles = ()            # ... v1 hierarchies where its user may move processes (Supervisor)
 
     def __init_subclass__(cls, abstract=False, **kw):
         super().__init_subclass__(**kw)
@@ -149,6 +150,18 @@ class Backend:
                 dir_ok = st.st_uid == 0 and not st.st_mode & 0o022
                 if not dir_ok and role == "unified" and not bad and stat.S_ISDIR(st.st_mode):
                     self._verify_parents = True
+                    continue
+                # A v1 hierarchy other than the tracking one that the user may
+                # move processes in (Slurm's cgroup/v1 with ConstrainRAMSpace
+                # gives it the step's memory directory): no kernel rule stops
+                # a move there, but the job cannot leave the tracking cgroup,
+                # so the supervisor finds a move within a second and ends the
+                # job ("escaped"), and the batch system's own limits above
+                # still hold.
+                if (not dir_ok or bad) and role != "unified" and role != self.roles()[0] \
+                        and stat.S_ISDIR(st.st_mode):
+                    if role not in self.watch_roles:
+                        self.watch_roles = self.watch_roles + (role,)
                     continue
                 if not stat.S_ISDIR(st.st_mode) or not dir_ok or bad:
                     f, fst = bad[0] if bad else movers[0]

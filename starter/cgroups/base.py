@@ -204,6 +204,29 @@ class JobCgroup:
         return any(pid in files.read_pids(os.path.join(d, "cgroup.procs"))
                    for d in subdirs_bottom_up(top))
 
+    def moved_out(self, roles):
+        """Pids in the job's cgroup of the tracking hierarchy (which no job
+        process can leave) that are in none of the job's cgroups of `roles`
+        (v1 hierarchies where its user may move processes: a directory the
+        batch system gave it), read twice so that a process forking meanwhile
+        is not counted: [] while every job process is where it belongs."""
+        top = self.dirs()[0]
+
+        def tracked():
+            return {p for d in subdirs_bottom_up(top) for p in files.read_pids(os.path.join(d, "cgroup.procs"))}
+
+        def outside():
+            missing = tracked()
+            for role in roles:
+                d = self.paths.get(role)
+                if d is not None and missing:
+                    missing -= {p for sub in subdirs_bottom_up(d)
+                                for p in files.read_pids(os.path.join(sub, "cgroup.procs"))}
+            return missing
+
+        first = outside()
+        return sorted(first & outside()) if first else []
+
     def pids(self):
         """Every pid in the job's cgroups and their sub-cgroups, in every
         hierarchy (sorted, unique)."""
