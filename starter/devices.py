@@ -1,4 +1,4 @@
-"""Devices a job may use (issue 25): by assignment only.
+"""Devices a job may use: by assignment only.
 
 Every job gets the minimal /dev of mounts.dev() and may open only the nodes
 of mounts.DEV_RULES; `--device PATH[:rwm]` and `--gpus LIST` add nodes
@@ -70,7 +70,25 @@ def node(field, path, st, access=ACCESS_DEFAULT):
     else:
         raise SpecError(field, f"{V.show(path)} is not a device node",
                         "give a character or block device (a directory: --bind)")
+    if not may_open(path, access):
+        raise SpecError(field, f"{V.show(path)}: the device rules of the starter's own cgroup do not allow it",
+                        "a job gets only devices its batch system gave the step (Slurm's ConstrainDevices, "
+                        "--gres); ask for them there")
     return (path, kind, os.major(st.st_rdev), os.minor(st.st_rdev), access)
+
+
+def may_open(path, access=ACCESS_DEFAULT):
+    """Do the device rules of the starter's own cgroup (a batch system's:
+    Slurm's ConstrainDevices, as a v1 devices cgroup or a cgroup2 device
+    program) let it open `path` with `access`?  The kernel answers through
+    access(2), which applies them without opening the device.  The job's
+    cgroups are below the starter's, so the job never gets a device its
+    batch system did not give the step."""
+    mode = (os.R_OK if "r" in access else 0) | (os.W_OK if "w" in access else 0)
+    try:
+        return os.access(path, mode or os.F_OK)
+    except OSError:
+        return False
 
 
 # ---------------------------------------------------------------- GPUs
@@ -110,8 +128,13 @@ def nvidia_gpus(proc=NVIDIA_PROC, dev="/dev"):
 
 
 def parse_gpus(field, value, proc=NVIDIA_PROC, dev="/dev"):
-    """--gpus 0,1 | GPU-UUID,... | all (a job file: a list or that string)
-    -> ((index, uuid or None, minor), ...) in the order given, each once."""
+    """--gpus 0,1 | GPU-UUID,... | all | slurm (a job file: a list or that
+    string) -> ((index, uuid or None, minor), ...) in the order given, each
+    once.  `slurm`: the GPUs the batch system gave the step, as the kernel
+    tells them (may_open() on each GPU's node): none is named again, and
+    the caller's environment is not trusted for it."""
+    if value == "slurm":
+        return tuple(g for g in nvidia_gpus(proc, dev) if may_open(os.path.join(dev, f"nvidia{g[2]}")))
     if isinstance(value, (list, tuple)):
         items = [str(x) if type(x) is int else V.string(field, x) for x in value]
     else:
@@ -148,6 +171,8 @@ def gpu_devices(field, gpus, dev="/dev"):
     from starter import paths
 
     out = []
+    if not gpus:
+        return out
     names = [f"nvidia{minor}" for _i, _u, minor in gpus] + list(NVIDIA_CONTROL)
     for i, name in enumerate(names):
         p = os.path.join(dev, name)
@@ -160,6 +185,8 @@ def gpu_devices(field, gpus, dev="/dev"):
         except (paths.LinkError, OSError) as e:
             raise SpecError(field, f"{p}: {getattr(e, 'strerror', None) or e.args[0]}") from None
         os.close(fd)
+        if i >= len(gpus) and not may_open(p, "rw"):
+            continue        # a control node the step's rules leave out: the job goes without it
         out.append(node(field, p, st, "rw"))
     return out
 

@@ -379,7 +379,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     undo.push(cg.destroy, label="cgroup")
     fault("cgroup-create")
     # What the kernel lets the job open, by any path: before anything runs.
-    cg.set_devices(M.dev_rules(spec.devices))
+    report["device_rules"] = cg.set_devices(M.dev_rules(spec.devices))
     oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None
     trace.mark("cgroup")
 

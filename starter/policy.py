@@ -48,6 +48,8 @@ DEFAULT_KEYS = {
     "escape_named": ("escape-named", "escape"),
     "ptys": ("ptys", "count"),      # no run option: the most ptys of a job's own devpts
     "net_rate": ("net-rate", "netrate"),
+    "gpus": ("gpus", "gpus"),       # "slurm": each job gets the GPUs its step was given
+    "run_passthrough": ("run-passthrough", "run_dirs"),     # no run option: the node's (run_passthrough())
 }
 # Options whose defaults only make sense for a NAT job (spec refuses them otherwise).
 NET_OPTIONS = ("uplink", "lan", "pool", "pool6", "ipv6", "resolver", "allow-host-port")
@@ -126,6 +128,8 @@ class Policy:
                 continue
             if opt in DISK_OPTIONS:
                 continue                        # below, once the scratch is known
+            if opt == "run-passthrough":
+                continue                        # the node's, not the job's: run_passthrough()
             if opt == "rlimit":                 # per name: the job's own win
                 given = {str(r).partition("=")[0].strip().lower() for r in raw.get("rlimit") or ()}
                 raw["rlimit"] = [r for r in value if r.partition("=")[0] not in given] + list(raw.get("rlimit") or ())
@@ -182,7 +186,8 @@ class Policy:
                                   f"leave it out (the node's default) or use one of: {_show(allowed)}")
         for item in raw.get("rlimit") or ():
             self._check_rlimit(item)
-        if raw.get("gpus") not in (None, "", []) and not c["gpus"]:
+        # --gpus slurm gives only what the step already has (devices.may_open).
+        if raw.get("gpus") not in (None, "", [], "slurm") and not c["gpus"]:
             self._refuse("--gpus", "gpus", "ask the node's admin to set callers.gpus = true")
         for item in raw.get("device") or ():
             self._check_device(item)
@@ -226,20 +231,24 @@ class Policy:
                          f"{_show(c['mount_destinations']) or 'nothing on this node'}")
 
     def _check_rlimit(self, item):
-        from starter import spec as S
+        """A caller's --rlimit may only lower the node's hard limit: the one
+        every job gets without asking, a number (the node policy's
+        defaults.rlimits, else the built-in table, sigpending's threads-max
+        / 2 included).  Not the starter's own getrlimit: the set-user-ID
+        launcher keeps the caller's nice, rtprio, sigpending and memlock
+        limits, so there it is the caller's.  "unlimited" passes only an
+        unlimited node limit."""
+        from starter import specopts as O
 
         try:
-            name, soft, hard = S.parse_rlimit("rlimit", item)
+            name, soft, hard = O.parse_rlimit("rlimit", item)
         except SpecError:
             return
-        node = dict((r.partition("=")[0], r) for r in self.defaults.get("rlimit", ()))
-        if name in node:
-            limit = S.parse_rlimit("rlimit", node[name])[2]
-        else:
-            limit = (S.DEFAULT_RLIMITS.get(name) or (S.RLIM_INFINITY, S.RLIM_INFINITY))[1]
+        node = {n: h for n, _, h in (O.parse_rlimit("rlimit", r) for r in self.defaults.get("rlimit", ()))}
+        limit = node[name] if name in node else O.rlimit_table()[O.RLIMIT_NAMES.index(name)][2]
         if hard > limit:
             raise PolicyError(f"--rlimit {V.show(str(item))}: above the node's hard limit for {name} "
-                              f"({'unlimited' if limit == S.RLIM_INFINITY else limit})",
+                              f"({'unlimited' if limit == O.RLIM_INFINITY else limit})",
                               "a caller that is not root may only lower resource limits")
 
     def _cap_limits(self, raw, asked_rate=None):
@@ -275,6 +284,14 @@ class Policy:
             if parse(v) > parse(cap):
                 raise PolicyError(f"--{opt} {V.show(str(v))}: above the maximum {cap} of {self.where('callers.' + key)}",
                                   f"ask for at most {cap}")
+
+    def run_passthrough(self):
+        """What of the host's /run every job sees (defaults.run_passthrough;
+        built in: mounts.RUN_PASSTHROUGH, munge's socket directory): the
+        rest of /run is a tmpfs of the job's own (mounts.private_run)."""
+        from starter.mounts import RUN_PASSTHROUGH
+
+        return tuple(self.defaults.get("run-passthrough", RUN_PASSTHROUGH))
 
     # ------------------------------------------------------------ showing
     def render(self):
@@ -488,6 +505,10 @@ def _check(kind, key, val):
 
         uids.parse_range(key, V.string(key, val))
         return val
+    if kind == "gpus":
+        if val != "slurm":
+            raise SpecError(key, 'must be "slurm" (the GPUs the batch system gave the step)')
+        return val
     if kind == "escape":
         if val not in ("kill", "report"):
             raise SpecError(key, "must be kill or report")
@@ -528,6 +549,13 @@ def _check(kind, key, val):
                 raise SpecError(key, f"{V.show(d)} must be an absolute path")
             out.append(_norm(d))
         return out[0] if kind == "dir" else tuple(out)
+    if kind == "run_dirs":
+        out = []
+        for d in strings(val):
+            if not d.startswith("/") or "\0" in d or ".." in d.split("/") or not _under(_norm(d), "/run"):
+                raise SpecError(key, f"{V.show(d)} must be /run or a path under it, without '..'")
+            out.append(_norm(d))
+        return tuple(out)
     if kind == "modes":
         for m in strings(val):
             if m not in S.NET_MODES:

@@ -19,7 +19,7 @@ from starter.errors import SpecError
 from starter.specopts import (DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS,  # noqa: F401
                               caller_user, check_cwd, parse_env, parse_host_port, parse_io_max, parse_net_rate,
                               parse_mount, parse_on_signal, parse_rlimit, resolve_group, resolve_user, rlimit_table,
-                              state_dir, thread_count)
+                              own_cpus, state_dir, thread_count)
 
 MAX_ARGS = 4096
 MAX_MEMORY = V.MAX_SIZE
@@ -238,7 +238,7 @@ def _make(raw, caller=None, asked=None):
         if raw.get("disk-inodes") is not None else None,
     )
     _check_disk(raw, limits)
-    threads = thread_count(limits.cpus, limits.cpuset)
+    threads = thread_count(limits.cpus, limits.cpuset, own_cpus())
     if threads is not None:
         env.update(dict.fromkeys(THREAD_VARS, str(threads)))
     env.update(given_env)           # the job's own word wins

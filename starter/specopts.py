@@ -167,18 +167,20 @@ def rlimit_table(overrides=()):
 
 # What common runtimes read for their thread pools' size (OpenMP, the BLAS
 # libraries, numexpr, numba, Julia, Go, Python 3.13's os.cpu_count()): set
-# for a job limited to some CPUs (--cpus, --cpuset), unless its --env sets
-# them.  Without them a job that sees 64 CPUs starts 64 threads on 2 CPUs' worth
+# for a job limited to some CPUs (--cpus, --cpuset, or a batch system's
+# cpuset the starter runs in), unless its --env sets them.  Without them a job that sees 64 CPUs starts 64 threads on 2 CPUs' worth
 # of quota.  The list is docs/reference.md's ("Thread-count variables").
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS",
                "BLIS_NUM_THREADS", "VECLIB_MAXIMUM_THREADS", "NUMEXPR_NUM_THREADS", "NUMBA_NUM_THREADS",
                "JULIA_NUM_THREADS", "GOMAXPROCS", "PYTHON_CPU_COUNT")
 
 
-def thread_count(cpus, cpuset):
+def thread_count(cpus, cpuset, affinity=None):
     """The value of THREAD_VARS: ceil(--cpus), the number of CPUs in
-    --cpuset, the smaller of the two when both are given; None: neither."""
-    counts = []
+    --cpuset, the number the starter itself may run on where that is fewer
+    than the node's (`affinity`: a batch system's cpuset, Slurm's
+    ConstrainCores), the smallest of those given; None: none."""
+    counts = [affinity] if affinity is not None else []
     if cpus is not None:
         import math         # built in; cgroups.base has it loaded already
 
@@ -372,3 +374,13 @@ def _passwd_entry(uid, path="/etc/passwd"):
             except UnicodeDecodeError:
                 return None
     return None
+
+def own_cpus():
+    """How many CPUs the starter may run on, where that is fewer than the
+    node has online (a batch system's cpuset or binding); else None."""
+    try:
+        n = len(os.sched_getaffinity(0))
+    except OSError:
+        return None
+    online = os.cpu_count()
+    return n if online and n < online else None

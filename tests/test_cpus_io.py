@@ -10,7 +10,7 @@ import subprocess
 
 import pytest
 
-from conftest import caller_argv
+from conftest import STARTER, caller_argv
 
 PY = "/usr/bin/python3"
 THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "GOTO_NUM_THREADS", "MKL_NUM_THREADS",
@@ -98,6 +98,41 @@ def test_a_caller_binds_its_job_within_its_own_cpus(policy, home):
     p = subprocess.run(caller_argv("run", "--cpuset", "8191", "--", "true"), cwd=home,
                        capture_output=True, text=True, timeout=60)
     assert p.returncode == 125 and "8191 is not among the CPUs" in p.stderr, p.stderr
+
+
+def test_a_batch_systems_cpuset_is_the_jobs(starter):
+    """Started inside a cpuset of one CPU (Slurm's ConstrainCores with
+    --cpus-per-task=1), with no --cpus or --cpuset: the job runs there
+    (nproc 1) and the thread-count variables say 1."""
+    from starter.cgroups import files
+
+    layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
+    if "cpuset" in layout.v1:
+        m, own = layout.v1["cpuset"], layout.own["cpuset"]
+    elif layout.unified is not None and "cpuset" in open(os.path.join(
+            layout.unified.mount_point, layout.own["unified"].lstrip("/"), "cgroup.subtree_control")).read().split():
+        m, own = layout.unified, layout.own["unified"]
+    else:
+        pytest.skip("no cpuset controller available below the test's own cgroup")
+    last = cpus()[-1]
+    d = os.path.join(m.mount_point, own.lstrip("/"), f"starter-cpuset-{os.getpid()}")
+    os.mkdir(d)
+    try:
+        parent_mems = "cpuset.mems.effective" if m.fstype == "cgroup2" else "cpuset.mems"
+        for name, value in (("cpuset.mems", open(os.path.join(os.path.dirname(d), parent_mems)).read().strip()),
+                            ("cpuset.cpus", str(last))):
+            with open(os.path.join(d, name), "w") as f:
+                f.write(value)
+        p = subprocess.run(["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh",
+                            STARTER, "run", "--", PY, "-c", SHOW], capture_output=True, text=True, timeout=60)
+        assert p.returncode == 0, p.stderr
+        got = json.loads(p.stdout)
+        assert got["nproc"] == 1 and got["affinity"] == [last], got
+        assert got["env"] == dict.fromkeys(THREAD_VARS, "1"), got
+    finally:
+        for sub in sorted((e.path for e in os.scandir(d) if e.is_dir()), reverse=True):
+            os.rmdir(sub)
+        os.rmdir(d)
 
 
 # ---------------------------------------------------------------- thread-count variables

@@ -275,3 +275,96 @@ def test_caller_devices_by_policy_only(policy, home, fake):
     assert p.returncode == 125 and "callers.devices" in p.stderr, p
     p = as_caller("run", "--gpus", "0", "--", "true", cwd=home)
     assert p.returncode == 125 and "callers.gpus" in p.stderr, p
+
+
+@pytest.fixture
+def fake_dev_gpus():
+    """/dev/nvidia0 and /dev/nvidia1 as fake nodes (two stand-in GPUs) where
+    the host has no NVIDIA driver; removed after."""
+    if os.path.exists("/proc/driver/nvidia") or any(os.path.lexists(f"/dev/nvidia{i}") for i in (0, 1)):
+        pytest.skip("the host has an NVIDIA driver or /dev/nvidiaN: scripts/gpu-check tests real GPUs")
+    made = []
+    try:
+        for i in (0, 1):
+            path = f"/dev/nvidia{i}"
+            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(195, i))
+            made.append(path)
+            os.chmod(path, 0o666)
+        yield made
+    finally:
+        for path in made:
+            os.unlink(path)
+
+
+@pytest.fixture
+def step_with_gpu0():
+    """A cgroup whose device rules let only GPU 0 (195:0) of the two through,
+    as Slurm's ConstrainDevices does for a step given --gres=gpu:1: the v1
+    devices controller where the host has one, else a cgroup2 device program
+    (attached as the starter attaches its own).  -> its cgroup.procs."""
+    from starter import mounts
+    from starter.cgroups import files
+
+    layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
+    if "devices" in layout.v1:
+        m, own = layout.v1["devices"], layout.own["devices"]
+    else:
+        m, own = layout.unified, layout.own["unified"]
+    d = os.path.join(m.mount_point, own.lstrip("/"), f"starter-step-{os.getpid()}")
+    os.mkdir(d)
+    try:
+        if "devices" in layout.v1:
+            with open(os.path.join(d, "devices.deny"), "w") as f:
+                f.write("c 195:1 rwm")
+        else:
+            from starter.cgroups.unified import UnifiedTracking
+
+            class _Cg(UnifiedTracking):
+                id = "step"
+
+                def clone_fd(self):
+                    return fd
+
+            fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY)
+            try:
+                _Cg.set_devices(_Cg(), list(mounts.DEV_RULES) + [("c", 195, 0, "rwm"), ("c", 195, 255, "rwm")])
+            finally:
+                os.close(fd)
+        yield os.path.join(d, "cgroup.procs")
+    finally:
+        for sub in sorted((e.path for e in os.scandir(d) if e.is_dir()), reverse=True):
+            os.rmdir(sub)
+        os.rmdir(d)
+
+
+def test_gpus_slurm_are_the_steps(fake_dev_gpus, step_with_gpu0):
+    """--gpus slurm: the GPUs the starter's own cgroup may open, as the kernel
+    says (the step's device rules), not as any variable says; a GPU named
+    that the step was not given is refused, for root too."""
+    run = [STARTER, "run", "--gpus", "slurm", "--", "sh", "-c",
+           f"echo $CUDA_VISIBLE_DEVICES; ls /dev | grep nvidia; python3 -c '{OPEN}' /dev/nvidia0"]
+    p = subprocess.run(["sh", "-c", f'echo $$ > {step_with_gpu0} && exec "$@"', "sh", *run],
+                       capture_output=True, text=True, timeout=60 * SLOWDOWN,
+                       env={**os.environ, "CUDA_VISIBLE_DEVICES": "0,1", "SLURM_STEP_GPUS": "0,1"})
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.splitlines() == ["0", "nvidia0", "/dev/nvidia0 ENXIO"], p.stdout
+    p = subprocess.run(["sh", "-c", f'echo $$ > {step_with_gpu0} && exec "$@"', "sh",
+                        STARTER, "run", "--gpus", "1", "--", "true"], capture_output=True, text=True,
+                       timeout=60 * SLOWDOWN)
+    assert p.returncode == 125 and "/dev/nvidia1" in p.stderr and "do not allow it" in p.stderr, p
+    assert len(p.stderr.strip().splitlines()) == 1
+    # Outside the step: both.
+    p = subprocess.run(run, capture_output=True, text=True, timeout=60 * SLOWDOWN)
+    assert p.stdout.splitlines()[:2] == ["0,1", "nvidia0"], p.stdout
+
+
+def test_caller_gpus_slurm_needs_no_policy_key(policy, home, fake_dev_gpus):
+    """A caller's --gpus slurm only passes what its step has: callers.gpus
+    (for naming GPUs) is not needed; a node default of "slurm" works too."""
+    p = subprocess.run(caller_argv("run", "--gpus", "slurm", "--", "sh", "-c", "ls /dev | grep -c nvidia"),
+                       capture_output=True, text=True, cwd=home, timeout=60 * SLOWDOWN)
+    assert p.returncode == 0 and p.stdout.strip() == "2", p
+    policy(defaults='gpus = "slurm"\n')
+    p = subprocess.run(caller_argv("run", "--", "sh", "-c", "echo $CUDA_VISIBLE_DEVICES"),
+                       capture_output=True, text=True, cwd=home, timeout=60 * SLOWDOWN)
+    assert p.returncode == 0 and p.stdout.strip() == "0,1", p

@@ -256,7 +256,9 @@ class JobCgroup:
         `rules` allow: [(type "c"|"b", major, minor or None for any, access
         of "rwm")], everything else EPERM, by whatever path it is reached.
         Call before anything runs in the cgroup.  Raises CgroupError where
-        the backend cannot (the job must not run then)."""
+        the backend cannot (the job must not run then).  -> who holds the
+        rules: "starter", or "ancestor" (an exclusive program of a cgroup
+        above the job's, which nothing below may replace)."""
         raise CgroupError(f"job {self.id}: this cgroup backend cannot restrict devices",
                           "mount the v1 devices controller, or use a kernel with cgroup BPF")
 

@@ -63,7 +63,9 @@ class UnifiedTracking:
         attached to the job's cgroup2 directory (native/devices.c).  cgroup2
         has no devices controller; the program works with or without
         controllers (a hybrid host's controller-less cgroup2 too), and with
-        BPF_F_ALLOW_MULTI an ancestor's program (systemd's) still applies."""
+        BPF_F_ALLOW_MULTI an ancestor's program (systemd's) still applies.
+        -> "starter", or "ancestor" where an ancestor's exclusive program
+        holds the rules instead (then none can be attached below it)."""
         from starter._native import ffi, lib
 
         arr = ffi.new("struct shim_dev_rule[]", max(len(rules), 1))
@@ -76,6 +78,12 @@ class UnifiedTracking:
                         | (lib.SHIM_DEV_MKNOD if "m" in access else 0))
         log = ffi.new("char[]", 1024)
         ret = lib.shim_devices_attach(self.clone_fd(), arr, len(rules), log, 1024)
+        if ret == -errno.EPERM:
+            # The load worked; the attach is refused only where an ancestor's
+            # device program is exclusive (attached without ALLOW_OVERRIDE
+            # or ALLOW_MULTI: Slurm's cgroup/v2 task cgroup).  That program
+            # applies to the job and nothing below it can replace it.
+            return "ancestor"
         if ret < 0:
             words = ffi.string(log).decode("utf-8", "replace").strip().splitlines()[-1:]
             raise CgroupError(
@@ -84,6 +92,7 @@ class UnifiedTracking:
                 + (f": {words[0]}" if words else ""),
                 "the kernel needs CONFIG_CGROUP_BPF (Linux 4.15+); the starter does not run a job "
                 "that could open every device")
+        return "starter"
 
     # -- freezer ------------------------------------------------------------
     def freeze(self, timeout=5.0):

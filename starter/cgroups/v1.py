@@ -222,6 +222,7 @@ class V1Devices:
         allow = os.path.join(d, "devices.allow")
         for kind, major, minor, access in rules:
             files.write(allow, f"{kind} {major}:{'*' if minor is None else minor} {access}")
+        return "starter"
 
 
 class V1Tracking:
