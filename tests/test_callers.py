@@ -85,7 +85,17 @@ def test_caller_hostile_context(policy, home):
               f"p = subprocess.Popen({caller_argv('run', '--report', home + '/r.json', '--', 'sh', '-c', TRAP + 'sleep 60 & wait')!r}[4:],\n"
               "                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,\n"
               "                     close_fds=True)\n"
-              "import time; time.sleep(1.5)\n"
+              "import time\n"
+              "def running():\n"      # the job's sleep, seen from here (its PID namespace hides nothing from us)
+              "    for d in os.listdir('/proc'):\n"
+              "        try:\n"
+              "            if d.isdigit() and open(f'/proc/{d}/cmdline', 'rb').read() == b'sleep\\x0060\\x00':\n"
+              "                return True\n"
+              "        except OSError:\n"
+              "            pass\n"
+              "deadline = time.monotonic() + 60\n"
+              "while not running() and time.monotonic() < deadline:\n"
+              "    time.sleep(0.05)\n"
               "p.send_signal(signal.SIGTERM)\n"
               "sys.exit(p.wait(30))\n")
     p = subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", PYTHON, "-c", script],
