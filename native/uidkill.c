@@ -19,6 +19,14 @@
  * the processes whose real or saved uid is U, however many and whatever
  * their pids (a pid reused meanwhile is never hit).
  *
+ * Before a transient uid is leased (starter/uids.py) the signal is given
+ * negated: "is a task of real uid U alive?", and if none is, -sig is sent
+ * once to what is left: processes that hold U only as their saved (and
+ * effective) uid, which the count does not see: another user ran a
+ * set-user-ID file of U.  One kill(-1) round: it also reaches a child that
+ * one of them forks meanwhile (the kernel queues a signal sent to many
+ * processes for forks in progress, 5.0+).
+ *
  * The helper is a clone(CLONE_VM|CLONE_VFORK) child on a small stack (and
  * its probe another): the starter (Python, ~20 MB) is not copied, as
  * os.fork() would.  Raw system calls only: glibc's setresuid() would
@@ -69,7 +77,9 @@ static int others(void)
 	return 0;
 }
 
-/* Exit codes: 0 none, 1 some (and, with a signal, sent it), 2 error. */
+/* Exit codes: 0 none, 1 some (and, with a signal, sent it), 2 error.  A
+ * negative signal: 1 some (nothing sent), 0 none (and -sig sent to the
+ * holders of U as saved uid, if any). */
 static int helper(void *arg)
 {
 	const struct uidkill *k = arg;
@@ -84,11 +94,13 @@ static int helper(void *arg)
 	found = others();
 	if (found < 0)
 		syscall(SYS_exit, 2);
-	if (found && k->sig)
+	if (found && k->sig > 0)
 		for (int i = 0; i < KILL_ROUNDS; i++) {        /* a fork racing the first round */
 			syscall(SYS_kill, -1, k->sig);
 			syscall(SYS_nanosleep, &ms, NULL);
 		}
+	if (!found && k->sig < 0)
+		syscall(SYS_kill, -1, -k->sig);         /* ESRCH or EPERM when there is none */
 	syscall(SYS_exit, found);
 	return 0;
 }
@@ -99,7 +111,7 @@ int shim_uid_kill(unsigned int uid, int sig, unsigned int known)
 	int status;
 	pid_t pid;
 
-	if (uid == 0 || (sig && known))
+	if (uid == 0 || (sig && known) || sig < -64 || sig > 64)
 		return -EINVAL;         /* root's count is not limited: no answer; a kill reaches all */
 	pid = clone(helper, helper_stack + sizeof helper_stack, CLONE_VM | CLONE_VFORK | SIGCHLD, &k);
 	if (pid < 0)

@@ -19,14 +19,31 @@ leased; those files are read directly, not through NSS: the first NSS lookup
 of a process costs ~5 ms here (it loads the modules nsswitch.conf names),
 a quarter of a whole start.  Accounts from a directory service (LDAP, sssd)
 are not seen: keep the range out of theirs (docs/admin-guide.md).  It is made before the job's state entry, which records the uid; a
-lease whose job has no live entry is gc's.  A uid is leased only while no
-other lease holds it, and never one with a passwd or group entry (an LDAP
-or local account inside the range).  The lease goes only once the job's
+lease whose job has no live entry is gc's.  The lease goes only once the job's
 processes are all gone, its escaped ones included (starter/escapes.py) and
 its scratch removed; a crashed starter's lease is reclaimed by gc.
 Reuse is spread over the range: each start tries a random uid first and
 walks on from there, so a uid just freed comes back, on average, only after
 about as many starts as the range has uids (65,536 by default).
+
+A uid is leased only when nothing of it lives (acquire):
+  * no other lease holds it, and no passwd or group entry names it (a local
+    account inside the range);
+  * no task of it is alive (real uid: the kernel's per-uid count, asked by
+    escapes.clear_for_lease in two clones, ~60 us): such a uid is skipped,
+    and the next one tried.  A process that holds it only as its effective
+    and saved uid (another user ran a set-user-ID file of it) is not in
+    that count: it is killed before the lease (the same helper's
+    kill(-1, SIGKILL); reaches the saved uid);
+  * no set-id file of it reachable from a job: a transient uid's writable
+    binds and scratch are nosuid in its view (mounts.nosuid_binds,
+    mounts.scratch_binds), and a kept scratch loses its set-id bits
+    (scratch.keep_safely).
+What this cannot see: a set-id file of the uid in a host directory the job
+could write (a writable bind's source, a world-writable host file system
+outside the job's private mounts), run through the host's own mount, by a
+process that then gives up the uid as its saved one.  Such directories
+want nosuid on the host (docs/reference.md, "Who the job runs as").
 
 What a transient uid leaves behind: files it made in places shared with the
 host (a --bind of a writable directory) keep its number, and a later job
@@ -64,17 +81,34 @@ def parse_range(field, text):
 
 
 def acquire(state_dir, job_id, first=DEFAULT_FIRST, last=DEFAULT_FIRST + DEFAULT_COUNT - 1):
-    """Lease a free uid of [first, last] for job_id; -> uid."""
-    accounts = []
+    """Lease a free uid of [first, last] for job_id; -> uid.  Skipped: a
+    local account's or group's number, and a uid a task of which is alive
+    (escapes.clear_for_lease, which also kills what holds the uid only as
+    its saved uid)."""
+    from starter.escapes import clear_for_lease
 
-    def usable(uid):    # never a local account's or group's number
+    accounts = []
+    alive = []
+
+    def usable(uid):
         if not accounts:
             accounts.append(_local_ids())
-        return uid not in accounts[0]
+        if uid in accounts[0]:
+            return False
+        if not clear_for_lease(uid):
+            alive.append(uid)
+            return False
+        return True
 
     uid = lease(LEASES, state_dir, job_id, first, last, usable)
     if uid is None:
-        raise UidError(f"no free transient uid in {first}-{last} ({min(last - first + 1, MAX_TRIES)} tried)",
+        tried = min(last - first + 1, MAX_TRIES)
+        if alive:
+            raise UidError(f"no free transient uid in {first}-{last} ({tried} tried; {len(alive)} skipped: "
+                           f"a process of the uid is alive, e.g. uid {alive[0]})",
+                           f"a process outlived its job's lease (ps -o pid,user,args -U {alive[0]}); "
+                           "kill it, or widen defaults.job_uids in the node policy")
+        raise UidError(f"no free transient uid in {first}-{last} ({tried} tried)",
                        "too many jobs, or leases a crashed starter left: run `starter gc`; "
                        "or widen defaults.job_uids in the node policy")
     return uid
@@ -104,12 +138,30 @@ def lease(where, state_dir, job_id, first, last, usable):
                 os.symlink(target, str(k), dir_fd=dfd)
             except FileExistsError:
                 continue
-            if usable(k):
-                return k
-            os.unlink(str(k), dir_fd=dfd)
+            try:
+                if usable(k):
+                    try:    # still ours after the checks (see _unlink_quiet)?
+                        if os.readlink(str(k), dir_fd=dfd) == target:
+                            return k
+                    except FileNotFoundError:
+                        pass
+                    continue
+            except BaseException:
+                _unlink_quiet(k, dfd)
+                raise
+            _unlink_quiet(k, dfd)
         return None
     finally:
         os.close(dfd)
+
+
+def _unlink_quiet(n, dfd):
+    """Give lease n back; already gone is fine (a concurrent `starter gc`
+    takes a lease whose job has no live entry yet for a dead starter's)."""
+    try:
+        os.unlink(str(n), dir_fd=dfd)
+    except FileNotFoundError:
+        pass
 
 
 def _local_ids(files=("/etc/passwd", "/etc/group")):
