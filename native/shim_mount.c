@@ -11,6 +11,11 @@
  */
 #include "shim_internal.h"
 
+/* shim_mountfd.c: what a bind gets on top of its source's flags, and
+ * applying it to a new mount by its fd. */
+unsigned long long bind_attrs(const struct shim_mount *m);
+int restrict_mount_fd(int fd, unsigned long long attrs);
+
 /* mkdir -p for a mount point inside a tmpfs this child mounted (a fresh /tmp
  * has no directories yet); never on the host's filesystems. */
 int under(const char *path, const char *dir)
@@ -272,10 +277,10 @@ static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int 
         if (mount(pinned >= 0 ? fd_name(from, pinned) : m->src, fd_name(name, d.fd), NULL,
                   MS_BIND | MS_REC, NULL) < 0)
             fail(c, what, m->dst);
-        if (m->kind == SHIM_MOUNT_RO_BIND) {
+        if (bind_attrs(m)) {
             int top = new_bind_fd(c, m, &d, pinned);
-            if (make_readonly_fd(top) < 0)
-                fail(c, "remount read-only", m->dst);
+            if (restrict_mount_fd(top, bind_attrs(m)) < 0)
+                fail(c, m->kind == SHIM_MOUNT_RO_BIND ? "remount read-only" : "remount nosuid", m->dst);
             close(top);
         }
         break;

@@ -13,6 +13,13 @@
  */
 #include "shim_internal.h"
 
+#ifndef MOUNT_ATTR_NOSUID
+#define MOUNT_ATTR_NOSUID 0x00000002
+#endif
+
+unsigned long long bind_attrs(const struct shim_mount *m);
+int restrict_mount_fd(int fd, unsigned long long attrs);
+
 /* Tests: behave as on a kernel without mount_setattr (5.2..5.11). */
 static int no_mount_setattr = 0;
 
@@ -61,11 +68,13 @@ int make_readonly(const char *path)
     return mount(NULL, path, NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | keep_flags(path), NULL);
 }
 
-/* The same for the mount whose root `fd` is (an fd of the new mount, never
- * its path).  The remount goes through fd_name(), see there. */
-int make_readonly_fd(int fd)
+/* Read-only, or nosuid, or both (MOUNT_ATTR_* bits in `attrs`) for the
+ * mount whose root `fd` is (an fd of the new mount, never its path): the
+ * whole subtree with mount_setattr, else the top mount by a remount that
+ * keeps the flags it had.  The remount goes through fd_name(), see there. */
+int restrict_mount_fd(int fd, unsigned long long attrs)
 {
-    struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+    struct mount_attr_v0 attr = {.attr_set = attrs};
     struct statfs st;
     char name[16];
     if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr) == 0)
@@ -74,8 +83,15 @@ int make_readonly_fd(int fd)
         return -1;
     if (fstatfs(fd, &st) < 0)
         return -1;
-    return mount(NULL, fd_name(name, fd), NULL, MS_BIND | MS_REMOUNT | MS_RDONLY | st_keep_flags(&st),
+    return mount(NULL, fd_name(name, fd), NULL,
+                 MS_BIND | MS_REMOUNT | st_keep_flags(&st) | ((attrs & MOUNT_ATTR_RDONLY) ? MS_RDONLY : 0) |
+                     ((attrs & MOUNT_ATTR_NOSUID) ? MS_NOSUID : 0),
                  NULL);
+}
+
+int make_readonly_fd(int fd)
+{
+    return restrict_mount_fd(fd, MOUNT_ATTR_RDONLY);
 }
 
 /* ---- mount destinations --------------------------------------------------
@@ -218,10 +234,19 @@ int attach(int tree, const struct dest *d)
                         MOVE_MOUNT_F_EMPTY_PATH | MOVE_MOUNT_T_EMPTY_PATH);
 }
 
+/* What a bind gets on top of its source's flags: read-only (SHIM_MOUNT_RO_BIND),
+ * nosuid (SHIM_MS_NOSUID in m->flags: a transient uid's writable binds), as
+ * MOUNT_ATTR_* bits; 0: nothing. */
+unsigned long long bind_attrs(const struct shim_mount *m)
+{
+    return (m->kind == SHIM_MOUNT_RO_BIND ? MOUNT_ATTR_RDONLY : 0) |
+           ((m->flags & SHIM_MS_NOSUID) ? MOUNT_ATTR_NOSUID : 0);
+}
+
 /* Bind sources are taken before anything is mounted (open_tree, 5.2+), so a
  * source is the starter's view of that path even when the private /tmp or an
- * earlier mount covers it in the job's view.  A read-only bind is made
- * read-only while still detached, for its whole subtree, keeping the flags
+ * earlier mount covers it in the job's view.  A read-only (or nosuid) bind
+ * is made so while still detached, for its whole subtree, keeping the flags
  * (nosuid, nodev, ...) the source had. */
 int grab_source(const struct child_ctx *c, const struct shim_mount *m)
 {
@@ -234,11 +259,11 @@ int grab_source(const struct child_ctx *c, const struct shim_mount *m)
             return -1; /* old kernel: mount(2) from the path later */
         fail(c, "bind source", m->src);
     }
-    if (m->kind == SHIM_MOUNT_RO_BIND) {
-        struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+    if (bind_attrs(m)) {
+        struct mount_attr_v0 attr = {.attr_set = bind_attrs(m)};
         if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr) < 0) {
             if (errno != ENOSYS)
-                fail(c, "read-only", m->src);
+                fail(c, m->kind == SHIM_MOUNT_RO_BIND ? "read-only" : "nosuid", m->src);
             close(fd); /* 5.2..5.11: no mount_setattr; remount after mount(2) */
             return -1;
         }
@@ -328,8 +353,8 @@ int take_trees(const struct shim_spec *s, int *trees)
                 continue;
             goto fail;
         }
-        if (m->kind == SHIM_MOUNT_RO_BIND) {
-            struct mount_attr_v0 attr = {.attr_set = MOUNT_ATTR_RDONLY};
+        if (bind_attrs(m)) {
+            struct mount_attr_v0 attr = {.attr_set = bind_attrs(m)};
             if (sys_mount_setattr(fd, "", AT_EMPTY_PATH | AT_RECURSIVE, &attr) < 0) {
                 int e = errno;
                 close(fd);

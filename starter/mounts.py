@@ -15,8 +15,9 @@ A job's plan (job.py) is, in order:
     cgroup_view()     the job's own cgroup tree at /sys/fs/cgroup, read-only
     dev()             a fresh /dev: copies of a few host nodes, links,
                       its own devpts
-    private_dirs()    /dev/shm (size-limited), /var/tmp, /run/lock,
-                      /run/user/UID, /dev/mqueue: fresh, the job's own
+    private_dirs()    /run (with the policy's passthrough), /dev/shm
+                      (size-limited), /var/tmp, /run/lock, /run/user/UID,
+                      /dev/mqueue: fresh, the job's own
     device_binds()    the devices it was given, at their host paths
     the spec's binds and tmpfs (a site sharing /var/tmp binds it here)
     seal_dev()        /dev read-only
@@ -97,7 +98,8 @@ class Mount:
             if unknown or (self.fstype is None) != ("remount" in self.flags):
                 raise SpecError("mount.flags", f"bad flags {self.flags!r} for {self.dst}")
             return
-        if self.flags or self.fstype is not None or self.optional:
+        if self.fstype is not None or self.optional or (
+                self.flags and (self.kind != "bind" or set(self.flags) - {"nosuid"})):
             raise SpecError("mount.kind", f"a {self.kind} mount takes no fstype or flags")
         if self.kind not in KINDS:
             raise SpecError("mount.kind", f"{_show(self.kind)} is not one of {', '.join(KINDS)}")
@@ -139,7 +141,8 @@ class Mount:
         return (self.kind, self.dst, self.src, self.options, self.fstype, self.flags, self.optional)
 
     def __repr__(self):
-        extra = f", fstype={self.fstype!r}, flags={self.flags!r}" if self.kind == "fs" else ""
+        extra = f", fstype={self.fstype!r}, flags={self.flags!r}" if self.kind == "fs" else (
+            f", flags={self.flags!r}" if self.flags else "")
         return (f"Mount(kind={self.kind!r}, dst={self.dst!r}, src={self.src!r}, "
                 f"options={self.options!r}{extra})")
 
@@ -182,8 +185,9 @@ def to_c(ffi, mounts, keep, fds=None):
                 fstype = ffi.new("char[]", m.fstype.encode())
                 keep.append(fstype)
                 c.fstype = fstype
-            c.flags = sum(FLAGS[f] for f in set(m.flags))
             c.optional = 1 if m.optional else 0
+        if m.flags:         # "fs": the mount's flags; "bind": nosuid on top of the source's
+            c.flags = sum(FLAGS[f] for f in set(m.flags))
     keep.append(arr)
     return arr
 
@@ -230,17 +234,83 @@ SHM_SIZE_DEFAULT = None
 # processes outside the job's cgroup.
 PRIVATE_TMP_DIRS = ("/var/tmp", "/run/lock", "/run/screen")
 
+# The job's own /run (private_run): the host's holds the sockets of daemons
+# a job could ask to start processes outside its cgroup (an agent's, a
+# session bus's, a same-uid helper's in a directory of its own), the
+# system bus, root's 0600 sockets (which a uid-0 job may open), a resolver
+# a --net none job could send names through, and the node's own leases.
+RUN = "/run"
+RUN_PASSTHROUGH = ("/run/munge",)   # the node policy's built-in defaults.run_passthrough
 
-def private_dirs(uid, gid, shm_bytes=None):
-    """The job's own /dev/shm (at most shm_bytes, else SHM_SIZE_DEFAULT),
-    PRIVATE_TMP_DIRS and /run/user/UID, each only where the host has the
-    directory, and a fresh mqueue at /dev/mqueue where the host mounts one
-    (it shows the job's IPC namespace).  All tmpfs, nosuid and nodev; their
-    pages are charged to the job's memory cgroup (the job faults them in)
-    and go away with the job's mount namespace."""
+
+def private_run(through=RUN_PASSTHROUGH):
+    """An empty tmpfs over /run (0755, nosuid, nodev), then each path of
+    `through` (the node policy's defaults.run_passthrough) the host has,
+    bound read-only at its own path: a socket needs no write access to be
+    connected to.  A path with a link anywhere in it is left out (not
+    followed).  RUN itself in `through`: the host's /run as it is, nothing
+    mounted.  The mount points below it are made in the tmpfs by the
+    shim (any later entry's too: /run/lock, /run/user/UID, a --bind)."""
+    if RUN in through or not os.path.isdir(RUN):
+        return []
+    out = [Mount.fs("tmpfs", os.path.realpath(RUN), "mode=755", ("nosuid", "nodev"))]
+    for p in through:
+        if os.path.realpath(p) == p and os.path.lexists(p):
+            out.append(Mount("ro-bind", p, p))
+    return out
+
+
+def is_under(path, d):
+    return path == d or path.startswith(d.rstrip("/") + "/")
+
+
+def scratch_binds(path, nosuid=False, private_run=True):
+    """The scratch at its own path in the job's view: bound where the job's
+    own /tmp (or /run) covers it, and everywhere for a transient uid, whose
+    scratch is nosuid in its view (a set-id file it makes there is
+    honoured by no exec inside any job)."""
+    covered = is_under(path, "/tmp") or (private_run and is_under(path, RUN))
+    if not (covered or nosuid):
+        return []
+    return [Mount("bind", path, path, flags=("nosuid",) if nosuid else ())]
+
+
+def nosuid_binds(mounts):
+    """`mounts` with every writable bind nosuid (a transient uid's job)."""
+    return [Mount("bind", m.dst, m.src, flags=("nosuid",)) if m.kind == "bind" else m for m in mounts]
+
+
+RESOLV_CONF = "/etc/resolv.conf"
+
+
+def resolv_conf(own=None, private_run=True, path=RESOLV_CONF):
+    """What makes the job's /etc/resolv.conf.  own: a NAT job's own file,
+    bound read-only at `path`, or, where the host's `path` is a link into
+    /run (a systemd-resolved host: ../run/systemd/resolve/stub-resolv.conf),
+    at the link's end inside the job's own /run, since the shim follows no
+    link on a destination.  Without one (--net host): the host's file at
+    that link's end, bound read-only into the job's /run; nothing where
+    `path` is no such link."""
+    target = os.path.realpath(path) if private_run and os.path.islink(path) else path
+    inside = target != path and is_under(target, RUN)
+    if own is not None:
+        return [Mount("ro-bind", target if inside else path, own)]
+    if inside and os.path.isfile(target):
+        return [Mount("ro-bind", target, target)]
+    return []
+
+
+def private_dirs(uid, gid, shm_bytes=None, run_through=RUN_PASSTHROUGH):
+    """The job's own /run (private_run(run_through)), /dev/shm (at most
+    shm_bytes, else SHM_SIZE_DEFAULT), PRIVATE_TMP_DIRS and /run/user/UID,
+    each only where the host has the directory, and a fresh mqueue at
+    /dev/mqueue where the host mounts one (it shows the job's IPC
+    namespace).  All tmpfs, nosuid and nodev; their pages are charged to
+    the job's memory cgroup (the job faults them in) and go away with the
+    job's mount namespace."""
     size = shm_bytes if shm_bytes is not None else SHM_SIZE_DEFAULT
     real = os.path.realpath  # the host's own links (an old /dev/shm -> /run/shm)
-    out = []
+    out = private_run(run_through)
     if os.path.isdir("/dev/shm"):
         out.append(Mount.fs("tmpfs", real("/dev/shm"), "mode=1777" + (f",size={size}" if size else ""),
                             ("nosuid", "nodev")))

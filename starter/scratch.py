@@ -56,10 +56,15 @@ class Scratch:
         self.release()
 
     def release(self):
-        """End of job: remove the scratch unless it is to be kept."""
+        """End of job: remove the scratch unless it is to be kept; a kept one
+        loses the set-id bits of its files first (keep_safely)."""
         if self.keep:
             log.info("scratch: keeping %s", self.path)
-            self.close()
+            try:
+                if self.fd is not None:
+                    keep_safely(self.fd, self.path)
+            finally:
+                self.close()
             return None
         return self.remove()
 
@@ -278,6 +283,121 @@ def _has_acl(fd):
         return len(os.getxattr(fd, "system.posix_acl_access")) > 0
     except OSError:
         return False        # none (ENODATA), or no ACLs on this filesystem
+
+
+_SETID = stat.S_ISUID | stat.S_ISGID
+
+
+def keep_safely(fd, path):
+    """A scratch that stays after its job: no file of its owner in it keeps
+    a set-user-ID or set-group-ID bit (strip_setid), or anyone who can reach
+    it would run that file as the job's uid, which a later job may have
+    again (a transient uid).  What the walk could not finish makes the
+    scratch root's, mode 0700: kept for the admin, reachable by no one
+    else; said in one line."""
+    try:
+        problems = strip_setid(fd, path)
+    except OSError as e:
+        problems = [(path, e.strerror or str(e))]
+    if not problems:
+        return
+    try:
+        os.fchown(fd, 0, 0)
+        os.fchmod(fd, 0o700)
+        done = "made root's, mode 0700"
+    except OSError as e:
+        done = f"and it could not be made root's: {e.strerror}"
+    p, why = problems[0]
+    import sys
+
+    sys.stderr.write(f"starter: kept scratch {path}: set-id bits not cleared everywhere ({p}: {why}"
+                     f"{f'; {len(problems) - 1} more' if len(problems) > 1 else ''}); {done}\n")
+
+
+def strip_setid(fd, path):
+    """Clear S_ISUID and S_ISGID on every regular file of the tree at the
+    directory `fd` that belongs to the tree's owner (what that uid could
+    clear itself), without following a link or leaving the tree's mount.
+    Walked as remove_tree walks: directories opened O_NOFOLLOW relative to
+    their parent's fd and checked to be what was looked at, one fd held at a
+    time, climbing back by "..", verified; each file chmod-ed through an
+    O_PATH fd of it (/proc/self/fd/N), checked to be the inode looked at.
+    -> [(path, why)] of what could not be done (empty: all done)."""
+    root = os.fstat(fd)
+    root_dev, root_mnt, owner = root.st_dev, _mnt_id(fd), root.st_uid
+    cur = os.open(".", _DIR_FLAGS, dir_fd=fd)
+    problems = []
+    try:
+        stack = [((root.st_dev, root.st_ino), path, os.listdir(cur))]
+        while stack:
+            ident, dpath, pending = stack[-1]
+            if pending:
+                name = pending.pop()
+                cpath = f"{dpath}/{name}"
+                try:
+                    st = os.stat(name, dir_fd=cur, follow_symlinks=False)
+                except FileNotFoundError:
+                    continue
+                if stat.S_ISREG(st.st_mode) and st.st_mode & _SETID and st.st_uid == owner:
+                    why = _clear_setid(cur, name, st)
+                    if why:
+                        problems.append((cpath, why))
+                elif stat.S_ISDIR(st.st_mode) and st.st_dev == root_dev:
+                    try:
+                        cfd = os.open(name, _DIR_FLAGS, dir_fd=cur)
+                    except OSError as e:
+                        problems.append((cpath, e.strerror))
+                        continue
+                    cst = os.fstat(cfd)
+                    if (cst.st_dev, cst.st_ino) != (st.st_dev, st.st_ino) or _mnt_id(cfd) != root_mnt:
+                        os.close(cfd)
+                        problems.append((cpath, "changed, or another mount: not entered"))
+                        continue
+                    try:
+                        names = os.listdir(cfd)
+                    except OSError as e:
+                        os.close(cfd)
+                        problems.append((cpath, e.strerror))
+                        continue
+                    os.close(cur)
+                    cur = cfd
+                    stack.append(((cst.st_dev, cst.st_ino), cpath, names))
+                continue
+            stack.pop()
+            if not stack:
+                break
+            up = os.open("..", _DIR_FLAGS, dir_fd=cur)
+            ust = os.fstat(up)
+            os.close(cur)
+            cur = up
+            if (ust.st_dev, ust.st_ino) != stack[-1][0]:
+                problems.append((dpath, "moved during the walk; stopped"))
+                break
+    finally:
+        os.close(cur)
+    return problems
+
+
+def _clear_setid(dfd, name, st):
+    """Clear the set-id bits of `name` in dfd, the regular file `st` said it
+    is; -> None, or why not."""
+    try:
+        fd = os.open(name, os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=dfd)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        return e.strerror
+    try:
+        now = os.fstat(fd)
+        if (now.st_dev, now.st_ino) != (st.st_dev, st.st_ino) or not stat.S_ISREG(now.st_mode):
+            return "changed while being looked at"
+        if now.st_mode & _SETID:
+            os.chmod(f"/proc/self/fd/{fd}", stat.S_IMODE(now.st_mode) & ~_SETID)
+        return None
+    except OSError as e:
+        return e.strerror
+    finally:
+        os.close(fd)
 
 
 class RemoveReport:
