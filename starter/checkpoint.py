@@ -29,9 +29,10 @@ CRIU 3.17, docs/design.md "Checkpoint and restore"):
 import os
 import shutil
 import subprocess
+import sys
 import time
 
-from starter.checkpoint_dir import IMAGES, SCRATCH, VERSION, ImageError, node_key, write_signed
+from starter.checkpoint_dir import IMAGES, SCRATCH, VERSION, ImageError, Target, node_key, write_signed
 from starter.errors import StarterError, one_line
 
 DUMP_TIMEOUT = 600.0
@@ -172,12 +173,15 @@ def dump_argv(exe, pid, images, log, stdio, leave_running, netns_ino=None):
     return argv
 
 
-def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_dir=None):
+def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_dir=None, replace=False):
     """Dump the job whose state entry is `st` (its cgroup `cg`) into the new
-    directory `to` (root's, 0700), signed.  The tree is left running, or
-    stopped (for its starter to end).  A failure removes `to`, leaves the
-    job running and raises StarterError (one line: CRIU's own words).  A
-    NAT job's counters (in state_dir's network) go into its segment."""
+    directory `to` (root's, 0700), signed; with `replace` (--on-vacate)
+    into `to`.new, which then replaces `to` (checkpoint_dir.Target: by fd,
+    no link followed, no mount crossed).  The tree is left running, or
+    stopped (for its starter to end).  A failure removes the new directory,
+    leaves the job running and raises StarterError (one line: CRIU's own
+    words).  A NAT job's counters (in state_dir's network) go into its
+    segment."""
     check_dumpable(job_id, st)
     exe = criu()
     pid = st["pid"]
@@ -185,13 +189,15 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
     nat = st.get("net") == "nat"
     netns_ino = os.stat(f"/proc/{pid}/ns/net").st_ino if nat else None
     scratch = st.get("scratch")     # archived with the tree stopped, even if it is to run on
-    os.mkdir(to, 0o700)         # a new directory: nothing of anyone else's in it
-    ok = False
+    target = Target(to, replace)    # a new directory: nothing of anyone else's in it
+    ok = dumped = False
     version = None
     try:
-        images = os.path.join(to, IMAGES)
-        os.mkdir(images, 0o700)
-        log = os.path.join(to, "dump.log")
+        # CRIU and we reach it through our fd (passed on), never by its name again.
+        where = target.where
+        images = os.path.join(where, IMAGES)
+        os.mkdir(IMAGES, 0o700, dir_fd=target.fd)
+        log = os.path.join(where, "dump.log")
         argv = dump_argv(exe, pid, images, log, stdio, leave_running and scratch is None, netns_ino)
         before = cg.stats()
         version = subprocess.Popen([exe, "--version"], stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
@@ -199,7 +205,7 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
         t0 = time.time()
         try:
             r = subprocess.run(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                               stderr=subprocess.DEVNULL, timeout=timeout)
+                               stderr=subprocess.DEVNULL, timeout=timeout, pass_fds=(target.fd,))
         except subprocess.TimeoutExpired:
             # subprocess killed CRIU: a tree it had seized goes on (ptrace ends with it)
             raise StarterError(f"checkpoint of job {job_id!r}: criu dump ran past {timeout:g} s",
@@ -207,12 +213,9 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
         if r.returncode != 0:
             raise StarterError(f"checkpoint of job {job_id!r}: criu dump failed: {_criu_error(log)}",
                                "the job runs on; `criu check` says what this kernel lacks")
+        dumped = True
         if scratch is not None:
-            try:
-                _pack_scratch(scratch, st, images, max(1.0, timeout - (time.time() - t0)))
-            except BaseException:
-                continue_all(cg)        # the job runs on, as after any failed dump
-                raise
+            _pack_scratch(scratch, st, images, max(1.0, timeout - (time.time() - t0)))
             if leave_running:
                 continue_all(cg)
         took = time.time() - t0
@@ -231,15 +234,23 @@ def dump(job_id, st, cg, to, leave_running=False, timeout=DUMP_TIMEOUT, state_di
                   "root_pid": pid, "stdio": stdio, "segments": list(st.get("segments") or []) + [segment],
                   "cgroup_kind": st.get("cgroup_kind"), "kernel": os.uname().release,
                   "criu": _criu_version(version), "dump_s": round(took, 3)}
-        write_signed(to, node_key(create=True), record)
+        write_signed(where, node_key(create=True), record)
+        left = target.commit()
         ok = True
+        if left:        # the new image is in place; what is left of the one before is said
+            sys.stderr.write(f"starter: checkpoint: {one_line(left)}\n")
         return record
     finally:
         if version is not None and version.poll() is None:
             version.kill()
             version.wait()
-        if not ok:     # (a tree it failed to dump, CRIU resumes itself)
-            shutil.rmtree(to, ignore_errors=True)
+        try:
+            if not ok:          # (a tree it failed to dump, CRIU resumes itself)
+                if dumped:      # one it dumped and left stopped runs on, as after any failed dump
+                    continue_all(cg)
+                target.abort()
+        finally:
+            target.close()
 
 
 def _tar_as_job(uid, gid, args, stdin, stdout, timeout=None):
@@ -455,15 +466,15 @@ def spawn(image, cg, state_dir, job_id, netns=None):
     work = os.path.join(state_dir, f"{job_id}.restore")
     os.mkdir(work, 0o700)
     root = os.path.join(work, "root")
-    os.mkdir(root, 0o700)
     mounted = False
     fds = []
     try:
+        os.mkdir(root, 0o700)
         # --root: a bind of / (the job's root is the host's); CRIU's
-        # namespace gets a copy, and ours loses it at the end.
-        subprocess.run(["mount", "--bind", "/", root], check=True, capture_output=True, timeout=30)
+        # namespace gets a copy, and ours loses it at the end (_end_work).
+        _mount(["--bind", "/", root])
         mounted = True
-        subprocess.run(["mount", "--make-private", root], check=True, capture_output=True, timeout=30)
+        _mount(["--make-private", root])
         log, pidfile = os.path.join(work, "restore.log"), os.path.join(work, "pid")
         argv = [exe, "restore", "-D", f"/proc/self/fd/{image.images_fd}", "-o", log, "--restore-sibling", "-d",
                 "--pidfile", pidfile, "--ext-mount-map", "auto", "--enable-external-sharing",
@@ -507,13 +518,76 @@ def spawn(image, cg, state_dir, job_id, netns=None):
             os.waitid(os.P_PIDFD, pidfd, os.WEXITED)
             os.close(pidfd)
             raise
-        return Restored(pid, pidfd, cg)
-    finally:
+        restored = Restored(pid, pidfd, cg)
+    except BaseException as e:
         for fd in fds:
             os.close(fd)
+        left = _end_work(work, mounted)
+        if left and isinstance(e, StarterError):    # one line: why the restore failed, and what it left
+            raise StarterError(f"{one_line(e)}; and {left}") from None
+        if left:
+            sys.stderr.write(f"starter: restore: {left}\n")
+        raise
+    for fd in fds:
+        os.close(fd)
+    left = _end_work(work, mounted)
+    if left:        # the job is restored and runs on; what its restore left on the node is said
+        sys.stderr.write(f"starter: restore: {left}\n")
+    return restored
+
+
+def _mount(args):
+    r = subprocess.run(["mount", *args], capture_output=True, text=True, timeout=30)
+    if r.returncode != 0:
+        raise StarterError(f"restore: mount {' '.join(args)} failed: {one_line(r.stderr) or r.returncode}")
+
+
+MNT_DETACH, UMOUNT_NOFOLLOW = 2, 8
+
+
+def _end_work(work, mounted):
+    """The restore's work directory (state_dir/<id>.restore) removed once
+    CRIU is done.  `mounted`: its bind of / at root/ is unmounted first
+    (detached: CRIU's namespace may hold a copy) and must then be gone
+    (root/ on the work directory's own mount again); the rest goes by
+    checkpoint_dir.remove_tree(), which never crosses a mount.  -> None,
+    or one line saying what was left in place and why: a work directory
+    with anything still mounted in it is never removed through the mount
+    (and `starter gc` names it: it is no entry of the state directory)."""
+    from starter.checkpoint_dir import Left, mount_id, remove_tree
+    from starter.fileio import libc_handle
+
+    parent, name = os.path.split(work)
+    try:
+        pfd = os.open(parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        return one_line(f"{work} left in place: {e.strerror}")
+    try:
         if mounted:
-            subprocess.run(["umount", "-l", root], capture_output=True, timeout=30)
-        shutil.rmtree(work, ignore_errors=True)
+            ctypes, libc = libc_handle()
+            said = ""
+            if libc.umount2(os.fsencode(os.path.join(work, "root")), MNT_DETACH | UMOUNT_NOFOLLOW) != 0:
+                said = f" ({os.strerror(ctypes.get_errno())})"
+            wfd = os.open(name, os.O_PATH | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=pfd)
+            try:
+                rfd = os.open("root", os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=wfd)
+                try:
+                    still = mount_id(rfd) != mount_id(wfd)
+                finally:
+                    os.close(rfd)
+            finally:
+                os.close(wfd)
+            if still:
+                return one_line(f"{work}/root is still mounted after its unmount{said}: {work} left in place, "
+                                "not removed through it (unmount it, then remove it)")
+        remove_tree(pfd, name, work)
+        return None
+    except Left as e:
+        return one_line(e)
+    except OSError as e:
+        return one_line(f"{work} left in place: {e.strerror or e}")
+    finally:
+        os.close(pfd)
 
 
 def _ppid(pid):
