@@ -249,6 +249,41 @@ def remove_recorded(st, job_id):
         os.close(pfd)
 
 
+def keep_recorded(st, job_id):
+    """gc after a crashed starter whose job kept its scratch (--keep-scratch):
+    what keep_safely does at a job's end, on the scratch the entry records,
+    only if it is one the starter made for this job (as remove_recorded
+    checks: recorded_path, the MARK, the recorded identity).  -> True if it
+    was walked."""
+    path = recorded_path(st, job_id)
+    parent, name = os.path.split(path)
+    try:
+        pfd = _open_dir(parent, "scratch: parent directory")   # no link followed
+    except FileNotFoundError:
+        return False
+    except OSError as e:
+        raise StagingError(f"scratch: cannot open {parent}: {e.strerror}") from None
+    try:
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)
+        except FileNotFoundError:
+            return False
+        except OSError as e:
+            raise StagingError(f"scratch {path}: cannot open it: {e.strerror}; left alone") from None
+        try:
+            fst = os.fstat(fd)
+            if _get_mark(fd) != job_id or (st.get("scratch_id") and
+                                           (fst.st_dev, fst.st_ino) != tuple(st["scratch_id"])):
+                raise StagingError(f"scratch {path} is not the one the starter made for job {job_id!r}; "
+                                   "left alone")
+            keep_safely(fd, path)
+            return True
+        finally:
+            os.close(fd)
+    finally:
+        os.close(pfd)
+
+
 def _open_dir(path, what, create=None):
     """A directory fd of `path`, no component a link (paths.open_dir): root
     makes a job-owned directory here, which a link must not put elsewhere."""

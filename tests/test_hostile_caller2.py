@@ -308,3 +308,89 @@ def test_run_passthrough_keys():
     for bad in ('"/run/a"', '["/var/run/a"]', '["/run/../etc"]', '["run/a"]', '["/etc"]'):
         with pytest.raises(P.PolicyError, match="run_passthrough"):
             P.parse(f"[defaults]\nrun_passthrough = {bad}\n".encode())
+
+
+@pytest.mark.parametrize("kernel", [(), ("shim_test_no_mount_setattr",), ("shim_test_no_open_tree",)],
+                         ids=["new", "no-mount-setattr", "no-open-tree"])
+def test_a_nosuid_bind_on_every_kernel_path(kernel):
+    """The nosuid of a bind is set on the detached tree (mount_setattr), or
+    by a remount that keeps the source's flags (kernels before 5.12, before
+    5.2): the bind stays writable, a read-only bind beside it read-only."""
+    from conftest import spawn_output
+    from starter._native import lib
+    from starter.mounts import Mount
+
+    src = tempfile.mkdtemp(prefix="starter-h2-bind-", dir="/var/lib")
+    os.chmod(src, 0o777)
+    for t in kernel:
+        getattr(lib, t)(1)
+    try:
+        status, out = spawn_output(["/bin/sh", "-c", f"touch {src}/w && echo WROTE; cat /proc/self/mountinfo"],
+                                   mounts=(Mount("bind", src, src, flags=("nosuid",)),
+                                           Mount("ro-bind", "/tmp/ro", "/usr/bin")))
+    finally:
+        for t in kernel:
+            getattr(lib, t)(0)
+        shutil.rmtree(src)
+    text = out.decode()
+    assert status == 0 and text.startswith("WROTE"), text
+    opts = _mount_options(text, src)
+    assert "nosuid" in opts and "rw" in opts, opts
+    assert "ro" in _mount_options(text, "/tmp/ro"), text
+
+
+def test_resolv_conf_links_into_run(tmp_path):
+    """/etc/resolv.conf that links into /run (systemd-resolved's stub): a NAT
+    job's own file goes to the link's end in its own /run (the shim follows
+    no link on a destination); a --net host job gets the host's file there;
+    a plain file, or no private /run: at the path itself, as before."""
+    from starter import mounts as M
+
+    link = tmp_path / "resolv.conf"
+    target = "/run/starter-h2-no-such-dir/stub-resolv.conf"
+    os.symlink(target, link)
+    assert M.resolv_conf("/own", True, str(link)) == [M.Mount("ro-bind", target, "/own")]
+    assert M.resolv_conf("/own", False, str(link)) == [M.Mount("ro-bind", str(link), "/own")]
+    assert M.resolv_conf(None, True, str(link)) == []          # the host has no such file
+    plain = tmp_path / "plain"
+    plain.write_text("nameserver 10.0.0.1\n")
+    assert M.resolv_conf("/own", True, str(plain)) == [M.Mount("ro-bind", str(plain), "/own")]
+    assert M.resolv_conf(None, True, str(plain)) == []
+    d = tempfile.mkdtemp(prefix="starter-h2-resolv-", dir="/run")
+    try:
+        real = os.path.join(d, "stub-resolv.conf")
+        with open(real, "w") as f:
+            f.write("nameserver 127.0.0.53\n")
+        os.unlink(link)
+        os.symlink(real, link)
+        assert M.resolv_conf(None, True, str(link)) == [M.Mount("ro-bind", real, real)]
+    finally:
+        shutil.rmtree(d)
+
+
+def test_gc_can_strip_a_kept_scratch_a_crashed_starter_left(execute_dir):
+    """scratch.keep_recorded (for gc: a starter that died with its job's
+    --keep-scratch): the recorded scratch, only if it carries the job's
+    mark, loses its owner's set-id bits; a directory without the mark is
+    left alone."""
+    from starter import scratch
+    from starter.errors import StagingError
+
+    u = LEASE_UID
+    sc = scratch.create_in(execute_dir, "h2-gc", u, u)
+    try:
+        f = os.path.join(sc.path, "t")
+        shutil.copy("/bin/true", f)
+        os.chown(f, u, u)
+        os.chmod(f, 0o6755)
+        st = {"scratch": sc.path, "scratch_parent": execute_dir, "scratch_kind": "execute-dir",
+              "scratch_id": [sc.dev, sc.ino]}
+        with pytest.raises(StagingError, match="left alone"):
+            scratch.keep_recorded(st, "h2-other")           # the path names another job: refused
+        with pytest.raises(StagingError, match="not the one"):   # a --scratch of any name: the mark decides
+            scratch.keep_recorded(dict(st, scratch_kind="scratch"), "h2-other")
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o6755
+        assert scratch.keep_recorded(st, "h2-gc")
+        assert stat.S_IMODE(os.stat(f).st_mode) == 0o755
+    finally:
+        sc.remove()
