@@ -30,7 +30,7 @@ A uid is leased only when nothing of it lives (acquire):
   * no other lease holds it, and no passwd or group entry names it (a local
     account inside the range);
   * no task of it is alive (real uid: the kernel's per-uid count, asked by
-    escapes.clear_for_lease in two clones, ~60 us): such a uid is skipped,
+    escapes.clear_for_lease in two clones, ~30 us): such a uid is skipped,
     and the next one tried.  A process that holds it only as its effective
     and saved uid (another user ran a set-user-ID file of it) is not in
     that count: it is killed before the lease (the same helper's
