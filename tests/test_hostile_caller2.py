@@ -49,11 +49,11 @@ def _ids(pid):
         return None
 
 
-def _held(argv, want):
-    """A host process (argv, ending in a long sleep) once its ids are `want`."""
+def _held(argv, want, comm="sleep"):
+    """A host process (argv, ending in a long sleep) once it runs `comm` with the ids `want`."""
     p = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL)
     deadline = time.monotonic() + 10 * SLOWDOWN
-    while _ids(p.pid) != want or _comm(p.pid) != "sleep":
+    while _ids(p.pid) != want or _comm(p.pid) != comm:
         assert p.poll() is None and time.monotonic() < deadline, (argv, _ids(p.pid))
         time.sleep(0.005)
     return p
@@ -394,3 +394,28 @@ def test_gc_can_strip_a_kept_scratch_a_crashed_starter_left(execute_dir):
         assert stat.S_IMODE(os.stat(f).st_mode) == 0o755
     finally:
         sc.remove()
+
+
+def test_the_set_id_copy_attack_end_to_end(policy, starter):
+    """The attack as reported: a default job leaves a set-user-ID/-GID copy
+    of a program in a writable bind; a local user (nobody) runs it through
+    the host's own mount and holds the uid; the uid's next job must not be
+    reachable from it: the holder is killed before the lease."""
+    u = LEASE_UID
+    policy(defaults=f'job_uids = "{u}-{u}"\n')
+    d = tempfile.mkdtemp(prefix="starter-h2-attack-", dir="/var/lib")
+    holder = None
+    try:
+        os.chmod(d, 0o777)
+        r = starter("run", "--bind", d, "--", "sh", "-c", f"cp /bin/sleep {d}/s && chmod 6755 {d}/s && id -u", check=0)
+        assert r.stdout.strip() == str(u)
+        assert stat.S_IMODE(os.stat(f"{d}/s").st_mode) == 0o6755     # the host's view: set-id (nosuid is the job's)
+        holder = _held(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", f"{d}/s", "300"],
+                       (UID, u, u), comm="s")
+        r = starter("run", "--", "sh", "-c", "echo secret > /tmp/s; id -u", check=0)
+        assert r.stdout.strip() == str(u)
+        assert holder.poll() is not None, "the holder of the uid outlived the next lease"
+    finally:
+        if holder is not None:
+            _stop(holder)
+        shutil.rmtree(d)
