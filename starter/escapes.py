@@ -25,10 +25,10 @@ reaches exactly the processes of the uid: no pid is ever signalled by
 number, so a pid reused meanwhile is never hit; /proc is read after it to
 see that none is left.
 
-Before a transient uid is leased (starter/uids.py), clear_for_lease asks
-the same helper whether a task of it is alive (the uid is skipped then) and
-has it kill what holds the uid only as its saved uid: another user's run of
-a set-user-ID file of it, which the per-uid count does not see.
+Before a transient uid is leased, starter/uids.py asks the same helper
+whether a task of it is alive (the uid is skipped then) and has it kill
+what holds the uid only as its saved uid: another user's run of a
+set-user-ID file of it, which the per-uid count does not see.
 """
 
 import os
@@ -61,15 +61,6 @@ def any_process(uid, relay=None):
         if os.getppid() == relay:
             return False
     return _as_uid(uid, 0)
-
-
-def clear_for_lease(uid):
-    """Before a transient uid is leased (starter/uids.py): False if a task
-    of real uid `uid` is alive (zombies included: the uid is not to be
-    leased); else True, once SIGKILL went to whatever holds it as its saved
-    uid (a set-user-ID file of the uid run by another user: the count does
-    not see those).  One helper, as any_process: two clones and a kill(-1)."""
-    return not _as_uid(uid, -9)
 
 
 def kill_all(uid):

@@ -30,7 +30,7 @@ A uid is leased only when nothing of it lives (acquire):
   * no other lease holds it, and no passwd or group entry names it (a local
     account inside the range);
   * no task of it is alive (real uid: the kernel's per-uid count, asked by
-    escapes.clear_for_lease in two clones, ~30 us): such a uid is skipped,
+    _clear in two clones, ~30 us): such a uid is skipped,
     and the next one tried.  A process that holds it only as its effective
     and saved uid (another user ran a set-user-ID file of it) is not in
     that count: it is killed before the lease (the same helper's
@@ -83,10 +83,7 @@ def parse_range(field, text):
 def acquire(state_dir, job_id, first=DEFAULT_FIRST, last=DEFAULT_FIRST + DEFAULT_COUNT - 1):
     """Lease a free uid of [first, last] for job_id; -> uid.  Skipped: a
     local account's or group's number, and a uid a task of which is alive
-    (escapes.clear_for_lease, which also kills what holds the uid only as
-    its saved uid)."""
-    from starter.escapes import clear_for_lease
-
+    (_clear, which also kills what holds the uid only as its saved uid)."""
     accounts = []
     alive = []
 
@@ -95,7 +92,7 @@ def acquire(state_dir, job_id, first=DEFAULT_FIRST, last=DEFAULT_FIRST + DEFAULT
             accounts.append(_local_ids())
         if uid in accounts[0]:
             return False
-        if not clear_for_lease(uid):
+        if not _clear(uid):
             alive.append(uid)
             return False
         return True
@@ -153,6 +150,18 @@ def lease(where, state_dir, job_id, first, last, usable):
         return None
     finally:
         os.close(dfd)
+
+
+def _clear(uid):
+    """False if a task of real uid `uid` is alive (zombies included: the
+    uid is not to be leased); else True, once SIGKILL went to whatever holds
+    it only as its saved uid (a set-user-ID file of the uid run by another
+    user: the per-uid count does not see those).  native/uidkill.c's helper
+    with the signal negated (starter/escapes.py's, at a job's end): two
+    clones and, when none is alive, one kill(-1)."""
+    from starter._native import check, lib
+
+    return check(lib.shim_uid_kill(uid, -9, 0), f"looking for processes of uid {uid}") == 0
 
 
 def _unlink_quiet(n, dfd):
