@@ -569,22 +569,14 @@ def _checkpointer(spec, job_state, cg):
     """--on-vacate checkpoint:DIR: -> dump(leave_running, timeout) -> DIR.
     Each dump goes to DIR.new and replaces DIR only once it is whole, so
     the last good image is always there (--checkpoint-every)."""
-    import shutil
-
     from starter import checkpoint
 
-    to = spec.on_vacate
-
     def dump(leave_running, timeout):
-        new, old = to + ".new", to + ".old"
-        shutil.rmtree(new, ignore_errors=True)     # an earlier one cut short
-        checkpoint.dump(spec.id, dict(job_state.data), cg, new, leave_running, timeout, spec.state_dir)
-        if os.path.lexists(to):
-            shutil.rmtree(old, ignore_errors=True)
-            os.rename(to, old)
-        os.rename(new, to)
-        shutil.rmtree(old, ignore_errors=True)
-        return to
+        # DIR.new made, and DIR.new and DIR.old cleared, by fd: never through
+        # a link or across a mount the job's user put there (checkpoint_dir.Target).
+        checkpoint.dump(spec.id, dict(job_state.data), cg, spec.on_vacate, leave_running, timeout,
+                        spec.state_dir, replace=True)
+        return spec.on_vacate
 
     return dump
 

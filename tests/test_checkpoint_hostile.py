@@ -21,7 +21,6 @@ restore's cleanup) with planted symlinks and bind mounts, and through the
 real CLI where the refusal comes before CRIU.
 """
 
-import inspect
 import json
 import os
 import subprocess
@@ -227,12 +226,6 @@ def test_replacing_dir_never_enters_a_directory_of_another_owner(tmp_path):
     assert not (top / "ck.old" / "junk").exists()
 
 
-_JOB_ROTATES_BY_PATH = "shutil.rmtree" in inspect.getsource(__import__("starter.job").job._checkpointer)
-
-
-@pytest.mark.xfail(_JOB_ROTATES_BY_PATH, strict=True,
-                   reason="job._checkpointer still removes DIR.new and DIR.old by path; it is to call "
-                          "checkpoint.dump(..., replace=True)")
 def test_a_vacate_never_removes_through_a_link_the_jobs_user_made(key, tmp_path, home):
     """--on-vacate checkpoint:DIR with DIR in the job user's directory, which
     the user swaps for a link to root's: the vacate's dump is refused (the
