@@ -224,11 +224,17 @@ def test_escape_of_a_transient_uid_is_killed_and_reported(policy, tmp_path):
     os.chown(d, uid, uid)
     server = job = None
     try:
-        server = _host_tmux(uid, f"{d}/s")
         report = tmp_path / "r.json"
+        # The host's tmux of the uid starts once the job holds the uid: no
+        # uid is leased while a process of it lives.
         job = subprocess.Popen([STARTER, "run", "--id", "esc-t", "--report", str(report), "--bind", d, "--",
-                                "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 1234' && echo asked; read x"],
+                                "sh", "-c", f"echo ready; read x; tmux -S {d}/s new-window -d 'exec sleep 1234' "
+                                "&& echo asked; read x"],
                                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        assert job.stdout.readline() == "ready\n"
+        server = _host_tmux(uid, f"{d}/s")
+        job.stdin.write("\n")
+        job.stdin.flush()
         assert job.stdout.readline() == "asked\n"
         # While the job runs, `starter status` shows it too (the job's own
         # processes never). tmux starts the window through its shell, which

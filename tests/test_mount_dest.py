@@ -25,7 +25,7 @@ NOBODY = 65534
 def home():
     """A host directory the job's user owns, visible in the job (not under
     the private /tmp)."""
-    d = tempfile.mkdtemp(prefix="starter-test-dest-", dir="/run")
+    d = tempfile.mkdtemp(prefix="starter-test-dest-", dir="/var/lib")
     os.chmod(d, 0o755)
     os.chown(d, NOBODY, NOBODY)
     yield d
@@ -203,7 +203,7 @@ def test_every_kernel_path_mounts_onto_the_walked_destination(kernel, home, src)
               Mount("tmpfs", "/tmp/t", None, "size=1m,mode=700"))
     status, out = _spawn(mounts, f"cat {home}/real/covered-by-the-job /tmp/a/file; "
                                  "echo x > /tmp/a/file 2>/dev/null || echo READONLY; "
-                                 "grep -E ' /tmp/(t|a/file) | /run/' /proc/self/mountinfo")
+                                 "grep -E ' /tmp/(t|a/file) | /var/lib/' /proc/self/mountinfo")
     assert status == 0, (kernel, out)
     lines = out.splitlines()
     assert lines[:3] == ["mine", "mine", "READONLY"], (kernel, out)
