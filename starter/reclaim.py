@@ -96,7 +96,7 @@ def _reclaim_uids(state_dir):
 
     lines, held = [], False
     for uid, (sd, job_id) in sorted(uids.leases().items()):
-        if S.is_live(sd, job_id):
+        if S.is_live(sd, job_id) or _entry_to_come(uids.LEASES, uid, sd, job_id):
             continue
         try:
             if escapes.any_process(uid):
@@ -119,6 +119,16 @@ def _reclaim_uids(state_dir):
     return lines, held
 
 
+def _entry_to_come(where, n, state_dir, job_id):
+    """A lease is made before its job's state entry: one whose job has no
+    entry yet (not even a dead one) while the starter that made it still
+    runs is a start in progress, not a dead starter's.  Giving it back would
+    let a second job lease the uid of a starting one."""
+    from starter import uids
+
+    return not os.path.lexists(os.path.join(state_dir, job_id + ".lock")) and uids.maker_alive(n, where)
+
+
 def _reclaim_project_leases():
     """Project ids (quota.py) leased by a starter that died before its entry
     recorded them: no limit was set yet (that comes after the record), so the
@@ -127,7 +137,7 @@ def _reclaim_project_leases():
 
     lines = []
     for qid, (sd, job_id) in sorted(uids.leases(None, quota.PROJECTS).items()):
-        if S.is_live(sd, job_id):
+        if S.is_live(sd, job_id) or _entry_to_come(quota.PROJECTS, qid, sd, job_id):
             continue
         if S.load(sd, job_id).get("disk_project") == qid:
             continue

@@ -8,8 +8,8 @@ the range the node policy sets (defaults.job_uids, default below: the block
 systemd's UIDS-GIDS.md leaves unused, above its container range), in the
 spirit of systemd's DynamicUser and podman's userns=auto.
 
-A lease is a symlink LEASES/<uid> whose target names the job, as
-"<state dir>/<job id>": symlink() fails if the name exists, so the kernel
+A lease is a symlink LEASES/<uid> whose target names the job and the
+starter that made it, as "<state dir>/<job id>#<pid>.<start time>": symlink() fails if the name exists, so the kernel
 arbitrates between starters, in one system call (a file would take an open,
 a write and a close).  The leases are the node's, not a state directory's:
 uids are node-wide, and two state directories (a site's and a test's, or two
@@ -19,7 +19,7 @@ leased; those files are read directly, not through NSS: the first NSS lookup
 of a process costs ~5 ms here (it loads the modules nsswitch.conf names),
 a quarter of a whole start.  Accounts from a directory service (LDAP, sssd)
 are not seen: keep the range out of theirs (docs/admin-guide.md).  It is made before the job's state entry, which records the uid; a
-lease whose job has no live entry is gc's.  The lease goes only once the job's
+lease whose job has no live entry, and whose maker no longer runs, is gc's.  The lease goes only once the job's
 processes are all gone, its escaped ones included (starter/escapes.py) and
 its scratch removed; a crashed starter's lease is reclaimed by gc.
 Reuse is spread over the range: each start tries a random uid first and
@@ -125,7 +125,11 @@ def lease(where, state_dir, job_id, first, last, usable):
         os.close(dfd)
         raise UidError(f"{where} is not root's alone: nothing leased from it",
                        f"remove it (rm -r {where}); the starter makes it again")
-    target = os.path.join(os.path.abspath(state_dir), job_id)
+    from starter.state import process_start_time
+
+    # "#PID.START": its maker, so that gc tells a starter still between the
+    # lease and its state entry from one that died there (maker_alive()).
+    target = f"{os.path.join(os.path.abspath(state_dir), job_id)}#{os.getpid()}.{process_start_time(os.getpid())}"
     try:
         n = last - first + 1
         start = int.from_bytes(os.urandom(4), "little") % n
@@ -183,9 +187,22 @@ def _local_ids(files=("/etc/passwd", "/etc/group")):
 def holder(uid, where=LEASES):
     """(state dir, job id) a lease names, or None (no lease)."""
     try:
-        return os.path.split(os.readlink(os.path.join(where, str(uid))))
+        return os.path.split(os.readlink(os.path.join(where, str(uid))).partition("#")[0])
     except OSError:
         return None
+
+
+def maker_alive(uid, where=LEASES):
+    """Is the starter that made lease `uid` still running (its pid with the
+    start time it recorded)?  False for a lease that names no maker."""
+    from starter.state import process_start_time
+
+    try:
+        maker = os.readlink(os.path.join(where, str(uid))).partition("#")[2]
+        pid, _, start = maker.partition(".")
+        return process_start_time(int(pid)) == int(start)
+    except (OSError, ValueError):
+        return False
 
 
 def release(uid, state_dir, job_id, where=LEASES):

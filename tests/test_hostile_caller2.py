@@ -18,6 +18,7 @@ import os
 import shutil
 import stat
 import subprocess
+import sys
 import tempfile
 import time
 
@@ -419,3 +420,29 @@ def test_the_set_id_copy_attack_end_to_end(policy, starter):
         if holder is not None:
             _stop(holder)
         shutil.rmtree(d)
+
+
+def test_gc_leaves_the_lease_of_a_start_in_progress(starter, state_dir):
+    """A lease comes before its job's state entry: `starter gc` between the
+    two must not give it back while the starter that made it runs (a second
+    job would get the same uid), and gives it back once that starter died."""
+    from starter import uids
+
+    code = ("import os, sys\n"
+            "from starter import uids\n"
+            f"n = uids.lease(uids.LEASES, {state_dir!r}, 'between', {uids.DEFAULT_FIRST}, "
+            f"{uids.DEFAULT_FIRST + uids.DEFAULT_COUNT - 1}, lambda n: True)\n"
+            "print(n, flush=True)\n"
+            "sys.stdin.read()\n")
+    p = subprocess.Popen([sys.executable, "-c", code], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+    try:
+        n = int(p.stdout.readline())
+        assert uids.maker_alive(n)
+        starter("gc")
+        assert uids.holder(n) == (os.path.abspath(state_dir), "between")
+    finally:
+        p.kill()
+        p.wait(30)
+    assert not uids.maker_alive(n)
+    starter("gc")
+    assert uids.holder(n) is None
