@@ -98,6 +98,10 @@ def _reclaim_uids(state_dir):
     for uid, (sd, job_id) in sorted(uids.leases().items()):
         if S.is_live(sd, job_id) or _entry_to_come(uids.LEASES, uid, sd, job_id):
             continue
+        if S.load(sd, job_id).get("state") == "reclaiming":
+            held = held or sd == os.path.abspath(state_dir)
+            lines.append(f"uid {uid} (job {job_id}): its job's entry still holds something; still held")
+            continue
         try:
             if escapes.any_process(uid):
                 if S.load(sd, job_id).get("escape") == "report":
@@ -218,6 +222,21 @@ def _reclaim_locked(state_dir, job_id, st, quick=False):
                     done.append(f"scratch {st['scratch']} removed")
             except StarterError as e:
                 held.append(str(e))         # scratch.py's errors name the scratch
+            except OSError as e:
+                held.append(f"scratch: {e}")
+    elif st.get("scratch") and st.get("keep_scratch") and st.get("transient") and not disk_held:
+        # A kept scratch of a transient uid loses its set-id bits before the
+        # uid can be leased again (the lease goes only with the entry).
+        if quick:
+            held.append(f"kept scratch {st['scratch']}: set-id bits left for `starter gc` to clear")
+        else:
+            from starter import scratch
+
+            try:
+                if scratch.keep_recorded(st, job_id):
+                    done.append(f"kept scratch {st['scratch']}: set-id bits cleared")
+            except StarterError as e:
+                held.append(str(e))
             except OSError as e:
                 held.append(f"scratch: {e}")
     if held:

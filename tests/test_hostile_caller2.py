@@ -446,3 +446,37 @@ def test_gc_leaves_the_lease_of_a_start_in_progress(starter, state_dir):
     assert not uids.maker_alive(n)
     starter("gc")
     assert uids.holder(n) is None
+
+
+def test_gc_clears_the_set_id_bits_a_crashed_transient_job_kept(policy, starter, execute_dir, state_dir):
+    """The starter of a transient job with --keep-scratch dies (kill -9)
+    after the job made a set-user-ID copy in the scratch: `starter gc`
+    clears its bits before the uid's lease goes."""
+    import signal
+
+    from conftest import wait_running
+    from starter import uids
+
+    u = LEASE_UID
+    policy(defaults=f'job_uids = "{u}-{u}"\n')
+    p = subprocess.Popen([STARTER, "run", "--id", "h2-crash", "--execute-dir", execute_dir, "--keep-scratch", "--",
+                          "sh", "-c", "cp /bin/true t && chmod 4755 t && chmod 755 . && sleep 60"],
+                         stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    sc = os.path.join(execute_dir, "job-h2-crash")
+    try:
+        st = wait_running(state_dir, "h2-crash", p)
+        deadline = time.monotonic() + 10 * SLOWDOWN
+        while not (os.path.exists(os.path.join(sc, "t")) and os.stat(os.path.join(sc, "t")).st_mode & stat.S_ISUID):
+            assert time.monotonic() < deadline
+            time.sleep(0.02)
+        os.kill(st["starter_pid"], signal.SIGKILL)
+        p.wait(30)
+        g = starter("gc", check=0)
+        assert "set-id bits cleared" in g.stdout, g.stdout
+        assert stat.S_IMODE(os.stat(os.path.join(sc, "t")).st_mode) == 0o755
+        assert uids.holder(u) is None
+    finally:
+        if p.poll() is None:
+            p.kill()
+            p.wait(30)
+        shutil.rmtree(sc, ignore_errors=True)
