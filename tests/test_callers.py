@@ -314,10 +314,10 @@ def _layout():
 
 
 def _own_cgroup_dir(name):
-    """A new cgroup below the test's own: cgroup2 where there is one, else a
-    v1 hierarchy a task can join as it is (cpuset's needs cpus first)."""
+    """A new cgroup below the test's own in the hierarchy that tracks jobs:
+    cgroup2 where there is one, else v1's freezer."""
     layout = _layout()
-    role = "unified" if layout.unified else ("pids" if "pids" in layout.v1 else "memory")
+    role = "unified" if layout.unified else "freezer"
     m = layout.unified or layout.v1[role]
     d = os.path.join(m.mount_point, layout.own.get(role).lstrip("/"), f"{name}-{os.getpid()}")
     os.mkdir(d)
