@@ -215,7 +215,8 @@ def enter(state_dir, job_id, argv, user=None):
     # ptraced by the job and used to make the calls the filter denies.
     from starter import seccomp
 
-    sc_filter = seccomp.load(st.get("seccomp", "default"), bool(st.get("allow_userns")), state_dir)
+    sc_filter = seccomp.load(st.get("seccomp", "default"), bool(st.get("allow_userns")), state_dir,
+                             no_setid=bool(st.get("transient")))
     pid = st["pid"]
     try:
         pidfd = os.pidfd_open(pid)

@@ -150,7 +150,8 @@ def run(spec, caller=None, policy=None):
         # The syscall filter first: a bad profile must create nothing.
         from starter import seccomp
 
-        sc_filter = seccomp.load(spec.seccomp, spec.allow_userns, spec.state_dir)
+        sc_filter = seccomp.load(spec.seccomp, spec.allow_userns, spec.state_dir,
+                                 no_setid=spec.transient is not None)
         trace.mark("seccomp")
         # Both resolved (without following links) before anything runs; the
         # report's directory fd is held until the end.

@@ -127,7 +127,8 @@ def test_a_kept_scratch_loses_its_set_id_bits(policy, starter, execute_dir):
         script = ("cp /bin/true t && chmod 6755 t && mkdir -p d/e && cp /bin/true d/e/u && chmod 4711 d/e/u && "
                   f"cp /bin/true g && chmod 2755 g && ln -s {target} link && ln -s {outside} dlink && "
                   "chmod 755 . d d/e && stat -c '%a %n' t d/e/u g")
-        r = starter("run", "--id", "h2-keep", "--execute-dir", execute_dir, "--keep-scratch", "--",
+        # (--seccomp off: the default filter refuses a transient job any set-id file)
+        r = starter("run", "--id", "h2-keep", "--seccomp", "off", "--execute-dir", execute_dir, "--keep-scratch", "--",
                     "sh", "-c", script, check=0)
         assert sorted(r.stdout.split()) == sorted("6755 t 4711 d/e/u 2755 g".split()), r.stdout
         sc = os.path.join(execute_dir, "job-h2-keep")
@@ -408,7 +409,9 @@ def test_the_set_id_copy_attack_end_to_end(policy, starter):
     holder = None
     try:
         os.chmod(d, 0o777)
-        r = starter("run", "--bind", d, "--", "sh", "-c", f"cp /bin/sleep {d}/s && chmod 6755 {d}/s && id -u", check=0)
+        # --seccomp off: the default filter would refuse the chmod itself (below)
+        r = starter("run", "--seccomp", "off", "--bind", d, "--", "sh", "-c",
+                    f"cp /bin/sleep {d}/s && chmod 6755 {d}/s && id -u", check=0)
         assert r.stdout.strip() == str(u)
         assert stat.S_IMODE(os.stat(f"{d}/s").st_mode) == 0o6755     # the host's view: set-id (nosuid is the job's)
         holder = _held(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", f"{d}/s", "300"],
@@ -459,7 +462,8 @@ def test_gc_clears_the_set_id_bits_a_crashed_transient_job_kept(policy, starter,
 
     u = LEASE_UID
     policy(defaults=f'job_uids = "{u}-{u}"\n')
-    p = subprocess.Popen([STARTER, "run", "--id", "h2-crash", "--execute-dir", execute_dir, "--keep-scratch", "--",
+    p = subprocess.Popen([STARTER, "run", "--id", "h2-crash", "--seccomp", "off", "--execute-dir", execute_dir,
+                          "--keep-scratch", "--",
                           "sh", "-c", "cp /bin/true t && chmod 4755 t && chmod 755 . && sleep 60"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     sc = os.path.join(execute_dir, "job-h2-crash")
@@ -480,3 +484,32 @@ def test_gc_clears_the_set_id_bits_a_crashed_transient_job_kept(policy, starter,
             p.kill()
             p.wait(30)
         shutil.rmtree(sc, ignore_errors=True)
+
+
+SETID_TRIES = r"""
+import os, sys
+for what, call in (("chmod u+s", lambda: os.chmod("f", 0o4755)), ("chmod g+s", lambda: os.chmod("f", 0o2755)),
+                   ("fchmod", lambda: os.fchmod(os.open("f", os.O_RDONLY), 0o4755)),
+                   ("open O_CREAT", lambda: os.close(os.open("g", os.O_CREAT | os.O_WRONLY, 0o4755))),
+                   ("mknod", lambda: os.mknod("h", 0o100000 | 0o2755)),
+                   ("chmod 0755", lambda: os.chmod("f", 0o755))):
+    try:
+        call()
+        st = [os.stat(n).st_mode & 0o6000 for n in ("f", "g", "h") if os.path.exists(n)]
+        print(what, "ok", max(st) if st else 0)
+    except OSError as e:
+        print(what, e.errno)
+"""
+
+
+def test_a_transient_job_makes_no_set_id_file(starter):
+    """The default filter of a transient uid's job refuses every way to make
+    a set-user-ID or set-group-ID file (EPERM): nothing of the uid can run
+    as it once the job is over.  A named user's job may (its own uid)."""
+    script = "cd /tmp && touch f && python3 -c '%s'" % SETID_TRIES.replace("'", "'\\''")
+    p = starter("run", "--", "sh", "-c", script, check=0)
+    got = dict(l.rsplit(" ", 1) if " ok " not in l else (l.split(" ok ")[0], "ok") for l in p.stdout.splitlines())
+    assert got == {"chmod u+s": "1", "chmod g+s": "1", "fchmod": "1", "open O_CREAT": "1", "mknod": "1",
+                   "chmod 0755": "ok"}, p.stdout
+    p = starter("run", "--user", "nobody", "--", "sh", "-c", script, check=0)
+    assert "chmod u+s ok" in p.stdout, p.stdout

@@ -47,34 +47,37 @@ class Filter:
         return f"Filter({len(self.bpf) // 8} instructions, flags={self.flags:#x})"
 
 
-def load(choice, allow_userns=False, state_dir=None):
+def load(choice, allow_userns=False, state_dir=None, no_setid=False):
     """-> Filter for the job, or None for `off`.  Raises SpecError (one line)
     for a profile that cannot be read, parsed or compiled: call it before
     anything is created for the job.  With a state_dir, use and fill the
-    on-disk cache next to it."""
+    on-disk cache next to it.  no_setid: a transient uid's job, which may
+    make no set-id file (profile.without_setid)."""
     if choice == "off":
         return None
     path = DEFAULT if choice == "default" else choice
     data = _read_profile(path)
-    key = _key(data, allow_userns)
+    key = _key(data, allow_userns, no_setid)
     cache = state_dir.rstrip("/") + CACHE_SUFFIX if state_dir and state_dir.rstrip("/") else None
     f = _memo.get(key)
     if f is None and cache:
         f = _cache_get(cache, key)
     if f is None:
-        f = compile_bytes(data, path, allow_userns)
+        f = compile_bytes(data, path, allow_userns, no_setid)
         if cache:
             _cache_put(cache, key, f)
     _memo[key] = f
     return f
 
 
-def compile_bytes(data, source, allow_userns=False):
+def compile_bytes(data, source, allow_userns=False, no_setid=False):
     from starter.seccomp import profile as P
 
     prof = P.parse(data, source)
     if allow_userns:
         prof = P.without_userns(prof)
+    if no_setid:
+        prof = P.without_setid(prof)
     return compile_profile(prof, source)
 
 
@@ -148,7 +151,7 @@ def _cache_ident():
     return _ident
 
 
-def _key(data, allow_userns):
+def _key(data, allow_userns, no_setid=False):
     try:
         from _sha256 import sha256        # built in up to 3.11: no OpenSSL load (~3 ms)
     except ImportError:
@@ -156,7 +159,7 @@ def _key(data, allow_userns):
             from _sha2 import sha256      # 3.12+
         except ImportError:
             from hashlib import sha256
-    h = sha256(b"userns=%d\n" % bool(allow_userns))
+    h = sha256(b"userns=%d\n" % bool(allow_userns) + (b"nosetid\n" if no_setid else b""))
     h.update(data)
     return h.hexdigest()[:40]
 

@@ -244,6 +244,50 @@ def without_userns(profile):
     return Profile(profile.default_action, profile.flags, tuple(rules))
 
 
+S_ISUID, S_ISGID = 0o4000, 0o2000
+O_CREAT, O_TMPFILE_BIT = 0o100, 0o20000000
+ENOSYS = 38
+# Where a mode is given to a call that can make a file set-id: (names, the
+# mode's argument index, (index, mask) conditions that must also hold).
+_SETID_CALLS = (
+    (("chmod", "fchmod", "creat"), 1, ()),
+    (("fchmodat", "fchmodat2"), 2, ()),
+    (("mknod",), 1, ()), (("mknodat",), 2, ()),
+    (("open",), 2, ((1, O_CREAT),)), (("open",), 2, ((1, O_TMPFILE_BIT),)),
+    (("openat",), 3, ((2, O_CREAT),)), (("openat",), 3, ((2, O_TMPFILE_BIT),)),
+)
+
+
+def without_setid(profile, resolve=None):
+    """A transient uid's job: no set-user-ID or set-group-ID file of its
+    making (what systemd's RestrictSUIDSGID= does).  A copy with either bit,
+    left where the host reaches it, would run as the uid once the job is
+    over, and the uid is leased again.  chmod and friends, and a file
+    created with either bit (open, openat, creat, mknod), fail EPERM;
+    openat2, whose mode seccomp cannot read, fails ENOSYS (callers fall
+    back to openat).  A call the profile already has a rule for is left to
+    that rule (an admin's allow list)."""
+    if resolve is None:
+        from starter._native import lib
+
+        def resolve(name):
+            return lib.shim_seccomp_resolve(name.encode())
+
+    have = {n for r in profile.rules for n, _ in r.names}
+    mask_eq = OPS["SCMP_CMP_MASKED_EQ"]
+    rules = list(profile.rules)
+    for names, mode_arg, also in _SETID_CALLS:
+        known = tuple((n, nr) for n in names if n not in have and (nr := resolve(n)) != -1)
+        if not known:
+            continue
+        for bit in (S_ISUID, S_ISGID):
+            conds = tuple((i, mask_eq, m, m) for i, m in also) + ((mode_arg, mask_eq, bit, bit),)
+            rules.append(Rule("no set-id files", known, ACT_ERRNO | 1, conds))
+    if "openat2" not in have and (nr := resolve("openat2")) != -1:
+        rules.append(Rule("no set-id files", (("openat2", nr),), ACT_ERRNO | ENOSYS, ()))
+    return Profile(profile.default_action, profile.flags, tuple(rules))
+
+
 def _tests_newuser(cond):
     _index, op, value, value2 = cond
     if op == OPS["SCMP_CMP_MASKED_EQ"]:
