@@ -19,7 +19,7 @@
 #define SHIM_MOUNT_LINK 5     /* symlink(src, dst): dst inside a tmpfs of the plan (the job's /dev) */
 #define SHIM_MOUNT_NODE 6     /* mknod(dst, mode, rdev): dst inside a tmpfs of the plan (the job's /dev) */
 
-/* MS_* flags for SHIM_MOUNT_FS (the kernel's values). */
+/* MS_* flags for SHIM_MOUNT_FS, and SHIM_MS_NOSUID for binds (the kernel's values). */
 #define SHIM_MS_RDONLY 1
 #define SHIM_MS_NOSUID 2
 #define SHIM_MS_NODEV 4
@@ -68,7 +68,7 @@ struct shim_mount {
     int src_fd;
     /* appended (ns): SHIM_MOUNT_FS only */
     const char *fstype;       /* "tmpfs", "mqueue", "cgroup", "cgroup2"; NULL for a remount */
-    unsigned long flags;      /* SHIM_MS_* */
+    unsigned long flags;      /* SHIM_MS_*; binds take SHIM_MS_NOSUID too */
     int optional;             /* skip if dst does not exist in the job's view */
     /* appended (issue 25): SHIM_MOUNT_NODE only, a copy of a host node's
      * type and permission bits (S_IFCHR|0666) and its device number */

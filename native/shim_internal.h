@@ -193,6 +193,11 @@ long sys_mount_setattr(int dfd, const char *path, unsigned int flags, struct mou
 unsigned long st_keep_flags(const struct statfs *st);
 int make_readonly(const char *path);
 int make_readonly_fd(int fd);
+/* shim_mountfd.c: what a bind gets on top of its source's flags (nosuid
+ * for a transient uid's writable binds), and applying it to a new mount by
+ * its fd. */
+unsigned long long bind_attrs(const struct shim_mount *m);
+int restrict_mount_fd(int fd, unsigned long long attrs);
 const char *fd_name(char buf[16], int fd);
 void link_step(char msg[SHIM_STEP_MAX], const char *dst, size_t upto);
 void close_dest(struct dest *d);

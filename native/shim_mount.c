@@ -11,11 +11,6 @@
  */
 #include "shim_internal.h"
 
-/* shim_mountfd.c: what a bind gets on top of its source's flags, and
- * applying it to a new mount by its fd. */
-unsigned long long bind_attrs(const struct shim_mount *m);
-int restrict_mount_fd(int fd, unsigned long long attrs);
-
 /* mkdir -p for a mount point inside a tmpfs this child mounted (a fresh /tmp
  * has no directories yet); never on the host's filesystems. */
 int under(const char *path, const char *dir)

@@ -17,9 +17,6 @@
 #define MOUNT_ATTR_NOSUID 0x00000002
 #endif
 
-unsigned long long bind_attrs(const struct shim_mount *m);
-int restrict_mount_fd(int fd, unsigned long long attrs);
-
 /* Tests: behave as on a kernel without mount_setattr (5.2..5.11). */
 static int no_mount_setattr = 0;
 
