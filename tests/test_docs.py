@@ -238,3 +238,19 @@ def test_the_readmes_table_is_the_newest_benchmark_runs():
     assert len(rows) >= 3, speed
     missing = [row for row in rows if row not in named[0].splitlines()]
     assert not missing, f"README rows not in the run of {stamp} in docs/benchmarks.md: {missing}"
+
+
+@pytest.mark.fast
+def test_every_script_answers_help():
+    """Every command in scripts/ answers --help with its usage (its header
+    comment) and exit 0, doing nothing else."""
+    import subprocess
+
+    top = os.path.join(os.path.dirname(__file__), "..", "scripts")
+    for name in sorted(os.listdir(top)):
+        path = os.path.join(top, name)
+        if not os.path.isfile(path) or not os.access(path, os.X_OK) or name.endswith(".py"):
+            continue
+        p = subprocess.run([path, "--help"], capture_output=True, text=True, timeout=20, stdin=subprocess.DEVNULL)
+        assert p.returncode == 0 and p.stdout.strip(), (name, p.returncode, p.stdout[:200], p.stderr[:200])
+        assert "usage" in p.stdout.lower() or len(p.stdout.splitlines()) >= 2, (name, p.stdout)
