@@ -70,13 +70,13 @@ struct shim_mount {
     const char *fstype;       /* "tmpfs", "mqueue", "cgroup", "cgroup2"; NULL for a remount */
     unsigned long flags;      /* SHIM_MS_*; binds take SHIM_MS_NOSUID too */
     int optional;             /* skip if dst does not exist in the job's view */
-    /* appended (issue 25): SHIM_MOUNT_NODE only, a copy of a host node's
+    /* appended: SHIM_MOUNT_NODE only, a copy of a host node's
      * type and permission bits (S_IFCHR|0666) and its device number */
     unsigned int mode;
     unsigned long long rdev;
 };
 
-/* Resource limits the shim sets (issue 10): resource is a SHIM_RLIMIT_*
+/* Resource limits the shim sets: resource is a SHIM_RLIMIT_*
  * (shim_reset.c maps them to RLIMIT_*), 2**64-1 is unlimited. */
 #define SHIM_RLIMIT_CPU 0
 #define SHIM_RLIMIT_FSIZE 1
@@ -132,7 +132,7 @@ struct shim_spec {
      * (starter/ns.py open_namespaces): what the job's PID 1 is in now is
      * never joined unchecked. */
     int enter_ns_fds[6];
-    /* cli (issue 12): without cwd, chdir to the first of these that works
+    /* cli: without cwd, chdir to the first of these that works
      * as the job's user in the job's view (caller's cwd, home, "/"); none
      * working is the "chdir" failure of the last one. */
     const char *const *cwd_fallbacks;
@@ -143,12 +143,12 @@ struct shim_spec {
     const void *seccomp_filter;
     int seccomp_len;          /* bytes, a multiple of 8 */
     unsigned int seccomp_flags; /* SECCOMP_FILTER_FLAG_* (LOG, SPEC_ALLOW) */
-    /* The privilege boundary (issue 10); appended, other fields may follow. */
+    /* The privilege boundary; appended, other fields may follow. */
     int userns_root;          /* job is 0:0 in a new user namespace mapping 0 to uid/gid */
     int reset_inherited;      /* oom_score_adj, nice, sched, affinity, umask, ... (see shim_reset.c) */
     const struct shim_rlimit *rlimits; /* set while still root; needs reset_inherited */
     int nrlimits;
-    /* --delegate (issue 15): make the cgroup namespace at clone time, rooted
+    /* --delegate: make the cgroup namespace at clone time, rooted
      * at cgroup_fd's cgroup (CLONE_INTO_CGROUP|CLONE_NEWCGROUP), not by
      * unshare after release: the starter moves the child into a leaf below
      * that cgroup before release, and the job sees the cgroup, not the leaf,

@@ -1,4 +1,4 @@
-"""Checkpoint and restore of a whole job with CRIU (issue 26).
+"""Checkpoint and restore of a whole job with CRIU.
 
     starter checkpoint JOB --to DIR [--leave-running]
     starter run --restore DIR [--report F] [--events F] [--id ID]

@@ -31,10 +31,9 @@ class Undo:
     `label` names the step (for STARTER_FAULT=teardown-<label> and for what
     the kept state entry says is still held).
 
-    Not contextlib.ExitStack, on purpose: importing contextlib costs 4.5 ms
-    per start (python -IS, 2-CPU test host, 2026-11-22: it pulls in
-    collections, functools, types; nothing else on the run path needs them),
-    about a quarter of the starter's own share of a `starter run`.  And the
+    Not contextlib.ExitStack, on purpose: importing contextlib pulls in
+    collections, functools and types, which nothing else on the run path
+    needs (a sizeable share of a `starter run`: docs/benchmarks.md).  And the
     job needs what ExitStack lacks: a label per step for fault injection and
     for the kept entry's "held" list, keep_only() for unkillable jobs, and the
     list of every failed step rather than one chained exception.

@@ -325,7 +325,7 @@ def private_dirs(uid, gid, shm_bytes=None, run_through=RUN_PASSTHROUGH):
     return out
 
 
-# The job's /dev (issue 25): a fresh tmpfs with only what every program
+# The job's /dev: a fresh tmpfs with only what every program
 # expects, never the host's whole /dev (fuse, kvm, net/tun, loop, kmsg, every
 # tty).  Its nodes are copies of the host's (type, mode, number), made by the
 # shim while it is still root (the job never has CAP_MKNOD): six binds cost

@@ -109,7 +109,7 @@ def parse_on_signal(field, items):
     return tuple(out)
 
 
-# The resource limits every job starts with (issue 10), whatever the node
+# The resource limits every job starts with, whatever the node
 # daemon that started the starter had: systemd's defaults for a service.
 # Order and names as native/shim.h's SHIM_RLIMIT_*.  --rlimit changes them.
 RLIMIT_NAMES = ("cpu", "fsize", "data", "stack", "core", "rss", "nproc", "nofile", "memlock",

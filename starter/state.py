@@ -66,11 +66,9 @@ Interleavings this survives (S = starter, G = gc or another starter's quick gc):
     scratch.recorded_path): a planted entry makes G delete nothing.
 
 JSON is encoded here by dumps() and decoded with the C scanner of `_json`
-rather than `import json`: measured with python -IS on the 2-CPU test host
-(2026-11-22, 40 interleaved starts each), `import json` adds 9.0 ms to an
-interpreter's start (it pulls in re, enum, functools, collections) and
-`import _json` 0.55 ms (a shared object to load: 5 ms in the emulated test
-VM); a `starter run` is ~20 ms of its own.  A job's own start only writes
+rather than `import json`, which pulls in re, enum, functools and
+collections: several times what `_json` alone costs, on a start that is
+~20 ms of its own (docs/benchmarks.md).  A job's own start only writes
 entries, so `_json` is loaded by the first loads(), not by dumps().
 tests/test_start_path.py keeps both off the run path.  Admin commands that
 already import json may use it.

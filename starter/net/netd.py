@@ -41,9 +41,9 @@ import _struct as struct  # the C module: struct.py is one more module to find p
 
 # The client side is on every NAT job's start path: it speaks through the C
 # socket module and the state module's `_json` codec.  `import socket` pulls
-# in enum, selectors and array, `import json` re and functools: together
-# +9.5 ms per NAT start (python -IS -X importtime, this 2-CPU host,
-# 2026-11-24).  The server (a long-lived process) imports both in serve().
+# in enum, selectors and array, `import json` re and functools: several ms
+# per NAT start (docs/benchmarks.md).  The server (a long-lived process)
+# imports both in serve().
 import _socket
 
 from starter.state import dumps, loads  # noqa: E402
