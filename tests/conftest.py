@@ -94,6 +94,20 @@ def starter(state_root):
     return run
 
 
+def wait_for(pred, what="the condition", timeout=10.0, step=0.02):
+    """Poll, with a deadline (timeout x SLOWDOWN), for what no event
+    announces to us (a state file, a cgroup's processes, a file a job
+    writes): pred()'s first true value, or AssertionError naming `what`."""
+    deadline = time.monotonic() + timeout * SLOWDOWN
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(step)
+
+
 def wait_running(state_dir, job_id, proc=None, timeout=30):
     """The job's entry once its starter recorded it "running" (no event tells
     another process), polled with a deadline; `proc`: its starter, which must

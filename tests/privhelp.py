@@ -2,15 +2,13 @@
 tests/test_inherited.py): the job's user for each case, the one-line error
 check, a job held running while a probe looks at it."""
 
-import json
 import os
 import pwd
 import subprocess
-import time
 
 import pytest
 
-from conftest import STARTER
+from conftest import STARTER, wait_running
 
 USERS = {"default": [], "nobody": ["--user", "nobody"]}
 JOB_ACCOUNT = "starter-job"
@@ -49,7 +47,7 @@ def _running(job_id, opts, script, state_dir, starter, probe=lambda entry: None)
         for line in proc.stdout:  # the job says when it is done: no sleeps
             if line.strip() == "DONE":
                 # The job may print before its starter records "running".
-                entry = _wait_running(state_dir, job_id)
+                entry = wait_running(state_dir, job_id, proc)
                 seen = probe(entry)
                 break
             out.append(line.rstrip("\n"))
@@ -62,19 +60,3 @@ def _running(job_id, opts, script, state_dir, starter, probe=lambda entry: None)
             proc.kill()
             _, err = proc.communicate()
     return out, seen, err
-
-
-def _wait_running(state_dir, job_id):
-    """The job's entry once its starter wrote it "running": a job can print
-    before that, and `starter enter` needs the pid it records."""
-    path = os.path.join(state_dir, job_id + ".json")
-    deadline = time.monotonic() + 30
-    while True:
-        try:
-            with open(path) as f:
-                entry = json.load(f)
-        except FileNotFoundError:
-            entry = {}
-        if entry.get("state") == "running" or time.monotonic() > deadline:
-            return entry
-        time.sleep(0.01)

@@ -27,7 +27,7 @@ from starter import cgroups
 from starter.cgroups import Limits, files
 from starter.errors import CgroupError, SpecError
 
-from conftest import SLOWDOWN
+from conftest import SLOWDOWN, wait_for
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "cgroup")
 PY = sys.executable
@@ -136,17 +136,6 @@ def jobs(backend):
 
 def py(code):
     return [PY, "-c", textwrap.dedent(code)]
-
-
-def wait_for(pred, timeout=10.0, step=0.01):
-    """Poll kernel state (a cgroup's processes, a file a job writes) until
-    pred() or the deadline: for the states no event announces."""
-    end = time.monotonic() + timeout * SLOWDOWN
-    while time.monotonic() < end:
-        if pred():
-            return True
-        time.sleep(step)
-    return pred()
 
 
 def test_create_destroy_idempotent(backend, jobs):

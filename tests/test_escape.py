@@ -15,19 +15,10 @@ import time
 
 import pytest
 
-from conftest import SLOWDOWN
+from conftest import SLOWDOWN, wait_for
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
 MARK = "sleep 7777"
-
-
-def _wait_for(path, timeout=10):
-    """Poll, with a deadline, for a file another program makes in its own
-    time (a host tmux server's socket): no event announces it to us."""
-    deadline = time.monotonic() + timeout * SLOWDOWN
-    while not os.path.exists(path):
-        assert time.monotonic() < deadline, f"{path} did not appear"
-        time.sleep(0.02)
 
 
 def _outside(marker):
@@ -61,7 +52,7 @@ def test_host_tmux_server_is_out_of_reach(starter, tmp_path):
                             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     host.wait(timeout=20)
     try:
-        _wait_for(sock)
+        wait_for(lambda: os.path.exists(sock), f"{sock} to appear")
         # The host's server is alive (were SHELL unset, tmux would take
         # nobody's nologin, the session would end, and this test prove nothing).
         subprocess.run([*NOBODY, "tmux", "-S", sock, "has-session", "-t", "host"], check=True, timeout=10)

@@ -10,19 +10,7 @@ import time
 
 import pytest
 
-from conftest import SLOWDOWN, STARTER, process_alive
-
-
-def _wait_for(pred, timeout=10.0, step=0.05):
-    """Poll until pred() or the deadline: for what no event announces (the
-    starter's state file, a counter the job writes)."""
-    deadline = time.monotonic() + timeout * SLOWDOWN
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
-        time.sleep(step)
-    raise AssertionError("condition not met in time")
+from conftest import SLOWDOWN, STARTER, process_alive, wait_for, wait_running
 
 
 def _state(state_dir, job_id):
@@ -164,7 +152,7 @@ def _start(tmp_path, *args, job_id, cmd):
 def test_vacate_of_job_ignoring_sigterm(tmp_path, state_dir):
     # PID 1 without a handler ignores SIGTERM: the grace period's end kills it.
     proc, report, events = _start(tmp_path, "--grace", "1", job_id="vac1", cmd=["sleep", "300"])
-    _wait_for(lambda: (_state(state_dir, "vac1") or {}).get("state") == "running")
+    wait_running(state_dir, "vac1")
     t0 = time.monotonic()
     proc.send_signal(signal.SIGTERM)
     proc.wait(30)
@@ -182,7 +170,7 @@ def test_signals_during_teardown_do_not_kill_the_starter_before_its_report(tmp_p
     for i in range(3):
         job_id = f"vacflood{i}"
         proc, report, events = _start(tmp_path, "--grace", "0.05", job_id=job_id, cmd=["sleep", "300"])
-        _wait_for(lambda: (_state(state_dir, job_id) or {}).get("state") == "running")
+        wait_running(state_dir, job_id)
         while proc.poll() is None:
             try:
                 proc.send_signal(signal.SIGTERM)
@@ -196,7 +184,7 @@ def test_signals_during_teardown_do_not_kill_the_starter_before_its_report(tmp_p
 
 def test_vacate_command(tmp_path, state_dir, starter):
     proc, report, _ = _start(tmp_path, "--grace", "0.5", job_id="vac2", cmd=["sleep", "300"])
-    _wait_for(lambda: (_state(state_dir, "vac2") or {}).get("state") == "running")
+    wait_running(state_dir, "vac2")
     starter("vacate", "vac2", check=0)
     proc.wait(30)
     assert json.loads(report.read_text())["reason"] == "vacated"
@@ -215,7 +203,7 @@ def test_a_failed_suspend_is_reported_and_the_job_goes_on(tmp_path, state_dir, s
                              "--", "sleep", "300"], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=dict(os.environ, STARTER_FAULT="suspend:fail"))
     try:
-        _wait_for(lambda: (_state(state_dir, "suspfail") or {}).get("state") == "running")
+        wait_running(state_dir, "suspfail")
         p = starter("suspend", "suspfail")
         assert p.returncode == 125 and p.stderr.startswith("starter: suspend of job 'suspfail' failed: "), p
         assert "planted fault" in p.stderr and len(p.stderr.splitlines()) == 1
@@ -247,12 +235,12 @@ def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
             return 0
 
     try:
-        _wait_for(lambda: value() > 5)
+        wait_for(lambda: value() > 5)
         # by signal
         proc.send_signal(signal.SIGUSR1)
         # "suspended" is recorded once the freeze is complete (cgroup.events
         # or freezer.state): from then on nothing of the job runs.
-        _wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
+        wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
         v1 = value()
         # An observation window: no event can say that nothing happened.
         # Thawed, the job writes every 10 ms (~50 times in it).
@@ -261,15 +249,15 @@ def test_suspend_resume_by_signal_and_command(tmp_path, state_dir, starter):
         ps = json.loads(starter("ps", "--json", check=0).stdout)
         assert [j["state"] for j in ps if j["id"] == "susp"] == ["suspended"]
         proc.send_signal(signal.SIGUSR2)
-        _wait_for(lambda: value() > v1 + 3)
+        wait_for(lambda: value() > v1 + 3)
         # by command
         starter("suspend", "susp", check=0)
-        _wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
+        wait_for(lambda: _state(state_dir, "susp")["state"] == "suspended")
         v2 = value()
         time.sleep(0.5)  # the observation window again
         assert value() == v2, "the job made progress while frozen"
         starter("resume", "susp", check=0)
-        _wait_for(lambda: value() > v2 + 3)
+        wait_for(lambda: value() > v2 + 3)
     finally:
         proc.send_signal(signal.SIGQUIT)
         proc.wait(30)
@@ -294,7 +282,7 @@ def test_ps_status_and_enter(tmp_path, state_dir, starter):
     proc, report, _ = _start(tmp_path, "--user", "nobody", job_id="ent1",
                              cmd=["sh", "-c", "sleep 300 & wait"])
     try:
-        _wait_for(lambda: (_state(state_dir, "ent1") or {}).get("state") == "running")
+        wait_running(state_dir, "ent1")
         table = starter("ps", check=0).stdout
         assert table.splitlines()[0].split()[:3] == ["ID", "USER", "STATE"]
         assert any(l.split()[:3] == ["ent1", "nobody", "running"] for l in table.splitlines()[1:]), table
@@ -320,7 +308,7 @@ def test_ps_status_and_enter(tmp_path, state_dir, starter):
 
 def test_kill9_starter_then_gc_leaves_node_clean(tmp_path, state_dir, starter):
     proc, report, _ = _start(tmp_path, job_id="crash1", cmd=["sh", "-c", "sleep 300 & sleep 300 & wait"])
-    st = _wait_for(lambda: (s := _state(state_dir, "crash1")) and s.get("state") == "running" and s)
+    st = wait_running(state_dir, "crash1")
     job_pid = st["pid"]
     assert _cgroup_dirs("crash1")
     pidfd = os.pidfd_open(job_pid)  # polls readable when the job exits
@@ -342,7 +330,7 @@ def test_kill9_starter_then_gc_leaves_node_clean(tmp_path, state_dir, starter):
 def test_duplicate_live_id_refused(tmp_path, state_dir, starter):
     proc, _, _ = _start(tmp_path, job_id="dup1", cmd=["sleep", "300"])
     try:
-        _wait_for(lambda: (_state(state_dir, "dup1") or {}).get("state") == "running")
+        wait_running(state_dir, "dup1")
         p = starter("run", "--id", "dup1", "--", "true")
         assert p.returncode == 125 and "already running" in p.stderr
     finally:

@@ -12,7 +12,7 @@ import time
 
 import pytest
 
-from conftest import SLOWDOWN, STARTER, process_alive
+from conftest import SLOWDOWN, STARTER, process_alive, wait_for, wait_running
 
 PY = "/usr/bin/python3"
 # Touches every page it allocates, 16 MiB at a time, until the OOM killer comes.
@@ -126,18 +126,6 @@ def _write(path, value):
         f.write(value)
 
 
-def _wait_for(cond, what, timeout=20 * SLOWDOWN):
-    """Poll, with a deadline, for what no event announces to us (the
-    starter's state file, a cgroup's process list, freezer.state on v1)."""
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = cond()
-        if v:
-            return v
-        time.sleep(0.05)
-    pytest.fail(f"timed out waiting for {what}")
-
-
 def _load(state_dir, job_id):
     try:
         with open(os.path.join(state_dir, job_id + ".json")) as f:
@@ -171,22 +159,21 @@ def test_unkillable_process_costs_no_cpu_and_is_reported(starter, tmp_path, stat
     victim = track = None
     ok = False
     try:
-        st = _wait_for(lambda: (s := _load(state_dir, job_id)) and s.get("state") == "running" and s,
-                       "the job to run")
+        st = wait_running(state_dir, job_id, timeout=20)
         track = st["cgroup"].get("unified") or st["cgroup"]["memory"]
 
         def sleeper():
             pids = [int(x) for x in open(os.path.join(track, "cgroup.procs")).read().split()]
             return next((p for p in pids if p != st["pid"]), None)
 
-        victim = _wait_for(sleeper, "the job's sleep")
+        victim = wait_for(sleeper, "the job's sleep", timeout=20)
         _write(os.path.join(freezer, "cgroup.procs"), str(victim))
         _write(os.path.join(freezer, "freezer.state"), "FROZEN")
-        _wait_for(lambda: open(os.path.join(freezer, "freezer.state")).read().strip() == "FROZEN",
-                  "the freezer")
+        wait_for(lambda: open(os.path.join(freezer, "freezer.state")).read().strip() == "FROZEN",
+                  "the freezer", timeout=20)
 
         assert starter("kill", job_id).returncode == 0
-        _wait_for(lambda: (_load(state_dir, job_id) or {}).get("state") == "killing", "the kill")
+        wait_for(lambda: (_load(state_dir, job_id) or {}).get("state") == "killing", "the kill", timeout=20)
         # From the kill on, an observation window (shorter than the kill
         # timeout): how much CPU the waiting starter burns in it.
         t0, c0 = time.monotonic(), _cpu_ticks(proc.pid)
@@ -217,11 +204,11 @@ def test_unkillable_process_costs_no_cpu_and_is_reported(starter, tmp_path, stat
         errf.close()
         _write(os.path.join(freezer, "freezer.state"), "THAWED")
         if not ok:  # leave the node clean for the next test anyway
-            _wait_for(lambda: victim is None or not process_alive(victim), "the thawed process to die")
+            wait_for(lambda: victim is None or not process_alive(victim), "the thawed process to die", timeout=20)
             starter("gc")
             os.rmdir(freezer)
     # Thawed, the SIGKILL is delivered; then gc reclaims everything.
-    _wait_for(lambda: not process_alive(victim), "the thawed process to die")
+    wait_for(lambda: not process_alive(victim), "the thawed process to die", timeout=20)
     g = starter("gc")
     assert g.returncode == 0, g.stderr
     assert _load(state_dir, job_id) is None

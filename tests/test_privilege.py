@@ -19,8 +19,8 @@ import subprocess
 
 import pytest
 
-from conftest import REPO, STARTER
-from privhelp import JOB_ACCOUNT, _one_line_error, _running, _wait_running, who  # noqa: F401 (who: a fixture)
+from conftest import REPO, STARTER, wait_running
+from privhelp import JOB_ACCOUNT, _one_line_error, _running, who  # noqa: F401 (who: a fixture)
 
 def _root_tree(tmp_path):
     """A root-owned 0755 directory holding a root-owned 0644 file."""
@@ -75,7 +75,7 @@ def test_root_job_only_on_request(starter, tmp_path):
 
 
 def _enter_when_running(starter, state_dir, job_id, *argv):
-    _wait_running(state_dir, job_id)
+    wait_running(state_dir, job_id)
     return starter("enter", job_id, "--", *argv)
 
 
@@ -227,7 +227,7 @@ def test_enter_refuses_a_mount_namespace_the_job_made(starter, state_dir, who, m
     entered = []
 
     def enter(entry):
-        _wait_running(state_dir, job_id)
+        wait_running(state_dir, job_id)
         for user in ([], ["--user", "root"]):
             entered.append(starter("enter", job_id, *user, "--", "/bin/sh", "-c", "echo entered"))
 
@@ -279,7 +279,7 @@ def test_enter_a_userns_root_job_as_its_host_uid(starter, state_dir, who):
     entered = []
 
     def enter(entry):
-        _wait_running(state_dir, job_id)
+        wait_running(state_dir, job_id)
         entered.append(starter("enter", job_id, "--", "sh", "-c",
                                "id -u; tr -s ' ' < /proc/self/uid_map; /bin/sh -c 'echo real'"))
 
@@ -303,7 +303,7 @@ def test_enter_refuses_an_entry_it_cannot_trust(starter, state_dir):
 
     def enter(entry):
         # (else the starter's "running" write would undo the changes below)
-        entry = _wait_running(state_dir, job_id)
+        entry = wait_running(state_dir, job_id)
 
         def tampered(**change):
             doc = dict(entry, **change)
