@@ -211,32 +211,21 @@ def _reclaim_locked(state_dir, job_id, st, quick=False):
                 done += quota.reclaim_recorded(st, job_id, state_dir)
             except (StarterError, OSError) as e:
                 held.append(f"disk project: {e}")
-    if st.get("scratch") and not st.get("keep_scratch") and not disk_held:
+    # The scratch goes; a kept one of a transient uid loses its set-id bits
+    # before the uid can be leased again (the lease goes only with the entry).
+    keep = st.get("keep_scratch")
+    if st.get("scratch") and (not keep or st.get("transient")) and not disk_held:
+        what = f"kept scratch {st['scratch']}: set-id bits" if keep else f"scratch {st['scratch']}"
         if quick:
-            held.append(f"scratch {st['scratch']}: left for `starter gc`")
+            held.append(f"{what}: left for `starter gc`")
         else:
             from starter import scratch
 
             try:
-                if scratch.remove_recorded(st, job_id):
-                    done.append(f"scratch {st['scratch']} removed")
+                if (scratch.keep_recorded if keep else scratch.remove_recorded)(st, job_id):
+                    done.append(f"{what} {'cleared' if keep else 'removed'}")
             except StarterError as e:
                 held.append(str(e))         # scratch.py's errors name the scratch
-            except OSError as e:
-                held.append(f"scratch: {e}")
-    elif st.get("scratch") and st.get("keep_scratch") and st.get("transient") and not disk_held:
-        # A kept scratch of a transient uid loses its set-id bits before the
-        # uid can be leased again (the lease goes only with the entry).
-        if quick:
-            held.append(f"kept scratch {st['scratch']}: set-id bits left for `starter gc` to clear")
-        else:
-            from starter import scratch
-
-            try:
-                if scratch.keep_recorded(st, job_id):
-                    done.append(f"kept scratch {st['scratch']}: set-id bits cleared")
-            except StarterError as e:
-                held.append(str(e))
             except OSError as e:
                 held.append(f"scratch: {e}")
     if held:

@@ -205,20 +205,28 @@ def recorded_path(st, job_id):
     return path
 
 
+def _recorded_parent(st, job_id):
+    """The scratch an entry records: (its path, its name, an fd of its parent
+    opened without following a link), the fd None when the parent is gone."""
+    path = recorded_path(st, job_id)
+    parent, name = os.path.split(path)
+    try:
+        return path, name, _open_dir(parent, "scratch: parent directory")
+    except FileNotFoundError:
+        return path, name, None
+    except OSError as e:
+        raise StagingError(f"scratch: cannot open {parent}: {e.strerror}") from None
+
+
 def remove_recorded(st, job_id):
     """gc after a crashed starter: remove the scratch its entry records, only
     if it is one the starter made for this job (recorded_path, and the MARK on
     the directory itself, and its recorded (st_dev, st_ino) if it got that
     far).  A directory still mode 0000, root-owned and empty is one whose
     starter died before marking it: rmdir.  -> True if something was removed."""
-    path = recorded_path(st, job_id)
-    parent, name = os.path.split(path)
-    try:
-        pfd = _open_dir(parent, "scratch: parent directory")   # no link followed
-    except FileNotFoundError:
+    path, name, pfd = _recorded_parent(st, job_id)
+    if pfd is None:
         return False
-    except OSError as e:
-        raise StagingError(f"scratch: cannot open {parent}: {e.strerror}") from None
     try:
         pst = os.fstat(pfd)
         if pst.st_uid != 0 or pst.st_mode & 0o002:
@@ -255,14 +263,9 @@ def keep_recorded(st, job_id):
     only if it is one the starter made for this job (as remove_recorded
     checks: recorded_path, the MARK, the recorded identity).  -> True if it
     was walked."""
-    path = recorded_path(st, job_id)
-    parent, name = os.path.split(path)
-    try:
-        pfd = _open_dir(parent, "scratch: parent directory")   # no link followed
-    except FileNotFoundError:
+    path, name, pfd = _recorded_parent(st, job_id)
+    if pfd is None:
         return False
-    except OSError as e:
-        raise StagingError(f"scratch: cannot open {parent}: {e.strerror}") from None
     try:
         try:
             fd = os.open(name, _DIR_FLAGS, dir_fd=pfd)

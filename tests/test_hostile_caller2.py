@@ -25,18 +25,10 @@ import time
 import pytest
 
 from conftest import GID, PYTHON, SLOWDOWN, STARTER, UID, caller_argv
+from test_callers import refused
 
 # A one-uid range of our own (starter/uids.py), away from the other tests' pins.
 LEASE_UID = 1879048192 + 40402
-
-
-def _one_line_error(p, *words):
-    assert p.returncode == 125, (p.returncode, p.stdout, p.stderr)
-    lines = p.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith("starter: "), p.stderr
-    for w in words:
-        assert w in lines[0], (w, lines[0])
-    return lines[0]
 
 
 def _ids(pid):
@@ -85,7 +77,7 @@ def test_a_uid_with_a_live_process_is_not_leased(policy, starter):
     p = _held(["setpriv", f"--reuid={u}", f"--regid={u}", "--clear-groups", "sleep", "300"], (u, u, u))
     try:
         r = starter("run", "--", "id", "-u")
-        _one_line_error(r, f"{u}", "process")
+        refused(r, f"{u}", "process")
         assert p.poll() is None, "the start killed a process it did not lease"
     finally:
         _stop(p)
@@ -212,7 +204,7 @@ def test_rlimit_caps_compare_numbers():
 def test_caller_sigpending_unlimited_is_refused_by_the_policy(policy, home):
     p = subprocess.run(caller_argv("run", "--rlimit", "sigpending=unlimited", "--", "true"),
                        capture_output=True, text=True, timeout=60 * SLOWDOWN, cwd=home)
-    _one_line_error(p, "sigpending", "node's hard limit", str(_threads_half()))
+    refused(p, "sigpending", "node's hard limit", str(_threads_half()))
     p = subprocess.run(caller_argv("run", "--rlimit", "sigpending=100", "--", "grep", "pending", "/proc/self/limits"),
                        capture_output=True, text=True, timeout=60 * SLOWDOWN, cwd=home)
     assert p.returncode == 0 and p.stdout.split()[3:5] == ["100", "100"], (p.stdout, p.stderr)
