@@ -321,7 +321,10 @@ def test_escape_of_a_caller_is_reported_past_its_relay(policy):
         server = _host_tmux(UID, f"{d}/s")
         report = f"{d}/r.json"
         p = subprocess.run(caller_argv("run", "--report", report, "--bind", d, "--",
-                                       "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 4322' && echo asked"),
+                                       "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 4322' && echo asked && "
+                                       # the job ends once the window runs (tmux starts it in its own time)
+                                       f"for i in $(seq 200); do tmux -S {d}/s list-panes -a -F "
+                                       "'#{pane_current_command}' | grep -qx sleep && break; sleep 0.05; done"),
                            capture_output=True, text=True, timeout=60 * SLOWDOWN, cwd="/")
         assert p.returncode == 0 and "asked" in p.stdout, (p.stdout, p.stderr)
         r = json.loads(open(report).read())
