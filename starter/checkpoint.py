@@ -17,7 +17,9 @@ CRIU 3.17, docs/design.md "Checkpoint and restore"):
     crashes cleaning the mount namespace);
   * the job's stdio are fds the starter passed through from its caller:
     files of the host (--external file[MNT:INO]) or pipes; a restore hands
-    over its own stdio in their place (--inherit-fd);
+    over its own stdio in their place (--inherit-fd), which CRIU installs
+    as they are (inherited_stdio): a regular file is not reopened by its
+    path, so the batch output file a requeue reopened restores;
   * --network-lock nftables (there may be no iptables); the lock's table
     is left in the job's network namespace by CRIU 3.17, and removed here;
   * the restored tree is a child of the restoring starter
@@ -445,6 +447,42 @@ class Restored:
         return getattr(self._c, name)
 
 
+def inherited_stdio(stdio):
+    """[(fd, name)]: which of the restoring starter's own fds 0-2 CRIU is
+    given (--inherit-fd) under which name, to put them in place of the
+    job's.  stdio: the record's {fd: CRIU's name of what the job had there}.
+
+    A pipe (pipe:[INO]) CRIU takes as it is.  A file of the host the dump
+    named external (file[MNT:INO]: a regular file, /dev/null) CRIU restores
+    under the external name by opening our fd again through /proc, with the
+    flags and at the offset the job had, refusing it if its size or mode is
+    not what the dump saw: the batch output file that Slurm reopened for a
+    requeued job (truncated, or a new inode) would not restore, or would
+    get a hole up to the old offset.  Before that, CRIU looks every restored
+    regular file up among the inherited fds by its path, which is its
+    recorded name less the first character (the leading "/"): ile[MNT:INO]
+    for an external one; found there, our fd is installed as it is, nothing
+    reopened or checked, and the job's later output goes where ours goes,
+    at our fd's offset.  Both names are given: the external one stays what
+    CRIU reopens should it not find the other.  One fd stands for every
+    file of the job with the same name, so where stdin and stdout or
+    stderr were the same file each opened on its own (/dev/null for both),
+    only the external name is given, and CRIU reopens our fd with each
+    one's flags."""
+    names = []
+    fds_of = {}
+    for fd, key in stdio.items():
+        fds_of.setdefault(key, set()).add(fd)
+    given = set()
+    for fd, key in sorted(stdio.items()):
+        names.append((fd, key))
+        ours = fds_of[key]
+        if key.startswith("file[") and key not in given and not ("0" in ours and len(ours) > 1):
+            names.append((fd, key[1:]))
+            given.add(key)
+    return names
+
+
 def spawn(image, cg, state_dir, job_id, netns=None):
     """`criu restore` of the image into the job cgroup `cg`, in fresh
     namespaces, the tree a child of ours, with our stdio for its outside
@@ -479,10 +517,10 @@ def spawn(image, cg, state_dir, job_id, netns=None):
         argv = [exe, "restore", "-D", f"/proc/self/fd/{image.images_fd}", "-o", log, "--restore-sibling", "-d",
                 "--pidfile", pidfile, "--ext-mount-map", "auto", "--enable-external-sharing",
                 "--enable-external-masters", "--root", root, "--manage-cgroups=ignore", "--leave-stopped"]
-        for fd, key in sorted(rec.get("stdio", {}).items()):
-            mine = os.dup(int(fd))
+        for fd, name in inherited_stdio(rec.get("stdio", {})):
+            mine = os.dup(int(fd))      # one for each name: CRIU closes each after storing it
             fds.append(mine)
-            argv += ["--inherit-fd", f"fd[{mine}]:{key}"]
+            argv += ["--inherit-fd", f"fd[{mine}]:{name}"]
         if netns is not None:
             argv += ["--inherit-fd", f"fd[{netns}]:{NETNS_KEY}", "--tcp-close"]
         null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)     # CRIU says what it has to say in its log
