@@ -11,14 +11,26 @@ unix sockets (munged's, slurmd's spool), which need a short path and get a priva
 /tmp/slurm-t-* removed at stop. Daemons run in the foreground as our children and are
 stopped by pid (SIGTERM, bounded wait, SIGKILL). Clients find the cluster
 through SLURM_CONF in `slurm.env`. Nothing listens beyond 127.0.0.1 (NoInAddrAny,
-NoCtldInAddrAny), nothing goes through systemd, and the distribution's munge key and
-config in /etc are never read.
+NoCtldInAddrAny: the daemons and srun listen on the address of the host's name, which
+must be 127.0.0.1: slurmhost.hostname_not_on_127001), nothing goes through systemd,
+and the distribution's munge key and config in /etc are never read.
 
-proctrack="cgroup" (with task/cgroup ConstrainCores) makes Slurm create
-/sys/fs/cgroup/{freezer,cpuset}/slurm_<node>/uid_0/job_N/step_M (cgroup v1 on this
-hybrid host). The node name is random per cluster, so those trees are ours alone; we
-refuse to start if they (or a bare <ctrl>/slurm) already exist, and remove them,
-deepest first, at stop, after killing by pid anything still inside.
+proctrack="cgroup" makes Slurm track steps in cgroups of its own, through the cgroup
+plugin a site sets for the host's layout (slurmhost.cgroup_plugin):
+  cgroup/v1 (hybrid and v1-only hosts): /sys/fs/cgroup/<ctrl>/slurm_<node>/uid_U/
+    job_N/step_M (freezer; cpuset, memory, devices for the constraints on);
+  cgroup/v2 (pure cgroup v2, IgnoreSystemd=yes: no systemd or dbus is asked):
+    /sys/fs/cgroup/system.slice/<node>_slurmstepd.scope, holding slurmd in `slurmd`
+    and each step as job_N/step_M/{slurm (its slurmstepd), user/task_T (its tasks)}.
+    system.slice (with +cpuset +cpu +io +memory +pids in its subtree_control) is the
+    node's, made by systemd (scripts/vm/vm-init in the test VM), never ours.
+The node name is random per cluster, so those trees are ours alone; we refuse to
+start if they already exist, and remove them, deepest first, at stop, after killing
+by pid anything still inside.
+
+constrain=True is what sites run: task/cgroup with ConstrainRAMSpace, ConstrainCores
+and ConstrainDevices (proctrack/cgroup); constrain=False turns all three off (task/cgroup
+still places the tasks). Unset, proctrack/cgroup gets ConstrainCores alone.
 
 user=(UID, GID) makes an ordinary account the submitter: sbatch, srun and scancel run
 as it (through setpriv, groups cleared), as a user at a site would run them; scontrol
@@ -27,10 +39,12 @@ reach what its clients and its jobs read: the cluster then lives in a fresh
 /tmp/slurm-c-* of mode 0755 (pytest's tmp dirs are root's 0700), removed at stop,
 with the config, the batch scripts and the socket directory readable by all, and the
 jobs' output in `out/`, owned by the user (slurmstepd opens it with the user's rights).
-The munge key stays root's 0400. Slurm's cgroups are then .../uid_<UID>/job_N/step_M.
+The munge key stays root's 0400. Slurm's cgroups are then .../uid_<UID>/job_N/step_M
+on cgroup/v1 (cgroup/v2 has no uid level).
 
-Every wait is bounded: a Slurm that does not come up, or a job that does not end, fails
-with the daemon logs in the message instead of hanging the test run.
+Every wait is bounded (each bound stretched by SLOWDOWN in the test VMs): a Slurm that
+does not come up, or a job that does not end, fails with the daemon logs in the message
+instead of hanging the test run.
 """
 
 import os
@@ -50,11 +64,16 @@ FINAL_STATES = frozenset({
     "OUT_OF_MEMORY", "PREEMPTED", "TIMEOUT",
 })
 
-# Directory names Slurm's cgroup/v1 plugin makes below <ctrl>/slurm_<node>.
-_SLURM_CGROUP = re.compile(r"^(uid_\d+|job_\d+|step_(\d+|batch|extern|interactive)|task_\d+|system)$")
+# Directory names Slurm's cgroup plugins make below their root: cgroup/v1's
+# <ctrl>/slurm_<node>/uid_U/job_N/step_M/task_T (and `system`, slurmd's), cgroup/v2's
+# <node>_slurmstepd.scope/job_N/step_M/{slurm,user/task_T|task_special} (and `system`,
+# `slurmd`).
+_SLURM_CGROUP = re.compile(r"^(uid_\d+|job_\d+|step_(\d+|batch|extern|interactive)|"
+                           r"task_(\d+|special)|system|slurm|slurmd|user)$")
 
-from slurmhost import (CGROUP_ROOT, SlurmError, _cgroup_v1_controllers, _free_ports, _which,  # noqa: E402,F401
-                       missing_binaries, skip_reason)
+from slurmhost import (CGROUP_ROOT, SLOWDOWN, SYSTEM_SLICE, SlurmError, _cgroup_v1_controllers,  # noqa: E402,F401
+                       _free_ports, _which, cgroup_layout, cgroup_plugin, missing_binaries,
+                       skip_reason)
 from slurmparse import parse_exit_code, parse_scontrol_record  # noqa: E402,F401 (re-exported)
 
 
@@ -66,13 +85,18 @@ class SlurmCluster:
     proctrack: "linuxproc", "pgid" or "cgroup".
     kill_wait: seconds between SIGTERM and SIGKILL on scancel/time limit (KillWait).
     user: (uid, gid) of the account that submits (sbatch, srun, scancel); None: root.
+    constrain: True: ConstrainRAMSpace, ConstrainCores and ConstrainDevices (as sites
+    run Slurm); False: none of them; None: ConstrainCores alone with proctrack/cgroup.
+    constrain_cores, constrain_ram, constrain_devices: one constraint, over `constrain`.
     """
 
     def __init__(self, base_dir=None, proctrack="linuxproc", cpus=None, real_memory_mb=1024,
-                 kill_wait=10, start_timeout=30.0, debug="info", constrain_cores=None,
-                 constrain_ram=False, user=None):
+                 kill_wait=10, start_timeout=30.0, debug="info", constrain=None,
+                 constrain_cores=None, constrain_ram=None, constrain_devices=None, user=None):
         if proctrack not in ("linuxproc", "pgid", "cgroup"):
             raise ValueError("proctrack must be linuxproc, pgid or cgroup, not %r" % proctrack)
+        if constrain and proctrack != "cgroup":
+            raise ValueError("constrain needs proctrack='cgroup' (task/cgroup)")
         self.user = tuple(user) if user is not None else None
         self.uid = self.user[0] if self.user else 0
         if base_dir is None:
@@ -89,18 +113,23 @@ class SlurmCluster:
         self.kill_wait = kill_wait
         self.start_timeout = start_timeout
         self.debug = debug
-        # task/cgroup with ConstrainCores puts each step in a cpuset cgroup too; it is
-        # the only task/cgroup constraint on by default: memory/devices would move job
-        # processes out of the memory cgroup the test runner itself lives in.
-        self.constrain_cores = (proctrack == "cgroup") if constrain_cores is None else constrain_cores
-        if self.constrain_cores and proctrack != "cgroup":
-            raise ValueError("constrain_cores needs proctrack='cgroup' (task/cgroup)")
-        # ConstrainRAMSpace: the step in a memory cgroup of Slurm's too (its jobs then
-        # leave the runner's memory cgroup, and Slurm gives the step's directory to the
-        # job's user); off unless a test asks for it.
-        self.constrain_ram = constrain_ram
-        if constrain_ram and proctrack != "cgroup":
-            raise ValueError("constrain_ram needs proctrack='cgroup' (task/cgroup)")
+        self.constrain = constrain
+        # ConstrainCores: each step in a cpuset cgroup of Slurm's. ConstrainRAMSpace: in a
+        # memory cgroup of Slurm's too (--mem is its limit; on cgroup v1 Slurm gives the
+        # step's directory to the job's user). ConstrainDevices: the devices controller
+        # (v1) or a BPF device program (v2) on the step. Unset, proctrack/cgroup has
+        # ConstrainCores alone.
+        self.constrain_cores = ((proctrack == "cgroup") if constrain is None else bool(constrain)) \
+            if constrain_cores is None else constrain_cores
+        self.constrain_ram = bool(constrain) if constrain_ram is None else constrain_ram
+        self.constrain_devices = bool(constrain) if constrain_devices is None else constrain_devices
+        for name in ("constrain_cores", "constrain_ram", "constrain_devices"):
+            if getattr(self, name) and proctrack != "cgroup":
+                raise ValueError("%s needs proctrack='cgroup' (task/cgroup)" % name)
+        # task/cgroup whenever Slurm tracks steps in cgroups (it places the tasks even
+        # with every constraint off, as sites configure it); task/none otherwise.
+        self.task_cgroup = proctrack == "cgroup"
+        self.cgroup_plugin = cgroup_plugin()
         self.conf = None
         self.sockdir = None        # short private dir for unix sockets, made at start
         self.munge_socket = None
@@ -110,7 +139,7 @@ class SlurmCluster:
         self.env = None
         self.startup_s = None
         self._procs = {}          # name -> Popen, started in order, stopped in reverse
-        self._cgroup_dirs = []    # /sys/fs/cgroup/<ctrl>/slurm_<node> we remove at stop
+        self._cgroup_dirs = []    # <ctrl>/slurm_<node> or <node>_slurmstepd.scope: removed at stop
         self.foreign_cgroups = [] # cgroups found in Slurm's tree that Slurm did not make
 
     # ---- lifecycle -------------------------------------------------------------
@@ -179,7 +208,7 @@ class SlurmCluster:
         if p.poll() is None:
             p.send_signal(_signal.SIGTERM)
             try:
-                p.wait(term_timeout)
+                p.wait(term_timeout * SLOWDOWN)
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(5)
@@ -192,7 +221,7 @@ class SlurmCluster:
         own once their step is done. Wait for ours (bounded); then SIGKILL, by pid, any
         that remain together with their descendants and whatever is left in our cgroups
         (all of them processes this cluster started), so nothing of ours survives."""
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout * SLOWDOWN
         while self._our_stepds() and time.monotonic() < deadline:
             time.sleep(0.1)
         for _ in range(20):
@@ -201,6 +230,13 @@ class SlurmCluster:
             if not pids:
                 return
             self._thaw_cgroups()
+            for top in self._cgroup_dirs:
+                # cgroup v2: one write kills the whole tree (our scope alone).
+                try:
+                    with open(os.path.join(top, "cgroup.kill"), "w") as f:
+                        f.write("1")
+                except OSError:
+                    pass
             for pid in pids:
                 try:
                     os.kill(pid, _signal.SIGKILL)
@@ -223,12 +259,13 @@ class SlurmCluster:
     def _thaw_cgroups(self):
         for top in self._cgroup_dirs:
             for root, _dirs, files in os.walk(top):
-                if "freezer.state" in files:
-                    try:
-                        with open(os.path.join(root, "freezer.state"), "w") as f:
-                            f.write("THAWED")
-                    except OSError:
-                        pass
+                for name, value in (("freezer.state", "THAWED"), ("cgroup.freeze", "0")):
+                    if name in files:
+                        try:
+                            with open(os.path.join(root, name), "w") as f:
+                                f.write(value)
+                        except OSError:
+                            pass
 
     def _our_stepds(self):
         """Pids of slurmstepd processes whose environment points at our slurm.conf."""
@@ -272,20 +309,22 @@ class SlurmCluster:
     def _claim_cgroups(self):
         if self.proctrack != "cgroup":
             return
-        ctrls = _cgroup_v1_controllers()
-        if not ctrls:
-            raise SlurmError("proctrack/cgroup needs cgroup v1 controllers under %s "
-                             "(this harness configures CgroupPlugin=cgroup/v1)" % CGROUP_ROOT)
-        # Slurm's v1 root is <ctrl>/slurm_<NodeName> (Debian builds with multiple-slurmd
-        # support) or <ctrl>/slurm; the node name is unique per cluster, so the first is
-        # ours alone. A plain `slurm` already there belongs to someone else.
-        names = ("slurm_" + self.node, "slurm")
-        taken = [os.path.join(c, n) for c in ctrls for n in names
-                 if os.path.isdir(os.path.join(c, n))]
+        # Debian builds Slurm with multiple-slurmd support: its cgroup roots carry the
+        # node name (v1: <ctrl>/slurm_<node>; v2: system.slice/<node>_slurmstepd.scope),
+        # unique per cluster, so they are ours alone.
+        if self.cgroup_plugin == "cgroup/v2":
+            dirs = [os.path.join(SYSTEM_SLICE, self.node + "_slurmstepd.scope")]
+        else:
+            ctrls = _cgroup_v1_controllers()
+            if not ctrls:
+                raise SlurmError("proctrack/cgroup with cgroup/v1 needs cgroup v1 "
+                                 "controllers under %s" % CGROUP_ROOT)
+            dirs = [os.path.join(c, "slurm_" + self.node) for c in ctrls]
+        taken = [d for d in dirs if os.path.isdir(d)]
         if taken:
-            raise SlurmError("%s already exist (another slurmd on this host?); refusing to "
-                             "share them: stop that slurmd or remove them" % ", ".join(taken))
-        self._cgroup_dirs = [os.path.join(c, n) for c in ctrls for n in names]
+            raise SlurmError("%s already exist (another slurmd with this node name?); "
+                             "refusing to share them" % ", ".join(taken))
+        self._cgroup_dirs = dirs
 
     def _start_munged(self):
         key = os.path.join(self.dir, "munge", "munge.key")
@@ -333,8 +372,7 @@ class SlurmCluster:
             "TmpFS=%s/tmp" % d,
             "MailProg=/bin/true",
             "ProctrackType=proctrack/%s" % self.proctrack,
-            "TaskPlugin=%s" % ("task/cgroup" if self.constrain_cores or self.constrain_ram
-                               else "task/none"),
+            "TaskPlugin=%s" % ("task/cgroup" if self.task_cgroup else "task/none"),
             "JobAcctGatherType=jobacct_gather/none",
             "AccountingStorageType=accounting_storage/none",
             "JobCompType=jobcomp/none",
@@ -344,7 +382,10 @@ class SlurmCluster:
             # Start batch jobs at once instead of on the next 3 s scheduling pass.
             "SchedulerParameters=batch_sched_delay=0",
             "SelectType=select/cons_tres",
-            "SelectTypeParameters=CR_Core",
+            # Memory a consumable resource with ConstrainRAMSpace, as sites have it:
+            # only then is --mem the job's allocation, and so its cgroup's limit (a job
+            # without --mem gets the node's RealMemory).
+            "SelectTypeParameters=%s" % ("CR_Core_Memory" if self.constrain_ram else "CR_Core"),
             "ReturnToService=2",
             # Hardware differences (a VM with other core counts) must not drain the node.
             "SlurmdParameters=config_overrides",
@@ -361,18 +402,26 @@ class SlurmCluster:
             f.write("\n".join(lines) + "\n")
         os.chmod(self.conf, 0o644)
         os.chmod(plugstack, 0o644)
+        yes = {True: "yes", False: "no"}
+        cgroup_conf = [
+            # cgroup/v1 on hybrid hosts (v1 controllers at /sys/fs/cgroup/<ctrl>, a
+            # controller-less cgroup2 at /sys/fs/cgroup/unified) and v1-only ones;
+            # cgroup/v2 on a pure cgroup v2 host.
+            "CgroupPlugin=%s" % self.cgroup_plugin,
+            "CgroupMountpoint=%s" % CGROUP_ROOT,
+            "ConstrainCores=%s" % yes[bool(self.constrain_cores)],
+            "ConstrainDevices=%s" % yes[bool(self.constrain_devices)],
+            "ConstrainRAMSpace=%s" % yes[bool(self.constrain_ram)],
+            "ConstrainSwapSpace=no",
+        ]
+        if self.cgroup_plugin == "cgroup/v2":
+            # No systemd (or none of ours): slurmd makes its scope in system.slice
+            # itself instead of asking systemd over dbus for one.
+            cgroup_conf.append("IgnoreSystemd=yes")
+        else:
+            cgroup_conf.append("CgroupAutomount=no")
         with open(os.path.join(d, "cgroup.conf"), "w") as f:
-            f.write("\n".join([
-                # This host is hybrid: v1 controllers at /sys/fs/cgroup/<ctrl>,
-                # a controller-less cgroup2 at /sys/fs/cgroup/unified.
-                "CgroupPlugin=cgroup/v1",
-                "CgroupMountpoint=%s" % CGROUP_ROOT,
-                "CgroupAutomount=no",
-                "ConstrainCores=%s" % ("yes" if self.constrain_cores else "no"),
-                "ConstrainDevices=no",
-                "ConstrainRAMSpace=%s" % ("yes" if self.constrain_ram else "no"),
-                "ConstrainSwapSpace=no",
-            ]) + "\n")
+            f.write("\n".join(cgroup_conf) + "\n")
         self.env = dict(os.environ, SLURM_CONF=self.conf)
         for k in list(self.env):
             # A caller inside a Slurm job must not leak its job's context into ours.
@@ -408,7 +457,7 @@ class SlurmCluster:
             log.close()
 
     def _wait_for(self, cond, what, daemon, timeout=None):
-        deadline = time.monotonic() + (timeout or self.start_timeout)
+        deadline = time.monotonic() + (timeout or self.start_timeout) * SLOWDOWN
         while True:
             p = self._procs.get(daemon)
             if p is not None and p.poll() is not None:
@@ -420,18 +469,37 @@ class SlurmCluster:
                 raise SlurmError("timed out waiting for %s\n%s" % (what, self.logs()))
             time.sleep(0.05)
 
-    def _remove_cgroups(self):
-        """rmdir everything below <ctrl>/slurm_<node>, deepest first.
+    def job_cgroups(self, jobid):
+        """Slurm's cgroups of one job (its job_<jobid> directories) in this cluster's
+        trees: gone once slurmstepd cleaned up after the job."""
+        found = []
+        name = "job_%s" % jobid
+        for top in self._cgroup_dirs:
+            for root, dirs, _files in os.walk(top):
+                found.extend(os.path.join(root, d) for d in dirs if d == name)
+        return found
 
-        Directories Slurm does not make (anything but uid_N, job_N, step_*, task_N,
-        system) were made by what ran in the jobs: they are removed too, and listed in
-        `foreign_cgroups` so the caller can fail a test that leaked them."""
+    def leftover_cgroups(self):
+        """Cgroups in this cluster's Slurm trees that Slurm does not make (see
+        _SLURM_CGROUP): what ran in the jobs made them. Empty once every job is over
+        and the starter removed its own."""
+        found = []
+        for top in self._cgroup_dirs:
+            for root, dirs, _files in os.walk(top):
+                found.extend(os.path.join(root, d) for d in dirs if not _SLURM_CGROUP.match(d))
+        return found
+
+    def _remove_cgroups(self):
+        """rmdir everything below our Slurm roots (<ctrl>/slurm_<node> on v1,
+        system.slice/<node>_slurmstepd.scope on v2), deepest first, and the roots.
+
+        Directories Slurm does not make were made by what ran in the jobs: they are
+        removed too, and listed in `foreign_cgroups` so the caller can fail a test that
+        leaked them."""
+        self.foreign_cgroups.extend(self.leftover_cgroups())
         for top in self._cgroup_dirs:
             if not os.path.isdir(top):
                 continue
-            for root, dirs, _files in os.walk(top):
-                self.foreign_cgroups.extend(
-                    os.path.join(root, d) for d in dirs if not _SLURM_CGROUP.match(d))
             for _ in range(50):  # a just-exited task can keep a cgroup busy briefly
                 busy = []
                 for root, dirs, _files in os.walk(top, topdown=False):
@@ -461,7 +529,7 @@ class SlurmCluster:
     def _run(self, argv, check=True, timeout=60, **kw):
         kw.setdefault("stdout", subprocess.PIPE)
         kw.setdefault("stderr", subprocess.PIPE)
-        r = subprocess.run(argv, env=self.env, timeout=timeout, text=True, **kw)
+        r = subprocess.run(argv, env=self.env, timeout=timeout * SLOWDOWN, text=True, **kw)
         if check and r.returncode != 0:
             raise SlurmError("%s failed (exit %d): %s" % (" ".join(argv), r.returncode,
                                                           (r.stderr or "").strip()))
@@ -523,7 +591,7 @@ class SlurmCluster:
     def wait_state(self, jobid, states, timeout=30.0):
         """Wait until the job's state is one of `states`; returns it."""
         states = {states} if isinstance(states, str) else set(states)
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout * SLOWDOWN
         while True:
             state = self.job_state(jobid)
             if state in states:
@@ -540,7 +608,7 @@ class SlurmCluster:
         exit_code is Slurm's ExitCode status part (ExitCode=7:0 -> 7); the signal part
         is in job_info(jobid)["ExitCode"] / parse_exit_code().
         """
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout * SLOWDOWN
         while True:
             info = self.job_info(jobid)
             state = info.get("JobState")
@@ -552,7 +620,7 @@ class SlurmCluster:
             time.sleep(0.1)
 
     def _wait_queue_empty(self, timeout):
-        deadline = time.monotonic() + timeout
+        deadline = time.monotonic() + timeout * SLOWDOWN
         while time.monotonic() < deadline:
             r = self._run([_which("squeue"), "-h", "-o", "%i"], check=False, timeout=10)
             if r.returncode != 0 or not r.stdout.strip():

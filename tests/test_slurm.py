@@ -2,17 +2,27 @@
 
 The `plain` tests check the harness itself with ordinary commands, so a starter failure
 is never confused with a broken Slurm: root submits, once with proctrack/linuxproc and
-once with proctrack/cgroup (v1 freezer and cpuset, task/cgroup ConstrainCores).
+once with proctrack/cgroup and every constraint on (`constrained` below), where a job
+past its --mem ends OUT_OF_MEMORY.
 
-Each starter scenario runs four times: those two proctrack kinds, each with root
-submitting (`starter run --state-dir ...` as root) and with an ordinary user submitting:
-nobody (65534), whose batch scripts and steps run the set-user-ID `starter` (the relay
-and the root starter of native/launcher.c). nobody works with Slurm as it is (slurmctld
-takes its jobs, slurmstepd runs them as 65534), so no test account is made. The user
-runs sbatch, srun and scancel (through setpriv); scontrol suspend/resume stays root's,
-an operator's command. Its starter gets the state directory from the node policy (the
+Slurm's cgroups follow the host's layout (tests/slurmhost.py): CgroupPlugin=cgroup/v1
+on this hybrid host and in the v1 VM, cgroup/v2 with IgnoreSystemd=yes in the pure v2 VM
+(scripts/vm-test; scripts/test runs this file in both VMs).
+
+Each starter scenario runs six times: three Slurm configurations (`linuxproc`:
+proctrack/linuxproc, task/none; `cgroup`: proctrack/cgroup, task/cgroup, every
+constraint off; `constrained`: proctrack/cgroup, task/cgroup with ConstrainRAMSpace,
+ConstrainCores and ConstrainDevices, as sites run it), each with root submitting
+(`starter run --state-dir ...` as root) and with an ordinary user submitting: nobody
+(65534), whose batch scripts and steps run the set-user-ID `starter` (the relay and the
+root starter of native/launcher.c). nobody works with Slurm as it is (slurmctld takes
+its jobs, slurmstepd runs them as 65534), so no test account is made. The user runs
+sbatch, srun and scancel (through setpriv); scontrol suspend/resume stays root's, an
+operator's command. Its starter gets the state directory from the node policy (the
 `policy` fixture, written before any job starts) and writes its report into a
-directory it owns (`home`).
+directory it owns (`home`). After each job nothing of it may be left: no cgroup in
+Slurm's trees but Slurm's own (and the job's gone once slurmstepd is done), no job
+cgroup of the starter's anywhere, no entry in the state directory.
 
 How starter is meant to be used under Slurm (and what these tests hold it to):
   srun starter run ... -- CMD          the step's exit code is the job's
@@ -52,20 +62,24 @@ PID namespace).
   then stops the relay alone and the job runs on (root's starter: it stops the starter,
   not the job); scancel still vacates through the relay. Use linuxproc or cgroup.
 
-  proctrack/cgroup freezes the step's freezer cgroup: the relay, the root starter and
-  the job stop together (the job stays in the step's freezer and cpuset cgroups; the
-  starter nests its own only in the hierarchies it uses), as with linuxproc's SIGSTOP.
-  Slurm 22.05's cgroup/v1 gives the step's directory (.../uid_U/job_J/step_S) to the
-  job's user (the files inside stay root's). The starter refuses a caller whose cgroup
-  is such a directory in a hierarchy it uses (its user could make a cgroup there and
-  move the job's processes into it, out of the job's limits and kill): exit 125, "the
-  caller's cgroup ... is not root's alone". On this hybrid host the starter uses
-  cgroup2 and the memory, pids, cpu, cpuacct and blkio hierarchies, not freezer or
-  cpuset, so proctrack/cgroup with ConstrainCores serves users, and ConstrainRAMSpace
-  (a memory cgroup of the user's) refuses every user's job
-  (test_user_refused_where_slurm_gives_the_step_cgroup_away). On a cgroup v1-only node
-  the starter uses the freezer hierarchy too, so proctrack/cgroup alone refuses users
-  (from the code; no Slurm runs in the test VMs).
+  proctrack/cgroup freezes the step's freezer cgroup (cgroup.freeze on v2): the relay,
+  the root starter and the job stop together (the job stays in the step's cgroups; the
+  starter nests its own below them), as with linuxproc's SIGSTOP.
+
+  Where Slurm puts a step, and whose it is (Slurm 22.05):
+  - cgroup/v1: <ctrl>/slurm_<node>/uid_U/job_J/step_S (freezer; cpuset, memory and
+    devices with the constraints on). The step's directory is given to the job's user
+    (the files inside stay root's).
+  - cgroup/v2 (IgnoreSystemd=yes): system.slice/<node>_slurmstepd.scope/job_J/step_S,
+    its slurmstepd in `slurm` and its tasks in user/task_special (constraints off) or
+    user/task_0 (on); the batch shell is step_batch's task. Everything is root's 0755
+    but task_0 with the constraints on, which is the user's (its cgroup.procs and
+    cgroup.subtree_control stay root's). The task cgroup holds the step's processes,
+    the relay among them for a user's job, so the no-internal-processes rule stands
+    between it and the starter's controller-enabled cgroups.
+  These tests assert what a user's job must get on every layout, with the constraints
+  on and off: its exit code, report, vacate, suspend, cleanup, and Slurm's --mem
+  enforced (test_oom_past_slurms_mem).
 """
 
 import json
@@ -78,7 +92,7 @@ import time
 
 import pytest
 
-from conftest import GID, UID
+from conftest import GID, SHARED_NODE, SLOWDOWN, UID
 from slurm import SlurmCluster, parse_exit_code, parse_scontrol_record, skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -90,16 +104,20 @@ GRACE = "3"
 KILL_WAIT = 10
 
 
-PROCTRACKS = ["linuxproc", "cgroup"]
+# The Slurm configurations each scenario runs under: (proctrack, constrain).
+CONFIGS = {"linuxproc": ("linuxproc", False), "cgroup": ("cgroup", False),
+           "constrained": ("cgroup", True)}
 
 
-@pytest.fixture(params=PROCTRACKS)
+@pytest.fixture(params=["linuxproc", "constrained"])
 def slurm(request, tmp_path):
-    """The harness checks: root submits."""
-    reason = skip_reason(request.param)
+    """The harness checks: root submits, without cgroups and with all of Slurm's."""
+    proctrack, constrain = CONFIGS[request.param]
+    reason = skip_reason(proctrack)
     if reason:
         pytest.skip(reason)
-    with SlurmCluster(tmp_path / "slurm", proctrack=request.param, kill_wait=KILL_WAIT) as cluster:
+    with SlurmCluster(tmp_path / "slurm", proctrack=proctrack, constrain=constrain,
+                      kill_wait=KILL_WAIT) as cluster:
         yield cluster
 
 
@@ -114,6 +132,29 @@ class Site:
 
     def __init__(self, slurm, who, reports, state_dir):
         self.slurm, self.who, self.reports, self.state_dir = slurm, who, reports, state_dir
+        self.cgroups_before = starter_cgroups()
+        self.state_before = state_entries(state_dir)
+
+    def assert_nothing_left(self, jobid=None):
+        """Nothing of the ended job on the node: its Slurm cgroups gone (slurmstepd
+        removes them once the step's processes are gone, which a cgroup of the
+        starter's left inside would prevent), no cgroup in Slurm's trees but
+        Slurm's, no job cgroup of the starter's anywhere, no state entry."""
+        slurm = self.slurm
+        # Another process's cleanup, with no event we can wait on: polled, with a deadline.
+        deadline = time.monotonic() + 15 * SLOWDOWN
+        while jobid is not None and slurm.job_cgroups(jobid) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        left = {
+            "Slurm's cgroups of the job": slurm.job_cgroups(jobid) if jobid is not None else [],
+            "cgroups in Slurm's trees": slurm.leftover_cgroups(),
+            # node-wide: not while other test runs share the node (conftest.SHARED_NODE)
+            "the starter's job cgroups": [] if SHARED_NODE else
+            sorted(starter_cgroups() - self.cgroups_before),
+            "state entries": sorted(state_entries(self.state_dir) - self.state_before),
+        }
+        left = {k: v for k, v in left.items() if v}
+        assert not left, "left after job %s: %s\n%s" % (jobid, left, slurm.logs(jobid))
 
     def report(self, name="report.json"):
         return os.path.join(self.reports, name)
@@ -124,27 +165,62 @@ class Site:
         return [STARTER, "run", *state, "--report", str(report), *options, "--"]
 
 
-@pytest.fixture(params=[(p, w) for w in ("root", "user") for p in PROCTRACKS],
-                ids=lambda pw: "%s-%s" % pw)
+SITES = [(c, w) for w in ("root", "user") for c in CONFIGS]
+
+
+def site_id(cw):
+    return "%s-%s" % cw
+
+
+def sites(*configs):
+    """Parametrize a test over the sites of these configurations only."""
+    return pytest.mark.parametrize("site", [s for s in SITES if s[0] in configs],
+                                   indirect=True, ids=site_id)
+
+
+@pytest.fixture(params=SITES, ids=site_id)
 def site(request, tmp_path, state_dir):
-    proctrack, who = request.param
+    config, who = request.param
+    proctrack, constrain = CONFIGS[config]
     reason = skip_reason(proctrack)
     if reason:
         pytest.skip(reason)
     if who == "root":
-        with SlurmCluster(tmp_path / "slurm", proctrack=proctrack,
+        with SlurmCluster(tmp_path / "slurm", proctrack=proctrack, constrain=constrain,
                           kill_wait=KILL_WAIT) as cluster:
             yield Site(cluster, who, str(tmp_path), state_dir)
         return
     # Set up before the cluster, so torn down after it: the policy outlives every job.
     request.getfixturevalue("policy")
     home = request.getfixturevalue("home")
-    with SlurmCluster(None, proctrack=proctrack, kill_wait=KILL_WAIT,
+    with SlurmCluster(None, proctrack=proctrack, constrain=constrain, kill_wait=KILL_WAIT,
                       user=(UID, GID)) as cluster:
         yield Site(cluster, who, home, state_dir)
 
 
 # ---------------------------------------------------------------- helpers
+
+
+def starter_cgroups():
+    """Every job cgroup of the starter's (job-<id>) on the node, in any hierarchy."""
+    found = set()
+    for root, dirs, _files in os.walk("/sys/fs/cgroup"):
+        for d in dirs:
+            if d.startswith("job-"):
+                found.add(os.path.join(root, d))
+        dirs[:] = [d for d in dirs if not d.startswith("job-")]
+    return found
+
+
+def state_entries(state_dir):
+    """What a state directory holds (one level, and the uid leases below it)."""
+    found = set()
+    for base in (state_dir, os.path.join(state_dir, "uids")):
+        try:
+            found |= {os.path.join(base, n) for n in os.listdir(base)}
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+    return found
 
 
 def batch_script(argv):
@@ -160,7 +236,9 @@ def _sh(arg):
 
 
 def wait_for(cond, what, timeout, slurm=None, jobid=None, interval=0.1):
-    deadline = time.monotonic() + timeout
+    """cond() polled until true (Slurm's and the job's doings have no event we can
+    wait on), within timeout * SLOWDOWN."""
+    deadline = time.monotonic() + timeout * SLOWDOWN
     while True:
         value = cond()
         if value:
@@ -190,6 +268,8 @@ def counter_lines(slurm, jobid):
 
 
 COUNTER = "i=0; while :; do i=$((i+1)); echo $i; sleep 0.1; done"
+# Touches every page it allocates, 16 MiB at a time, until the OOM killer comes.
+HOG = "b = []\nwhile True:\n    b.append(b'x' * (16 << 20))\n"
 
 
 def token():
@@ -307,6 +387,19 @@ def test_plain_scancel(slurm):
 
 
 @pytest.mark.slurm
+def test_plain_oom_past_mem(tmp_path):
+    """ConstrainRAMSpace: a plain job past --mem=200M is OOM-killed, OUT_OF_MEMORY."""
+    reason = skip_reason("cgroup")
+    if reason:
+        pytest.skip(reason)
+    with SlurmCluster(tmp_path / "slurm", proctrack="cgroup", constrain=True,
+                      kill_wait=KILL_WAIT) as slurm:
+        jobid = slurm.sbatch("#!/bin/sh\nexec /usr/bin/python3 -c %s\n" % shlex.quote(HOG),
+                             args=["--mem=200M"])
+        assert slurm.wait_job(jobid, timeout=60)[0] == "OUT_OF_MEMORY", slurm.logs(jobid)
+
+
+@pytest.mark.slurm
 def test_plain_suspend_resume(slurm):
     jobid = slurm.sbatch("#!/bin/sh\n%s\n" % COUNTER)
     assert_suspends_and_resumes(slurm, jobid)
@@ -325,6 +418,7 @@ def test_srun_exit_code_and_report(site):
     assert rep["exit_code"] == 7
     assert rep["reason"] == "exited"
     assert rep["signal"] is None
+    site.assert_nothing_left()
 
 
 @pytest.mark.slurm
@@ -339,6 +433,7 @@ def test_sbatch_exec_exit_code_and_report(site):
     assert rep["exit_code"] == 7
     assert rep["reason"] == "exited"
     assert rep["job_id"] == "slurm-%s" % jobid
+    site.assert_nothing_left(jobid)
 
 
 @pytest.mark.slurm
@@ -356,6 +451,7 @@ def test_scancel_vacates_with_report(site):
     assert state == "CANCELLED"
     rep = read_report(report, slurm, jobid)
     assert rep["reason"] == "vacated", rep
+    site.assert_nothing_left(jobid)
 
 
 @pytest.mark.slurm
@@ -372,6 +468,7 @@ def test_scancel_batch_usr1_vacates(site):
     state, _ = slurm.wait_job(jobid, timeout=30)
     rep = read_report(report, slurm, jobid)
     assert rep["reason"] == "vacated", (state, rep)
+    site.assert_nothing_left(jobid)
 
 
 @pytest.mark.slurm
@@ -383,6 +480,7 @@ def test_suspend_resume_through_starter(site):
     slurm.scancel(jobid)
     slurm.wait_job(jobid, timeout=KILL_WAIT + 20)
     read_report(report, slurm, jobid)
+    site.assert_nothing_left(jobid)
 
 
 @pytest.mark.slurm
@@ -397,7 +495,7 @@ def test_double_forked_daemon_is_cleaned_up(site):
         wait_for(lambda: pids_with_argv("sleep", tok), "the daemon to run", 30, slurm, jobid)
         state, code = slurm.wait_job(jobid, timeout=60)
         assert (state, code) == ("COMPLETED", 0), slurm.logs(jobid)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 10 * SLOWDOWN
         while pids_with_argv("sleep", tok) and time.monotonic() < deadline:
             time.sleep(0.1)
         left = pids_with_argv("sleep", tok)
@@ -405,6 +503,7 @@ def test_double_forked_daemon_is_cleaned_up(site):
     finally:
         kill_pids(pids_with_argv("sleep", tok))
     read_report(report, slurm, jobid)
+    site.assert_nothing_left(jobid)
 
 
 @pytest.mark.slurm
@@ -421,16 +520,17 @@ def test_steps_finish_promptly(site):
     jobid = slurm.sbatch(batch_script(site.starter_run(report) + ["/bin/true"]))
     assert slurm.wait_job(jobid, timeout=30) == ("COMPLETED", 0), slurm.logs(jobid)
     assert read_report(report, slurm, jobid)["exit_code"] == 0
+    site.assert_nothing_left(jobid)
 
 
 @pytest.mark.slurm
+@sites("cgroup", "constrained")
 def test_job_stays_inside_the_steps_cgroups(site):
     """With proctrack/cgroup, Slurm tracks, freezes and kills the step through its
-    freezer cgroup: starter must nest its cgroups below the step's, never move the job
-    out of them."""
+    cgroups (cgroup/v1: freezer, and cpuset, memory and devices for the constraints on;
+    cgroup/v2: the step's one cgroup): starter must nest its cgroups below the step's,
+    never move the job out of them."""
     slurm, report = site.slurm, site.report()
-    if slurm.proctrack != "cgroup":
-        pytest.skip("only proctrack/cgroup puts the step in cgroups of its own")
     tok = token()
     jobid = slurm.sbatch(batch_script(
         site.starter_run(report, "--grace", GRACE) + ["sleep", tok]))
@@ -439,34 +539,36 @@ def test_job_stays_inside_the_steps_cgroups(site):
                        slurm, jobid)[0]
         with open("/proc/%d/cgroup" % pid) as f:
             paths = dict(re.match(r"\d+:([^:]*):(.*)", l).groups() for l in f.read().splitlines())
-        step = "/slurm_%s/uid_%d/job_%s/step_batch" % (slurm.node, slurm.uid, jobid)
-        for ctrl in ("freezer", "cpuset"):
-            assert (paths[ctrl] + "/").startswith(step + "/"), (ctrl, paths[ctrl], step)
+        if slurm.cgroup_plugin == "cgroup/v2":
+            step = "/system.slice/%s_slurmstepd.scope/job_%s/step_batch" % (slurm.node, jobid)
+            wanted = {"": step}
+        else:
+            step = "/slurm_%s/uid_%d/job_%s/step_batch" % (slurm.node, slurm.uid, jobid)
+            ctrls = ["freezer"] + [c for c, on in (("cpuset", slurm.constrain_cores),
+                                                  ("memory", slurm.constrain_ram),
+                                                  ("devices", slurm.constrain_devices)) if on]
+            wanted = {c: step for c in ctrls}
+        for ctrl, prefix in wanted.items():
+            assert (paths[ctrl] + "/").startswith(prefix + "/"), (ctrl, paths[ctrl], prefix)
     finally:
         slurm.scancel(jobid)
         slurm.wait_job(jobid, timeout=KILL_WAIT + 20)
         kill_pids(pids_with_argv("sleep", tok))
     assert read_report(report, slurm, jobid)["reason"] == "vacated"
+    site.assert_nothing_left(jobid)
 
 
 @pytest.mark.slurm
-def test_user_refused_where_slurm_gives_the_step_cgroup_away(policy, home):
-    """task/cgroup ConstrainRAMSpace puts the step in a memory cgroup whose directory
-    Slurm (cgroup/v1) gives to the job's user: a user's starter refuses to nest the
-    job's cgroups there (one line, exit 125, a report that says starter_error),
-    before the job starts."""
-    reason = skip_reason("cgroup")
-    if reason:
-        pytest.skip(reason)
-    with SlurmCluster(None, proctrack="cgroup", kill_wait=KILL_WAIT, constrain_ram=True,
-                      user=(UID, GID)) as slurm:
-        report = os.path.join(home, "report.json")
-        jobid = slurm.sbatch(batch_script(
-            [STARTER, "run", "--report", report, "--", "sh", "-c", "echo job ran"]))
-        assert slurm.wait_job(jobid, timeout=30) == ("FAILED", 125), slurm.logs(jobid)
-        out = slurm.job_output(jobid)
-        step = "/sys/fs/cgroup/memory/slurm_%s/uid_%d/job_%s/step_batch" % (slurm.node, UID, jobid)
-        assert "the caller's cgroup %s is not root's alone (owner uid %d" % (step, UID) in out, out
-        assert "job ran" not in out
-        rep = read_report(report, slurm, jobid)
-        assert rep["reason"] == "starter_error" and rep["exit_code"] == 125, rep
+@sites("constrained")
+def test_oom_past_slurms_mem(site):
+    """ConstrainRAMSpace makes --mem the step's memory limit: a job that allocates
+    past --mem=200M is killed by the kernel, and both Slurm (OUT_OF_MEMORY) and the
+    report (oom: true) say so."""
+    slurm, report = site.slurm, site.report()
+    jobid = slurm.sbatch(batch_script(
+        site.starter_run(report) + ["/usr/bin/python3", "-c", HOG]), args=["--mem=200M"])
+    state, _code = slurm.wait_job(jobid, timeout=60)
+    rep = read_report(report, slurm, jobid)
+    assert state == "OUT_OF_MEMORY", (state, rep, slurm.logs(jobid))
+    assert rep["oom"] is True and rep["reason"] == "oom", rep
+    site.assert_nothing_left(jobid)
