@@ -107,14 +107,25 @@ def cut_job(starter, state_root):
     is cut to a few bytes, as a write under a caller's file size limit left it."""
     p = subprocess.Popen([STARTER, "run", "--id", "cut", "--", "sleep", "60"],
                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    saved = {}
     try:
         wait_running(state_root, "cut", p)
         for suffix in (".json", ".lock"):
-            _cut(os.path.join(state_root, "cut" + suffix))
+            path = os.path.join(state_root, "cut" + suffix)
+            saved[path] = open(path, "rb").read()
+            _cut(path)
         yield p
     finally:
         if p.poll() is None:
-            p.kill()
+            # A failed test: the entry whole again, so that the kill and gc
+            # find the job's cgroup (a cut entry no longer records it).
+            for path, data in saved.items():
+                if os.path.exists(path):
+                    with open(path, "wb") as f:
+                        f.write(data)
+            starter("kill", "cut")
+            if p.poll() is None:
+                p.kill()
         p.wait(60)
         starter("gc")
 
