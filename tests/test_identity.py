@@ -196,7 +196,7 @@ def _host_tmux(uid, sock):
 # check right after would otherwise find the shell instead.
 _ASK_SLEEP = ("p=$(tmux -S {sock} new-window -d -P -F '#{{pane_id}}' 'exec sleep {n}') && i=0 && "
               "while [ \"$(tmux -S {sock} display -p -t \"$p\" '#{{pane_current_command}}')\" != sleep ] "
-              "&& [ $i -lt 200 ]; do sleep 0.05; i=$((i+1)); done; echo asked")
+              "&& [ $i -lt 400 ]; do sleep 0.05; i=$((i+1)); done; echo asked")
 
 
 def _end_host_tmux(uid, d, server, before):
@@ -321,10 +321,7 @@ def test_escape_of_a_caller_is_reported_past_its_relay(policy):
         server = _host_tmux(UID, f"{d}/s")
         report = f"{d}/r.json"
         p = subprocess.run(caller_argv("run", "--report", report, "--bind", d, "--",
-                                       "sh", "-c", f"tmux -S {d}/s new-window -d 'exec sleep 4322' && echo asked && "
-                                       # the job ends once the window runs (tmux starts it in its own time)
-                                       f"for i in $(seq 200); do tmux -S {d}/s list-panes -a -F "
-                                       "'#{pane_current_command}' | grep -qx sleep && break; sleep 0.05; done"),
+                                       "sh", "-c", _ASK_SLEEP.format(sock=f"{d}/s", n=4322)),
                            capture_output=True, text=True, timeout=60 * SLOWDOWN, cwd="/")
         assert p.returncode == 0 and "asked" in p.stdout, (p.stdout, p.stderr)
         r = json.loads(open(report).read())
