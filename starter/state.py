@@ -222,6 +222,19 @@ def process_start_time(pid):
     return int(data[data.rindex(b")") + 2:].split()[19])
 
 
+_own_start = (None, None)
+
+
+def own_start_time():
+    """process_start_time of this process, read once (a lease and the state
+    entry both record it on a job's start)."""
+    global _own_start
+    pid = os.getpid()
+    if _own_start[0] != pid:
+        _own_start = (pid, process_start_time(pid))
+    return _own_start[1]
+
+
 def starter_alive(entry):
     """Is the starter that wrote this entry still running?  Decided from its
     pid and start time, not by trying the job's lock: a reader (a metrics
@@ -292,7 +305,7 @@ class JobState:
         with the same id while we hold its lock."""
         ensure_dir(self.dir)
         self.data = {"id": self.id, "starter_pid": os.getpid(),
-                     "starter_start": process_start_time(os.getpid()), **fields}
+                     "starter_start": own_start_time(), **fields}
         text = dumps(self.data) + "\n"
         t_dir = None
         try:

@@ -9,7 +9,8 @@ systemd's UIDS-GIDS.md leaves unused, above its container range), in the
 spirit of systemd's DynamicUser and podman's userns=auto.
 
 A lease is a symlink LEASES/<uid> whose target names the job and the
-starter that made it, as "<state dir>/<job id>#<pid>.<start time>": symlink() fails if the name exists, so the kernel
+starter that made it, as "<state dir>/<job id>#<pid>.<start time>":
+symlink() fails if the name exists, so the kernel
 arbitrates between starters, in one system call (a file would take an open,
 a write and a close).  The leases are the node's, not a state directory's:
 uids are node-wide, and two state directories (a site's and a test's, or two
@@ -19,7 +20,8 @@ leased; those files are read directly, not through NSS: the first NSS lookup
 of a process costs ~5 ms here (it loads the modules nsswitch.conf names),
 a quarter of a whole start.  Accounts from a directory service (LDAP, sssd)
 are not seen: keep the range out of theirs (docs/admin-guide.md).  It is made before the job's state entry, which records the uid; a
-lease whose job has no live entry, and whose maker no longer runs, is gc's.  The lease goes only once the job's
+lease whose job has no live entry, and whose maker no longer runs, is
+gc's.  The lease goes only once the job's
 processes are all gone, its escaped ones included (starter/escapes.py) and
 its scratch removed; a crashed starter's lease is reclaimed by gc.
 Reuse is spread over the range: each start tries a random uid first and
@@ -30,7 +32,7 @@ A uid is leased only when nothing of it lives (acquire):
   * no other lease holds it, and no passwd or group entry names it (a local
     account inside the range);
   * no task of it is alive (real uid: the kernel's per-uid count, asked by
-    _clear in two clones, ~30 us): such a uid is skipped,
+    _clear in two clones): such a uid is skipped,
     and the next one tried.  A process that holds it only as its effective
     and saved uid (another user ran a set-user-ID file of it) is not in
     that count: it is killed before the lease (the same helper's
@@ -125,11 +127,11 @@ def lease(where, state_dir, job_id, first, last, usable):
         os.close(dfd)
         raise UidError(f"{where} is not root's alone: nothing leased from it",
                        f"remove it (rm -r {where}); the starter makes it again")
-    from starter.state import process_start_time
+    from starter.state import own_start_time
 
     # "#PID.START": its maker, so that gc tells a starter still between the
     # lease and its state entry from one that died there (maker_alive()).
-    target = f"{os.path.join(os.path.abspath(state_dir), job_id)}#{os.getpid()}.{process_start_time(os.getpid())}"
+    target = f"{os.path.join(os.path.abspath(state_dir), job_id)}#{os.getpid()}.{own_start_time()}"
     try:
         n = last - first + 1
         start = int.from_bytes(os.urandom(4), "little") % n
@@ -169,8 +171,8 @@ def _clear(uid):
 
 
 def _unlink_quiet(n, dfd):
-    """Give lease n back; already gone is fine (a concurrent `starter gc`
-    takes a lease whose job has no live entry yet for a dead starter's)."""
+    """Give lease n back; already gone is fine (a `starter gc` of a lease
+    whose job had no entry, its maker dead, may have taken it)."""
     try:
         os.unlink(str(n), dir_fd=dfd)
     except FileNotFoundError:

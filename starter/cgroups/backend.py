@@ -20,6 +20,27 @@ from .dirs import mkdir, rmdir_quiet
 # versions), tasks (v1: threads) and cgroup.threads (v2: threads).
 MOVERS = ("cgroup.procs", "tasks", "cgroup.threads")
 
+
+def _ownership(d, what):
+    """lstat of cgroup `d` and of each of its MOVERS it has -> (its stat,
+    [(name, stat)], those of them not root's alone).  CgroupError naming
+    `what` if `d` or its cgroup.procs cannot be looked at."""
+    try:
+        st = os.lstat(d)
+    except OSError as e:
+        raise CgroupError(f"cannot check {what} {d}: {e.strerror}") from None
+    movers = []
+    for f in MOVERS:
+        try:
+            movers.append((f, os.lstat(os.path.join(d, f))))
+        except FileNotFoundError:
+            if f == "cgroup.procs":
+                raise CgroupError(f"cannot check {what} {d}: it has no cgroup.procs (removed?)") from None
+        except OSError as e:
+            raise CgroupError(f"cannot check {what} {d}: {e.strerror}") from None
+    return st, movers, [(f, m) for f, m in movers if m.st_uid != 0 or m.st_mode & 0o022]
+
+
 class Backend:
     """The host's cgroup setup, probed once.  Subclasses: V2Backend,
     V1Backend, HybridBackend.
@@ -135,13 +156,7 @@ class Backend:
             d = m.mount_point
             for name in [""] + parts:
                 d = os.path.join(d, name) if name else d
-                try:
-                    st = os.lstat(d)
-                    movers = [(f, os.lstat(os.path.join(d, f))) for f in MOVERS
-                              if f == "cgroup.procs" or os.path.lexists(os.path.join(d, f))]
-                except OSError as e:
-                    raise CgroupError(f"cannot check the caller's cgroup {d}: {e.strerror}") from None
-                bad = [(f, fs) for f, fs in movers if fs.st_uid != 0 or fs.st_mode & 0o022]
+                st, movers, bad = _ownership(d, "the caller's cgroup")
                 # cgroup2 moves a process only for a writer of the common
                 # ancestor's cgroup.procs (v2.py's docstring): a directory
                 # the user owns is safe there while those files are root's.
@@ -181,20 +196,12 @@ class Backend:
         import stat
 
         for p in self.distinct_parents():
-            for name in ("",) + MOVERS:
-                path = os.path.join(p, name) if name else p
-                try:
-                    st = os.lstat(path)
-                except FileNotFoundError:
-                    if name in ("", "cgroup.procs"):
-                        raise CgroupError(f"cgroup parent {p} vanished while the job was made") from None
-                    continue
-                except OSError as e:
-                    raise CgroupError(f"cannot check cgroup parent {path}: {e.strerror}") from None
-                if st.st_uid != 0 or st.st_mode & 0o022 or (not name and not stat.S_ISDIR(st.st_mode)):
-                    raise CgroupError(f"cgroup parent {path} is not root's alone (owner uid {st.st_uid}): "
-                                      "someone made it before the starter could",
-                                      f"remove it (rmdir {p}) once nothing runs in it")
+            st, _movers, bad = _ownership(p, "cgroup parent")
+            if st.st_uid != 0 or st.st_mode & 0o022 or not stat.S_ISDIR(st.st_mode) or bad:
+                path, fst = (os.path.join(p, bad[0][0]), bad[0][1]) if bad else (p, st)
+                raise CgroupError(f"cgroup parent {path} is not root's alone (owner uid {fst.st_uid}): "
+                                  "someone made it before the starter could",
+                                  f"remove it (rmdir {p}) once nothing runs in it")
 
     def check_delegation(self, mountinfo=None):
         """Raise CgroupError unless jobs can get a delegated subtree here."""

@@ -212,16 +212,12 @@ class JobCgroup:
         is not counted: [] while every job process is where it belongs."""
         top = self.dirs()[0]
 
-        def tracked():
-            return {p for d in subdirs_bottom_up(top) for p in files.read_pids(os.path.join(d, "cgroup.procs"))}
-
         def outside():
-            missing = tracked()
+            missing = _pids_below(top)
             for role in roles:
                 d = self.paths.get(role)
                 if d is not None and missing:
-                    missing -= {p for sub in subdirs_bottom_up(d)
-                                for p in files.read_pids(os.path.join(sub, "cgroup.procs"))}
+                    missing -= _pids_below(d)
             return missing
 
         first = outside()
@@ -232,8 +228,7 @@ class JobCgroup:
         hierarchy (sorted, unique)."""
         found = set()
         for d in self.dirs():
-            for sub in subdirs_bottom_up(d):
-                found.update(files.read_pids(os.path.join(sub, "cgroup.procs")))
+            found |= _pids_below(d)
         return sorted(found)
 
     def oom_kills(self):
@@ -374,3 +369,8 @@ class JobCgroup:
         out.update(self._tracking_stats())
         out.update(self._resource_stats())
         return out
+
+
+def _pids_below(top):
+    """Every pid in cgroup `top` and the cgroups below it (a set)."""
+    return {p for d in subdirs_bottom_up(top) for p in files.read_pids(os.path.join(d, "cgroup.procs"))}

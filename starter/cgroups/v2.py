@@ -370,12 +370,7 @@ class V2Backend(Backend):
         # Leaves of starters that have exited are empty: rmdir succeeds only
         # then, unless move_back (no job left, controllers off): what the
         # other starters moved there (a batch script) goes back first.
-        try:
-            with os.scandir(parent) as it:
-                names = [e.name for e in it if e.name.startswith(SUPERVISOR_PREFIX)]
-        except OSError:
-            return
-        for n in names:
+        for n in _leaves(parent):
             leaf = os.path.join(parent, n)
             if move_back:
                 _move_all(leaf, os.path.dirname(parent))
