@@ -19,7 +19,7 @@ import time
 
 import pytest
 
-from conftest import SLOWDOWN, STARTER, caller_argv
+from conftest import SLOWDOWN, STARTER, caller_argv, wait_running
 
 KEY = "/etc/starter/checkpoint.key"
 
@@ -267,12 +267,7 @@ def test_checkpoint_where_criu_fails_is_one_line_and_the_job_runs_on(tmp_path):
     job = subprocess.Popen([STARTER, "run", "--id", "ck-fail", "--grace", "1", "--", "sleep", "300"], stdout=subprocess.DEVNULL,
                            stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20 * SLOWDOWN
-        while time.monotonic() < deadline:
-            st = subprocess.run([STARTER, "status", "ck-fail", "--json"], capture_output=True, text=True)
-            if st.returncode == 0 and json.loads(st.stdout).get("state") == "running":
-                break
-            time.sleep(0.05)
+        wait_running(os.environ["STARTER_STATE_DIR"], "ck-fail", job, timeout=20)
         p = subprocess.run([STARTER, "checkpoint", "ck-fail", "--to", str(tmp_path / "ck")], capture_output=True,
                            text=True, timeout=120)
         _one_line(p, "ck-fail")

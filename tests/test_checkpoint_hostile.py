@@ -24,11 +24,10 @@ real CLI where the refusal comes before CRIU.
 import json
 import os
 import subprocess
-import time
 
 import pytest
 
-from conftest import SLOWDOWN, STARTER, UID, caller_argv
+from conftest import SLOWDOWN, STARTER, UID, caller_argv, wait_running
 from test_checkpoint import _chown_tree, _end, _fake_image, _one_line, caller_dir, key  # noqa: F401
 
 PRECIOUS = b"root's, not the job's\n"
@@ -85,12 +84,7 @@ def test_the_dumps_directory_is_never_made_through_a_link(tmp_path, home):
     job = subprocess.Popen([STARTER, "run", "--id", "ckhostile-1", "--user", str(UID), "--", "sleep", "300"],
                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 20 * SLOWDOWN
-        while time.monotonic() < deadline:
-            st = subprocess.run([STARTER, "status", "ckhostile-1", "--json"], capture_output=True, text=True)
-            if st.returncode == 0 and json.loads(st.stdout).get("state") == "running":
-                break
-            time.sleep(0.05)
+        wait_running(os.environ["STARTER_STATE_DIR"], "ckhostile-1", job, timeout=20)
         _swap_for_link(d, victim)
         p = subprocess.run([STARTER, "checkpoint", "ckhostile-1", "--to", f"{d}/ck"], capture_output=True,
                            text=True, timeout=120)
