@@ -407,6 +407,9 @@ def leak_check(request, state_root):
                     pytrace=False)
 
 
+_LAST_TABLES = {}    # "after": (the last checked test's id, the node's nft tables then)
+
+
 def _leak_check(request):
     if _fast(request.node):
         before = {"child processes": _children(), "state entries": _state_entries()}
@@ -417,8 +420,18 @@ def _leak_check(request):
             pytest.fail(f"fast test left: {leaks}", pytrace=False)
         return
     before = snapshot()
+    # A test table (starter_t*) that appeared since the last test's check was
+    # made by no test: by a process that outlived its test, or a fixture of
+    # wider scope.  Named here, with the test before, not at the session's end.
+    last = _LAST_TABLES.get("after")
+    if last is not None and not SHARED_NODE:
+        between = sorted(t for t in before["nft tables"] - last[1] if t.split()[-1].startswith("starter_t"))
+        _LAST_TABLES.pop("after")
+        if between:
+            pytest.fail(f"test tables appeared between {last[0]} and this test: {between}", pytrace=False)
     yield
     after = snapshot()
+    _LAST_TABLES["after"] = (request.node.nodeid, after["nft tables"])
     leaks = {k: sorted(after[k] - before[k]) for k in after if after[k] - before[k]
              and not (SHARED_NODE and k in NODE_WIDE)}
     # Give our own children a moment: a process we killed may still be
@@ -437,20 +450,34 @@ def _leak_check(request):
         pytest.fail(f"test left on the node: {leaks}", pytrace=False)
 
 
+def _test_tables():
+    """The node's test tables (test_net's starter_t*)."""
+    return {t for t in _lines(["nft", "list", "tables"]) if t.split()[-1].startswith("starter_t")}
+
+
 @pytest.fixture(scope="session", autouse=True)
 def node_clean_at_end(request, state_root):
     """After the whole run: gc, then nothing of ours may remain at all (a
     run of the fast tier alone makes nothing: nothing to check)."""
-    yield
+    # What a killed earlier run left is not this run's: it is named at the
+    # end, apart from what this run left.
     if all(_fast(i) for i in request.session.items):
+        yield
         return
+    before = _test_tables()
+    yield
     if os.path.exists(STARTER):
         subprocess.run([STARTER, "gc", "--state-dir", state_root], capture_output=True, timeout=60)
     if SHARED_NODE:
         return
     left = {c for c in _job_cgroups()}
     # Test tables (test_net's starter_t*) and private Slurm trees (slurm_starter*) too.
-    tables = {t for t in _lines(["nft", "list", "tables"]) if t.split()[-1].startswith("starter_t")}
+    tables = _test_tables() - before
+    if before:
+        sys.stderr.write(f"\nnote: test tables left by an earlier run (not this one's): {sorted(before)}\n")
     if left or tables:
         sys.stderr.write(f"\nLEAK: left after the session: cgroups {sorted(left)}, nft tables {sorted(tables)}\n")
+        for t in sorted(tables):    # its rules name the test's uplink and LAN: whose it was
+            sys.stderr.write(subprocess.run(["nft", "list", "table", *t.split()[1:]], capture_output=True,
+                                            text=True).stdout[:3000])
         raise RuntimeError(f"left after the session: cgroups {sorted(left)}, nft tables {sorted(tables)}")
