@@ -8,6 +8,7 @@ mounts, state entries, our own child processes) with what it held before.
 
 import contextlib
 import os
+import stat as _stat
 import subprocess
 import sys
 import time
@@ -357,6 +358,25 @@ def snapshot():
         "child processes": _children(),
         "state entries": _state_entries(),
     }
+
+
+@pytest.fixture
+def fake_dev_gpus():
+    """/dev/nvidia0 and /dev/nvidia1 as fake nodes (two stand-in GPUs) where
+    the host has no NVIDIA driver; removed after."""
+    if os.path.exists("/proc/driver/nvidia") or any(os.path.lexists(f"/dev/nvidia{i}") for i in (0, 1)):
+        pytest.skip("the host has an NVIDIA driver or /dev/nvidiaN: scripts/gpu-check tests real GPUs")
+    made = []
+    try:
+        for i in (0, 1):
+            path = f"/dev/nvidia{i}"
+            os.mknod(path, _stat.S_IFCHR | 0o666, os.makedev(195, i))
+            made.append(path)
+            os.chmod(path, 0o666)
+        yield made
+    finally:
+        for path in made:
+            os.unlink(path)
 
 
 @pytest.fixture

@@ -88,11 +88,15 @@ class SlurmCluster:
     constrain: True: ConstrainRAMSpace, ConstrainCores and ConstrainDevices (as sites
     run Slurm); False: none of them; None: ConstrainCores alone with proctrack/cgroup.
     constrain_cores, constrain_ram, constrain_devices: one constraint, over `constrain`.
+    gpus: device nodes the node offers as GPU GRES (gres.conf `File=`), one per GPU.
+    cred_expire: AuthInfo's cred_expire (seconds), which is also how long a requeued
+    job waits before it starts again (Slurm's default: 120).
     """
 
     def __init__(self, base_dir=None, proctrack="linuxproc", cpus=None, real_memory_mb=1024,
                  kill_wait=10, start_timeout=30.0, debug="info", constrain=None,
-                 constrain_cores=None, constrain_ram=None, constrain_devices=None, user=None):
+                 constrain_cores=None, constrain_ram=None, constrain_devices=None, user=None, gpus=(),
+                 cred_expire=None):
         if proctrack not in ("linuxproc", "pgid", "cgroup"):
             raise ValueError("proctrack must be linuxproc, pgid or cgroup, not %r" % proctrack)
         if constrain and proctrack != "cgroup":
@@ -109,6 +113,8 @@ class SlurmCluster:
         self._own_dir = False
         self.proctrack = proctrack
         self.cpus = cpus or os.cpu_count() or 1
+        self.gpus = tuple(gpus)
+        self.cred_expire = cred_expire
         self.real_memory_mb = real_memory_mb
         self.kill_wait = kill_wait
         self.start_timeout = start_timeout
@@ -359,7 +365,8 @@ class SlurmCluster:
             "SlurmdUser=root",
             "AuthType=auth/munge",
             "CredType=cred/munge",
-            "AuthInfo=socket=%s" % self.munge_socket,
+            "AuthInfo=socket=%s%s" % (self.munge_socket,
+                                      ",cred_expire=%d" % self.cred_expire if self.cred_expire else ""),
             "StateSaveLocation=%s/state" % d,
             "SlurmdSpoolDir=%s/spool" % self.sockdir,
             "SlurmctldPidFile=%s/run/slurmctld.pid" % d,
@@ -394,10 +401,18 @@ class SlurmCluster:
             "InactiveLimit=0",
             "SlurmdTimeout=300",
             "SlurmctldTimeout=300",
-            "NodeName=%s NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=%d RealMemory=%d "
-            "State=UNKNOWN" % (self.node, self.cpus, self.real_memory_mb),
+            "NodeName=%s NodeHostname=localhost NodeAddr=127.0.0.1 CPUs=%d RealMemory=%d%s "
+            "State=UNKNOWN" % (self.node, self.cpus, self.real_memory_mb,
+                               " Gres=gpu:%d" % len(self.gpus) if self.gpus else ""),
             "PartitionName=debug Nodes=%s Default=YES MaxTime=INFINITE State=UP" % self.node,
         ]
+        if self.gpus:
+            lines.insert(0, "GresTypes=gpu")
+            # slurmd reads gres.conf beside slurm.conf; no AutoDetect: the File=
+            # nodes are the GPUs (stand-ins where the host has none).
+            with open(os.path.join(d, "gres.conf"), "w") as f:
+                f.write("".join("Name=gpu File=%s\n" % g for g in self.gpus))
+            os.chmod(os.path.join(d, "gres.conf"), 0o644)
         with open(self.conf, "w") as f:
             f.write("\n".join(lines) + "\n")
         os.chmod(self.conf, 0o644)

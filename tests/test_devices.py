@@ -278,25 +278,6 @@ def test_caller_devices_by_policy_only(policy, home, fake):
 
 
 @pytest.fixture
-def fake_dev_gpus():
-    """/dev/nvidia0 and /dev/nvidia1 as fake nodes (two stand-in GPUs) where
-    the host has no NVIDIA driver; removed after."""
-    if os.path.exists("/proc/driver/nvidia") or any(os.path.lexists(f"/dev/nvidia{i}") for i in (0, 1)):
-        pytest.skip("the host has an NVIDIA driver or /dev/nvidiaN: scripts/gpu-check tests real GPUs")
-    made = []
-    try:
-        for i in (0, 1):
-            path = f"/dev/nvidia{i}"
-            os.mknod(path, stat.S_IFCHR | 0o666, os.makedev(195, i))
-            made.append(path)
-            os.chmod(path, 0o666)
-        yield made
-    finally:
-        for path in made:
-            os.unlink(path)
-
-
-@pytest.fixture
 def step_with_gpu0():
     """A cgroup whose device rules let only GPU 0 (195:0) of the two through,
     as Slurm's ConstrainDevices does for a step given --gres=gpu:1: the v1

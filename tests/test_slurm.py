@@ -88,12 +88,14 @@ import random
 import re
 import shlex
 import signal
+import subprocess
 import time
 
 import pytest
 
 from conftest import GID, SHARED_NODE, SLOWDOWN, UID
-from slurm import SlurmCluster, parse_exit_code, parse_scontrol_record, skip_reason
+from test_checkpoint import CRIU, key  # noqa: F401 (key: the node's checkpoint key, a fixture)
+from slurm import FINAL_STATES, SlurmCluster, parse_exit_code, parse_scontrol_record, skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTER = os.path.join(REPO, ".venv", "bin", "starter")
@@ -172,9 +174,9 @@ def site_id(cw):
     return "%s-%s" % cw
 
 
-def sites(*configs):
-    """Parametrize a test over the sites of these configurations only."""
-    return pytest.mark.parametrize("site", [s for s in SITES if s[0] in configs],
+def sites(*configs, who=("root", "user")):
+    """Parametrize a test over the sites of these configurations (and submitters) only."""
+    return pytest.mark.parametrize("site", [s for s in SITES if s[0] in configs and s[1] in who],
                                    indirect=True, ids=site_id)
 
 
@@ -185,16 +187,18 @@ def site(request, tmp_path, state_dir):
     reason = skip_reason(proctrack)
     if reason:
         pytest.skip(reason)
+    # stand_in_gpus: two GPU device nodes (conftest.fake_dev_gpus) as the node's GPU GRES.
+    gpus = request.getfixturevalue("fake_dev_gpus") if request.node.get_closest_marker("stand_in_gpus") else ()
     if who == "root":
         with SlurmCluster(tmp_path / "slurm", proctrack=proctrack, constrain=constrain,
-                          kill_wait=KILL_WAIT) as cluster:
+                          kill_wait=KILL_WAIT, gpus=gpus) as cluster:
             yield Site(cluster, who, str(tmp_path), state_dir)
         return
     # Set up before the cluster, so torn down after it: the policy outlives every job.
     request.getfixturevalue("policy")
     home = request.getfixturevalue("home")
     with SlurmCluster(None, proctrack=proctrack, constrain=constrain, kill_wait=KILL_WAIT,
-                      user=(UID, GID)) as cluster:
+                      user=(UID, GID), gpus=gpus) as cluster:
         yield Site(cluster, who, home, state_dir)
 
 
@@ -235,14 +239,23 @@ def _sh(arg):
     return shlex.quote(arg)
 
 
-def wait_for(cond, what, timeout, slurm=None, jobid=None, interval=0.1):
+def wait_for(cond, what, timeout, slurm=None, jobid=None, interval=0.1, running=True):
     """cond() polled until true (Slurm's and the job's doings have no event we can
-    wait on), within timeout * SLOWDOWN."""
+    wait on), within timeout * SLOWDOWN. With a job and `running`, what is awaited
+    needs the job running: a job that ended first fails at once, with its output."""
     deadline = time.monotonic() + timeout * SLOWDOWN
     while True:
         value = cond()
         if value:
             return value
+        if running and jobid is not None:
+            state = slurm.job_state(jobid)
+            if state in FINAL_STATES:
+                value = cond()
+                if value:
+                    return value
+                pytest.fail("job %s ended (%s) before %s\n%s"
+                            % (jobid, state, what, slurm.logs(jobid)))
         if time.monotonic() > deadline:
             pytest.fail("timed out after %ss waiting for %s\n%s"
                         % (timeout, what, slurm.logs(jobid) if slurm else ""))
@@ -256,7 +269,7 @@ def read_report(path, slurm, jobid=None, timeout=15):
                 return json.load(f)
         except (FileNotFoundError, ValueError):
             return None
-    return wait_for(load, "the report %s" % path, timeout, slurm, jobid)
+    return wait_for(load, "the report %s" % path, timeout, slurm, jobid, running=False)
 
 
 def output_lines(slurm, jobid):
@@ -578,3 +591,133 @@ def test_oom_past_slurms_mem(site):
         pytest.xfail("Slurm's cgroup/v1 plugin says FAILED, not OUT_OF_MEMORY, for an OOM kill below its "
                      "task cgroup (cause not yet found); the report says oom")
     assert state == "OUT_OF_MEMORY", (state, rep, slurm.logs(jobid))
+
+
+# The open of each path the job makes: "PATH ok" or "PATH ERRNO" (test_devices).
+OPEN = "import errno, os, sys\nfor p in sys.argv[1:]:\n    try:\n        os.close(os.open(p, os.O_RDWR | os.O_NONBLOCK))\n" \
+       "        print(p, 'ok')\n    except OSError as e:\n        print(p, errno.errorcode[e.errno])\n"
+
+
+@pytest.mark.slurm
+@pytest.mark.stand_in_gpus
+@sites("constrained")
+def test_gres_gpu_and_cores_are_what_slurm_gave(site):
+    """ConstrainDevices and ConstrainCores, --gres=gpu:1 of the node's two GPUs
+    (stand-in nodes where the host has none) and --cpus-per-task=1: with
+    --gpus slurm the job sees the one GPU Slurm allocated, named by nothing but
+    the step's device rules, and may open it (ENXIO: no driver behind a
+    stand-in; the rules would give EPERM); nproc and the thread variables say
+    1.  A caller that names both GPUs is refused: it cannot widen what Slurm
+    gave."""
+    slurm, report = site.slurm, site.report()
+    show = 'ls /dev | grep nvidia; echo "$CUDA_VISIBLE_DEVICES"; nproc; echo "$OMP_NUM_THREADS"; ' \
+           'exec /usr/bin/python3 -c "$0" /dev/nvidia*[0-9]'
+    r = slurm.srun(["--gres=gpu:1", "--cpus-per-task=1"] + site.starter_run(report, "--gpus", "slurm")
+                   + ["sh", "-c", show, OPEN], timeout=60)
+    assert r.returncode == 0, (r.stdout, r.stderr, slurm.logs())
+    lines = r.stdout.splitlines()
+    assert len(lines) == 5 and re.fullmatch(r"nvidia[01]", lines[0]), lines
+    assert lines[1:] == ["0", "1", "1", "/dev/%s ENXIO" % lines[0]], lines
+    r = slurm.srun(["--gres=gpu:1"] + site.starter_run(site.report("wide.json"), "--gpus", "0,1") + ["true"],
+                   timeout=60)
+    # root: the step's rules refuse GPU 1; a user: also the policy (no callers.gpus).
+    refusal = "do not allow it" if site.who == "root" else "callers.gpus"
+    ours = [l for l in r.stderr.splitlines() if not l.startswith("srun: ")]
+    assert r.returncode == 125 and len(ours) == 1 and refusal in ours[0], (r.stdout, r.stderr)
+    site.assert_nothing_left()
+
+
+@pytest.mark.slurm
+@sites("constrained", who=("user",))
+def test_a_move_out_of_the_starters_cgroups_fails_or_is_caught(site):
+    """A process of the job's user outside the job (another step, a login
+    shell) writes the job's pid into every cgroup.procs and tasks file of the
+    job's Slurm cgroups: the kernel refuses each move, or the starter finds the
+    job moved within seconds and kills it, reason "escaped" (on cgroup v1,
+    where Slurm gives the step's memory directory to the user)."""
+    slurm, report = site.slurm, site.report()
+    tok = token()
+    jobid = slurm.sbatch(batch_script(site.starter_run(report, "--grace", GRACE) + ["sleep", tok]))
+    moved = []
+    try:
+        pid = wait_for(lambda: pids_with_argv("sleep", tok), "the job to run", 30, slurm, jobid)[0]
+        targets = [os.path.join(root, f) for top in slurm.job_cgroups(jobid) for root, _d, files in os.walk(top)
+                   for f in files if f in ("cgroup.procs", "tasks")]
+        assert targets, slurm.job_cgroups(jobid)
+        for t in targets:
+            w = subprocess.run(slurm.as_submitter(["sh", "-c", 'echo "$1" > "$2"', "sh", str(pid), t]),
+                               capture_output=True, text=True)
+            if w.returncode == 0:
+                moved.append(t)
+        if moved:
+            state, _code = slurm.wait_job(jobid, timeout=15)
+            assert not pids_with_argv("sleep", tok), "the moved job still runs (%s)" % moved
+            assert read_report(report, slurm, jobid)["reason"] == "escaped", moved
+    finally:
+        if not moved:
+            slurm.scancel(jobid)
+        slurm.wait_job(jobid, timeout=KILL_WAIT + 20)
+        kill_pids(pids_with_argv("sleep", tok))
+    if not moved:
+        assert read_report(report, slurm, jobid)["reason"] == "vacated"
+    site.assert_nothing_left(jobid)
+
+
+def _guide_requeue_script(ck_dir, reports, counter):
+    """The admin guide's checkpoint-and-requeue batch script, as written, with
+    the test's directories for its checkpoint and report directories, nobody
+    for alice, this checkout's starter and a counter for ./simulate."""
+    guide = open(os.path.join(REPO, "docs", "admin-guide.md")).read()
+    section = guide.split("### Checkpoint and requeue", 1)[1]
+    script = section.split("```sh\n", 1)[1].split("```", 1)[0]
+    for old, new in (("/var/lib/starter-checkpoints", ck_dir), ("/var/log/jobs", reports),
+                     ("--user alice", "--user 65534"), ("exec starter ", "exec %s " % STARTER),
+                     ("./simulate --in data", "sh -c %s" % shlex.quote(counter))):
+        assert old in script, (old, script)
+        script = script.replace(old, new)
+    return script
+
+
+REQUEUE_COUNTER = """i=0
+while [ $i -lt 100 ]; do i=$((i+1)); echo "count $i"; sleep 0.2; done
+echo "done $i"; exit 7
+"""
+
+
+@pytest.mark.slurm
+@pytest.mark.skipif(not CRIU or os.path.isdir("/sys/fs/cgroup/unified"),
+                    reason="needs CRIU working and a pure cgroup v2 or v1 layout (the VMs): "
+                           "scripts/vm-test -- python -m pytest tests/test_slurm.py -k requeue")
+def test_requeue_resumes_from_its_checkpoint(key, tmp_path, state_dir):
+    """The admin guide's batch script, as written: USR1 to the batch shell
+    vacates the job into its checkpoint (report: checkpointed); `scontrol
+    requeue` runs the script again, which restores it: the counter goes on
+    from the image, its lines in the batch output file Slurm reopened
+    (--open-mode=append: after the first run's), ending with exit 7 and the
+    restore's report."""
+    ck_dir, reports = tmp_path / "ck", tmp_path / "reports"
+    ck_dir.mkdir(mode=0o700)
+    reports.mkdir()
+    with SlurmCluster(tmp_path / "slurm", proctrack="cgroup", constrain=True, kill_wait=KILL_WAIT,
+                      cred_expire=15) as slurm:
+        site = Site(slurm, "root", str(reports), state_dir)
+        jobid = slurm.sbatch(_guide_requeue_script(str(ck_dir), str(reports), REQUEUE_COUNTER))
+        report = reports / ("%s.json" % jobid)
+        wait_for(lambda: "count 5" in output_lines(slurm, jobid), "the job to count", 60, slurm, jobid)
+        slurm.scancel(jobid, signal="USR1", batch=True)
+        wait_for(lambda: report.exists() and read_report(str(report), slurm)["reason"] == "checkpointed",
+                 "the checkpoint's report", 300, slurm, jobid, running=False)
+        first = output_lines(slurm, jobid)
+        assert "done 100" not in first, first
+        wait_for(lambda: slurm.job_state(jobid) in FINAL_STATES, "the first run to end", 60, slurm, jobid,
+                 running=False)
+        report.unlink()
+        slurm.scontrol("requeue", jobid)
+        state, code = slurm.wait_job(jobid, timeout=300)
+        assert (state, code) == ("FAILED", 7), slurm.logs(jobid)
+        lines = output_lines(slurm, jobid)
+        counts = [int(l.split()[1]) for l in lines if l.startswith("count ")]
+        assert counts == list(range(1, 101)) and lines[-1] == "done 100", lines
+        rep = read_report(str(report), slurm, jobid)
+        assert rep["exit_code"] == 7 and rep["reason"] == "exited", rep
+        site.assert_nothing_left(jobid)
