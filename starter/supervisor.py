@@ -66,6 +66,7 @@ DEFAULT_ACTIONS = {
 }
 UNKILLABLE_AFTER = 10.0
 MOVED_OUT_EVERY = 1.0
+PERIODIC_DUMP_FLOOR = 60.0     # a periodic dump's time limit, at least (seconds)
 # v1 OOM notifications come before the kill is counted: re-check after
 # 10, 20, 40, ... ms, then give up (the OOM was resolved without a kill).
 OOM_RECHECKS = 7
@@ -286,15 +287,19 @@ class Supervisor:
 
     def _periodic_checkpoint(self):
         """--checkpoint-every: a dump of the running job; a failure is said
-        and the job runs on (the last good image stays)."""
-        self.next_checkpoint = time.monotonic() + self.every
+        and the job runs on (the last good image stays).  A dump may take up
+        to the interval, or a minute where the interval is shorter (CRIU
+        needs seconds on a slow node); the next is due an interval after it
+        ended, so dumps never run back to back."""
         try:
-            to = self.checkpoint(True, self.every)
+            to = self.checkpoint(True, max(self.every, PERIODIC_DUMP_FLOOR))
         except (StarterError, OSError) as e:
             err = one_line(e)
             sys.stderr.write(f"starter: periodic {err}\n")
             self.events.emit("checkpoint_failed", error=err)
             return
+        finally:
+            self.next_checkpoint = time.monotonic() + self.every
         self.events.emit("checkpointed", to=to, running=True)
 
     def _control(self, action, step):

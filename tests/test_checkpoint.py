@@ -448,7 +448,9 @@ def test_periodic_checkpoints_outlive_a_crash(key, tmp_path):
         deadline = time.monotonic() + 120
         while not (ck / "starter.sig").exists() and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert (ck / "starter.sig").exists(), "no periodic checkpoint within 120 s"
+        if not (ck / "starter.sig").exists():
+            job.kill()
+            pytest.fail(f"no periodic checkpoint within 120 s: {job.communicate()[1]}")
         job.kill()              # the starter itself; its job dies with it (PR_SET_PDEATHSIG)
         job.wait()
         subprocess.run([STARTER, "gc"], capture_output=True, timeout=120)
