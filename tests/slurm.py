@@ -99,8 +99,8 @@ class SlurmCluster:
                  cred_expire=None):
         if proctrack not in ("linuxproc", "pgid", "cgroup"):
             raise ValueError("proctrack must be linuxproc, pgid or cgroup, not %r" % proctrack)
-        if constrain and proctrack == "pgid":
-            raise ValueError("constrain needs proctrack cgroup or linuxproc (with task/cgroup)")
+        if constrain and proctrack != "cgroup":
+            raise ValueError("constrain needs proctrack='cgroup' (task/cgroup)")
         self.user = tuple(user) if user is not None else None
         self.uid = self.user[0] if self.user else 0
         if base_dir is None:
@@ -125,21 +125,16 @@ class SlurmCluster:
         # step's directory to the job's user). ConstrainDevices: the devices controller
         # (v1) or a BPF device program (v2) on the step. Unset, proctrack/cgroup has
         # ConstrainCores alone.
-        # With proctrack/linuxproc they need task/cgroup alone (what the admin guide
-        # advises on cgroup v1-only nodes, where proctrack/cgroup would hand the user
-        # the step's freezer directory).
         self.constrain_cores = ((proctrack == "cgroup") if constrain is None else bool(constrain)) \
             if constrain_cores is None else constrain_cores
         self.constrain_ram = bool(constrain) if constrain_ram is None else constrain_ram
         self.constrain_devices = bool(constrain) if constrain_devices is None else constrain_devices
         for name in ("constrain_cores", "constrain_ram", "constrain_devices"):
-            if getattr(self, name) and proctrack == "pgid":
-                raise ValueError("%s needs proctrack cgroup or linuxproc (with task/cgroup)" % name)
+            if getattr(self, name) and proctrack != "cgroup":
+                raise ValueError("%s needs proctrack='cgroup' (task/cgroup)" % name)
         # task/cgroup whenever Slurm tracks steps in cgroups (it places the tasks even
-        # with every constraint off, as sites configure it) or constrains them;
-        # task/none otherwise.
-        self.task_cgroup = proctrack == "cgroup" or self.constrain_cores or self.constrain_ram \
-            or self.constrain_devices
+        # with every constraint off, as sites configure it); task/none otherwise.
+        self.task_cgroup = proctrack == "cgroup"
         self.cgroup_plugin = cgroup_plugin()
         self.conf = None
         self.sockdir = None        # short private dir for unix sockets, made at start
@@ -318,7 +313,7 @@ class SlurmCluster:
         self.munge_socket = os.path.join(self.sockdir, "munge.sock")
 
     def _claim_cgroups(self):
-        if not self.task_cgroup:
+        if self.proctrack != "cgroup":
             return
         # Debian builds Slurm with multiple-slurmd support: its cgroup roots carry the
         # node name (v1: <ctrl>/slurm_<node>; v2: system.slice/<node>_slurmstepd.scope),

@@ -428,6 +428,50 @@ def test_caller_v1_memory_cgroup_its_user_owns_is_watched(policy, home):
         _remove_cgroup_dir(d)
 
 
+def test_caller_v1_freezer_cgroup_its_user_owns_is_watched_against_pids(policy, home):
+    """v1 only: a caller whose freezer cgroup directory (the tracking one)
+    its user owns (Slurm's proctrack/cgroup chowns the step's): the job
+    runs, watched against its pids cgroup, which only root may write; a
+    process of the user that moves the job's process out of the job's
+    freezer cgroup is found within seconds and the job killed, every
+    process of it, reason "escaped"."""
+    layout = _layout()
+    if layout.unified is not None or "freezer" not in layout.v1 or "pids" not in layout.v1:
+        pytest.skip("needs cgroup v1 only (the v1 VM): elsewhere tracking is cgroup2's, where the kernel "
+                    "stops such a move")
+    m = layout.v1["freezer"]
+    d = os.path.join(m.mount_point, layout.own["freezer"].lstrip("/"), f"starter-frzdir-{os.getpid()}")
+    os.mkdir(d)
+    evil = os.path.join(d, "mine")
+    report = f"{home}/r.json"
+    try:
+        os.chown(d, UID, GID)
+        argv = ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh",
+                *caller_argv("run", "--id", "frzdir", "--report", report, "--", "sh", "-c", "sleep 60 & exec sleep 61")]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=home)
+        try:
+            st = wait_running(os.environ["STARTER_STATE_DIR"], "frzdir", proc)
+            assert st["cgroup"]["freezer"].startswith(d + "/")
+            job_pids = [int(p) for p in children_of(st["pid"])] + [st["pid"]]
+            subprocess.run(["setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "sh", "-c",
+                            f"mkdir {evil} && echo {st['pid']} > {evil}/tasks"], check=True)
+            assert proc.wait(timeout=15 * SLOWDOWN) == 137, proc.stderr.read()
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(30)
+        assert json.loads(open(report).read())["reason"] == "escaped"
+        # the moved one too, killed through the pids hierarchy (gone once reaped)
+        deadline = time.monotonic() + 5 * SLOWDOWN
+        while any(os.path.exists(f"/proc/{p}") for p in job_pids) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not [p for p in job_pids if os.path.exists(f"/proc/{p}")], job_pids
+        if os.path.isdir(evil):
+            os.rmdir(evil)
+    finally:
+        _remove_cgroup_dir(d)
+
+
 def test_caller_parent_its_user_made_first_is_refused(policy, home):
     """In a cgroup2 directory its user owns, the user makes the starter's
     parent first (its own cgroup.procs): refused, in one line."""

@@ -95,7 +95,6 @@ import pytest
 
 from conftest import GID, SHARED_NODE, SLOWDOWN, UID
 from test_checkpoint import CRIU, key  # noqa: F401 (key: the node's checkpoint key, a fixture)
-from slurmhost import cgroup_layout
 from slurm import FINAL_STATES, SlurmCluster, parse_exit_code, parse_scontrol_record, skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,11 +107,8 @@ KILL_WAIT = 10
 
 
 # The Slurm configurations each scenario runs under: (proctrack, constrain).
-# "constrained" is the admin guide's configuration: proctrack/cgroup, but
-# proctrack/linuxproc (with task/cgroup's constraints) on cgroup v1-only nodes.
-V1_ONLY = cgroup_layout() == "v1"
 CONFIGS = {"linuxproc": ("linuxproc", False), "cgroup": ("cgroup", False),
-           "constrained": ("linuxproc" if V1_ONLY else "cgroup", True)}
+           "constrained": ("cgroup", True)}
 
 
 @pytest.fixture(params=["linuxproc", "constrained"])
@@ -198,9 +194,6 @@ def site(request, tmp_path, state_dir):
                           kill_wait=KILL_WAIT, gpus=gpus) as cluster:
             yield Site(cluster, who, str(tmp_path), state_dir)
         return
-    if V1_ONLY and proctrack == "cgroup":
-        pytest.skip("cgroup v1 only: proctrack/cgroup hands the user the step's freezer directory, which the "
-                    "starter tracks through: refused (admin guide: proctrack/linuxproc there)")
     # Set up before the cluster, so torn down after it: the policy outlives every job.
     request.getfixturevalue("policy")
     home = request.getfixturevalue("home")

@@ -54,6 +54,7 @@ class Backend:
     cpuset = False      # v1 layouts: is the job's cgroup made in the cpuset hierarchy too?
     _verify_parents = False     # check_caller_parents() found a directory its user owns
     watch_roles = ()            # ... v1 hierarchies where its user may move processes (Supervisor)
+    reference_role = None       # ... where none may: what moved_out() compares with (None: the tracking one)
 
     def __init_subclass__(cls, abstract=False, **kw):
         super().__init_subclass__(**kw)
@@ -146,6 +147,7 @@ class Backend:
         under no_new_privs)."""
         import stat
 
+        refused = {}        # v1 role -> why its caller's cgroup is not root's alone
         for role in self.roles():
             m, own = self.mount_for(role), self.layout.own.get(role)
             if own is None:
@@ -166,27 +168,44 @@ class Backend:
                 if not dir_ok and role == "unified" and not bad and stat.S_ISDIR(st.st_mode):
                     self._verify_parents = True
                     continue
-                # A v1 hierarchy other than the tracking one that the user may
-                # move processes in (Slurm's cgroup/v1 with ConstrainRAMSpace
-                # gives it the step's memory directory): no kernel rule stops
-                # a move there, but the job cannot leave the tracking cgroup,
-                # so the supervisor finds a move within a second and ends the
-                # job ("escaped"), and the batch system's own limits above
-                # still hold.
-                if (not dir_ok or bad) and role != "unified" and role != self.roles()[0] \
-                        and stat.S_ISDIR(st.st_mode):
-                    if role not in self.watch_roles:
-                        self.watch_roles = self.watch_roles + (role,)
+                if stat.S_ISDIR(st.st_mode) and dir_ok and not bad:
                     continue
-                if not stat.S_ISDIR(st.st_mode) or not dir_ok or bad:
-                    f, fst = bad[0] if bad else movers[0]
-                    raise CgroupError(
-                        f"the caller's cgroup {d} is not root's alone (owner uid {st.st_uid}, "
-                        f"{f} owner uid {fst.st_uid}, mode {stat.S_IMODE(fst.st_mode):o}): a job of "
-                        "its user could leave its own cgroup",
-                        "something gave this cgroup to the user: systemd's user@.service, or a batch system "
-                        "(Slurm's cgroup/v1 chowns the step's directory with ConstrainRAMSpace; see "
-                        "docs/admin-guide.md); start the job from a cgroup only root may write")
+                if not stat.S_ISDIR(st.st_mode) or role == "unified":
+                    self._refuse_caller_cgroup(d, st, bad, movers)
+                # A v1 hierarchy the user may move processes in (Slurm's
+                # cgroup/v1 chowns the step's directories: memory with
+                # ConstrainRAMSpace, freezer with proctrack/cgroup): no kernel
+                # rule stops a move there.  Watched, if a v1 hierarchy the
+                # user cannot move processes in holds the job too (below).
+                refused.setdefault(role, (d, st, bad, movers))
+        watched = tuple(r for r in self.roles() if r in refused)
+        if not watched:
+            return
+        # The job's processes are listed, and killed, in every hierarchy it
+        # is in: one the user cannot move them out of keeps every one of them
+        # in sight (the tracking one, or on v1-only hosts where the batch
+        # system gave the user the freezer directory, another: pids).  The
+        # supervisor compares the watched ones with it every second and ends
+        # the job on a difference ("escaped"); the batch system's own limits
+        # above still hold meanwhile.
+        reference = next((r for r in self.roles() if r not in refused), None)
+        if reference is None:
+            self._refuse_caller_cgroup(*refused[watched[0]])
+        self.watch_roles = watched
+        self.reference_role = reference if reference != self.roles()[0] else None
+
+    @staticmethod
+    def _refuse_caller_cgroup(d, st, bad, movers):
+        import stat
+
+        f, fst = bad[0] if bad else movers[0] if movers else (d, st)
+        raise CgroupError(
+            f"the caller's cgroup {d} is not root's alone (owner uid {st.st_uid}, "
+            f"{f} owner uid {fst.st_uid}, mode {stat.S_IMODE(fst.st_mode):o}): a job of "
+            "its user could leave its own cgroup",
+            "something gave this cgroup to the user: systemd's user@.service, or a batch system "
+            "(Slurm's cgroup/v1 chowns the step's directory with ConstrainRAMSpace; see "
+            "docs/admin-guide.md); start the job from a cgroup only root may write")
 
     def verify_parents(self):
         """Each parent of the job's cgroups is root's, as are the files that

@@ -197,27 +197,34 @@ class JobCgroup:
             if d != skip:
                 files.write(os.path.join(d, "cgroup.procs"), int(pid))
 
+    def _kept(self):
+        """The job's cgroup in the hierarchy no job process can leave: the
+        tracking one, or where the batch system gave the caller's user the
+        tracking directory (v1-only), the one Backend.reference_role names."""
+        role = self.backend.reference_role
+        return self.paths[role] if role else self.dirs()[0]
+
     def holds(self, pid):
-        """Is `pid` in the job's cgroup or one below it, in the tracking
-        hierarchy (the one a job process cannot leave)?"""
-        top = self.dirs()[0]
+        """Is `pid` in the job's cgroup or one below it, in the hierarchy a
+        job process cannot leave?"""
         return any(pid in files.read_pids(os.path.join(d, "cgroup.procs"))
-                   for d in subdirs_bottom_up(top))
+                   for d in subdirs_bottom_up(self._kept()))
 
     def moved_out(self, roles):
-        """Pids in the job's cgroup of the tracking hierarchy (which no job
-        process can leave) that are in none of the job's cgroups of `roles`
-        (v1 hierarchies where its user may move processes: a directory the
-        batch system gave it), read twice so that a process forking meanwhile
-        is not counted: [] while every job process is where it belongs."""
-        top = self.dirs()[0]
+        """Pids in the job's cgroup of the hierarchy no job process can leave
+        (_kept) that are missing from the job's cgroup of any of `roles` (v1
+        hierarchies where its user may move processes: directories the batch
+        system gave it), read twice so that a process forking meanwhile is
+        not counted: [] while every job process is where it belongs."""
+        top = self._kept()
 
         def outside():
-            missing = _pids_below(top)
+            kept = _pids_below(top)
+            missing = set()
             for role in roles:
                 d = self.paths.get(role)
-                if d is not None and missing:
-                    missing -= _pids_below(d)
+                if d is not None and d != top and kept:
+                    missing |= kept - _pids_below(d)
             return missing
 
         first = outside()
