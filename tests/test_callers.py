@@ -581,16 +581,31 @@ def test_config_check_and_show(policy, tmp_path):
 
 def test_caller_cgroup_must_be_roots(policy, home):
     """A caller in a cgroup it may write (delegated to it) is refused: it
-    could move the job's processes out of the job's cgroup."""
-    d = _own_cgroup_dir("starter-caller")
+    could move the job's processes out of the job's cgroup.  On v1-only
+    hosts, where a v1 directory of the user's is watched against one it
+    cannot move processes in (test_caller_v1_freezer_...), it is refused
+    when every hierarchy the job would be in is the user's."""
+    from starter.cgroups.v1 import V1_ROLES
+
+    layout = _layout()
+    dirs = [_own_cgroup_dir("starter-caller")]
+    if layout.unified is None:
+        for m in {id(m): m for r, m in layout.v1.items() if r != "freezer" and r in V1_ROLES}.values():
+            role = next(r for r in m.controllers if r in V1_ROLES)
+            d = os.path.join(m.mount_point, layout.own[role].lstrip("/"), f"starter-caller-{os.getpid()}")
+            os.mkdir(d)
+            dirs.append(d)
     try:
-        os.chown(d, UID, GID)
-        os.chown(os.path.join(d, "cgroup.procs"), UID, GID)
-        argv = ["sh", "-c", f'echo $$ > {d}/cgroup.procs && exec "$@"', "sh", *caller_argv("run", "--", "true")]
+        for d in dirs:
+            os.chown(d, UID, GID)
+            os.chown(os.path.join(d, "cgroup.procs"), UID, GID)
+        enter = " && ".join(f"echo $$ > {d}/cgroup.procs" for d in dirs)
+        argv = ["sh", "-c", f'{enter} && exec "$@"', "sh", *caller_argv("run", "--", "true")]
         p = subprocess.run(argv, capture_output=True, text=True, cwd=home, timeout=60)
         refused(p, "is not root's alone")
     finally:
-        _remove_cgroup_dir(d)
+        for d in dirs:
+            _remove_cgroup_dir(d)
 
 
 # ---------------------------------------------------------------- pure: parse and apply
