@@ -95,6 +95,7 @@ import pytest
 
 from conftest import GID, SHARED_NODE, SLOWDOWN, UID
 from test_checkpoint import CRIU, key  # noqa: F401 (key: the node's checkpoint key, a fixture)
+from test_devices import OPEN          # the open of each path: "PATH ok" or "PATH ERRNO"
 from slurm import FINAL_STATES, SlurmCluster, parse_exit_code, parse_scontrol_record, skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -591,11 +592,6 @@ def test_oom_past_slurms_mem(site):
         pytest.xfail("Slurm's cgroup/v1 plugin says FAILED, not OUT_OF_MEMORY, for an OOM kill below its "
                      "task cgroup (cause not yet found); the report says oom")
     assert state == "OUT_OF_MEMORY", (state, rep, slurm.logs(jobid))
-
-
-# The open of each path the job makes: "PATH ok" or "PATH ERRNO" (test_devices).
-OPEN = "import errno, os, sys\nfor p in sys.argv[1:]:\n    try:\n        os.close(os.open(p, os.O_RDWR | os.O_NONBLOCK))\n" \
-       "        print(p, 'ok')\n    except OSError as e:\n        print(p, errno.errorcode[e.errno])\n"
 
 
 @pytest.mark.slurm
