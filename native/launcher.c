@@ -31,7 +31,7 @@
  *
  * Built by scripts/setup with launcher-paths.h, which defines STARTER_PYTHON
  * (the venv's interpreter) and STARTER_CODE (what runs: sys.path, then
- * starter.cli.entry()).
+ * starter.cli.main.entry()).
  */
 #define _GNU_SOURCE
 #include <errno.h>
@@ -209,8 +209,8 @@ static void warm_up(void)
  * maps to its actions (TERM vacates, ...).  The caller's environment,
  * rlimits, umask, signal dispositions and mask do not reach the root
  * process; its fds do (stdio, fd:N), and every path the caller names is
- * opened by the starter with the caller's rights (starter/caller.py).  What
- * the caller may ask for is the node policy's business (starter/policy.py).
+ * opened by the starter with the caller's rights (starter/callers/caller.py).  What
+ * the caller may ask for is the node policy's business (starter/callers/policy.py).
  */
 
 /* Signals a relay never forwards: SIGKILL/SIGSTOP cannot be caught, SIGCHLD

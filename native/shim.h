@@ -129,7 +129,7 @@ struct shim_spec {
     /* shim_enter: fds of the namespaces to join, indexed by SHIM_NS_*, -1
      * for none; each one's SHIM_NEW* flag is in nsflags.  The caller opened
      * them and checked that they are the ones the starter made for the job
-     * (starter/ns.py open_namespaces): what the job's PID 1 is in now is
+     * (starter/isolate/ns.py open_namespaces): what the job's PID 1 is in now is
      * never joined unchecked. */
     int enter_ns_fds[6];
     /* cli: without cwd, chdir to the first of these that works

@@ -115,7 +115,7 @@ struct cap_data {
 };
 
 /* --userns-root: the step of the report that asks the starter for the maps
- * (exit code 0: not a failure); starter/ns.py knows it by this name. */
+ * (exit code 0: not a failure); starter/isolate/ns.py knows it by this name. */
 #define SHIM_STEP_USERNS "map user namespace"
 
 #define EXIT_STARTER 125

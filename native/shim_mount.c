@@ -2,7 +2,7 @@
  *
  * Owns the order of the job's view (setup_namespaces): / made a slave, bind
  * sources grabbed, /proc (read-only parts for a uid-0 job), /sys, lo up, the
- * hostname, the private /tmp, then the plan of starter/mounts.py entry by
+ * hostname, the private /tmp, then the plan of starter/isolate/mounts.py entry by
  * entry (do_mount): binds, tmpfs (fsopen, with the options split as mount(2)
  * splits them), the plan's own mounts (/dev/shm, cgroup views, hiding), and
  * the links and device nodes of the job's /dev, made only inside a tmpfs the
@@ -303,7 +303,7 @@ static void do_mount(const struct child_ctx *c, const struct shim_mount *m, int 
 
 /* A fresh sysfs shows the job's own network namespace.  Its /sys/fs/cgroup
  * is an empty directory: the job's own cgroup tree is mounted there by the
- * mount plan, inside the job's cgroup namespace (starter/mounts.py). */
+ * mount plan, inside the job's cgroup namespace (starter/isolate/mounts.py). */
 static void mount_sys(const struct child_ctx *c, int harden)
 {
     unsigned long fl = MS_NOSUID | MS_NODEV | MS_NOEXEC | (harden ? MS_RDONLY : 0);

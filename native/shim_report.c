@@ -3,7 +3,7 @@
  * Owns the async-signal-safe string helpers the child uses instead of libc's
  * (no locale, no malloc, no stdio: it runs after a raw clone), and the error
  * report: a struct shim_report (errno, exit code, step "what arg") written
- * whole on the err pipe (256 bytes < PIPE_BUF), then _exit.  starter/ns.py
+ * whole on the err pipe (256 bytes < PIPE_BUF), then _exit.  starter/isolate/ns.py
  * decodes it; a report with exit code 0 is --userns-root's request for the
  * maps (shim_creds.c), not a failure.
  */

@@ -1,6 +1,6 @@
 /*
  * The calling thread's effective ids and groups, switched for a moment
- * (starter/paths.py, as_user: a caller's rights around the opens of the
+ * (starter/storage/paths.py, as_user: a caller's rights around the opens of the
  * paths it named).
  *
  * Raw system calls, on purpose: the kernel keeps credentials per thread, and

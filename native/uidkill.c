@@ -1,6 +1,6 @@
 /*
  * Is any process of a uid alive, and the kill of every process of a uid
- * (starter/escapes.py), without reading /proc and without naming a pid.
+ * (starter/job/strays.py), without reading /proc and without naming a pid.
  *
  * A helper becomes uid U (real, effective, saved; no groups, so no
  * capabilities) and lowers its RLIMIT_NPROC to 2.  The kernel counts the
@@ -11,7 +11,7 @@
  * kernel answers 0 whenever any other process exists, permission or not.)
  * A zombie counts until it is reaped: a caller that must tell them apart
  * reads /proc after a "yes".  A caller that knows `known` live tasks of U
- * (a caller's relay: starter/caller.py) asks "any beyond those?" with the
+ * (a caller's relay: starter/callers/caller.py) asks "any beyond those?" with the
  * limit at 2 + known; it must see that they were alive through the probe
  * (escapes.find checks the relay is still its parent after it).
  *
@@ -19,7 +19,7 @@
  * the processes whose real or saved uid is U, however many and whatever
  * their pids (a pid reused meanwhile is never hit).
  *
- * Before a transient uid is leased (starter/uids.py) the signal is given
+ * Before a transient uid is leased (starter/callers/uids.py) the signal is given
  * negated: "is a task of real uid U alive?", and if none is, -sig is sent
  * once to what is left: processes that hold U only as their saved (and
  * effective) uid, which the count does not see: another user ran a

@@ -1,3 +1,3 @@
-from starter.cli import entry
+from starter.cli.main import entry
 
 entry()

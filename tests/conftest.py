@@ -24,7 +24,7 @@ def starter_in_python(*python_flags):
     with extra interpreter flags (e.g. -X importtime); arguments follow."""
     import sysconfig
 
-    from starter.cli import launcher_code
+    from starter.cli.main import launcher_code
 
     return [sys.executable, *python_flags, "-IS", "-c", launcher_code(REPO, sysconfig.get_paths()["purelib"])]
 
@@ -113,7 +113,7 @@ def wait_running(state_dir, job_id, proc=None, timeout=30):
     """The job's entry once its starter recorded it "running" (no event tells
     another process), polled with a deadline; `proc`: its starter, which must
     not have ended meanwhile."""
-    from starter import state
+    from starter.state import store as state
 
     deadline = time.monotonic() + timeout * SLOWDOWN
     while (st := state.load(state_dir, job_id)).get("state") != "running":
@@ -185,7 +185,7 @@ def spawn_output(argv, **spec):
     """ns.spawn of argv as nobody (ChildSpec keywords in `spec`); -> (wait
     status, all it wrote on stdout).  In-process: for tests of the shim's
     paths that the CLI cannot switch (the kernel-fallback toggles)."""
-    from starter import ns
+    from starter.isolate import ns
 
     spec.setdefault("uid", UID)
     spec.setdefault("gid", GID)
@@ -300,7 +300,7 @@ def _children():
 
 
 def _image_loops():
-    """Loop devices backed by a --disk image (starter/disk.py keeps them in
+    """Loop devices backed by a --disk image (starter/storage/disk.py keeps them in
     .starter-images/): other loop devices on the node are not ours."""
     found = set()
     try:
@@ -329,10 +329,11 @@ def _state_entries():
     for base in filter(None, (d, "/run/starter")):
         try:
             found |= {os.path.join(base, n) for n in os.listdir(base)}
-            # the transient uids its jobs leased (starter/uids.py: the node's leases)
+            # the transient uids its jobs leased (starter/callers/uids.py: the node's leases)
             found |= {f"uid lease {u}" for u in leases(base)}
-            # and the project ids of their --disk quotas (starter/quota.py)
-            from starter import quota, uids
+            # and the project ids of their --disk quotas (starter/storage/quota.py)
+            from starter.storage import quota
+            from starter.callers import uids
 
             found |= {f"project lease {n}" for n in uids.leases(base, quota.PROJECTS)}
         except (FileNotFoundError, NotADirectoryError, PermissionError):  # the last: the fast tier, as nobody
@@ -342,7 +343,7 @@ def _state_entries():
 
 def leases(state_dir):
     """{uid: job id} of the transient uids leased for state_dir's jobs."""
-    from starter import uids
+    from starter.callers import uids
 
     return {u: job for u, (_, job) in uids.leases(state_dir).items()}
 

@@ -13,7 +13,7 @@ from conftest import STARTER, wait_running
 USERS = {"default": [], "nobody": ["--user", "nobody"]}
 JOB_ACCOUNT = "starter-job"
 # The default job's own (transient) uid, pinned by a one-uid range in the
-# node policy so that a test knows it in advance (starter/uids.py).
+# node policy so that a test knows it in advance (starter/callers/uids.py).
 TRANSIENT_UID = 1879048192 + 4242
 
 

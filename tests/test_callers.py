@@ -2,7 +2,7 @@
 
 Every test runs the real `starter` command as an ordinary user (nobody, with
 setpriv), through the launcher's relay and root half (native/launcher.c,
-starter/caller.py), against a node policy written to /etc/starter/starter.toml
+starter/callers/caller.py), against a node policy written to /etc/starter/starter.toml
 for the test (the one a caller's starter reads: its environment is emptied).
 What a hostile caller asks for is refused with exit 125 and one line, and
 leaves nothing (the leak check) and no file written with root's rights.
@@ -611,7 +611,7 @@ def test_caller_cgroup_must_be_roots(policy, home):
 # ---------------------------------------------------------------- pure: parse and apply
 
 def _policy(text):
-    from starter import policy as P
+    from starter.callers import policy as P
 
     return P.parse(text.encode(), "/etc/starter/starter.toml")
 
@@ -644,8 +644,8 @@ def test_defaults_fill_only_what_is_not_given():
 
 @pytest.mark.fast
 def test_caller_limits_capped_and_refused():
-    from starter.caller import Caller
-    from starter.policy import PolicyError
+    from starter.callers.caller import Caller
+    from starter.callers.policy import PolicyError
 
     pol = _policy('[callers]\nmax_memory = "1G"\nmax_cpus = 2\n')
     me = Caller(UID, GID, ())
@@ -660,9 +660,9 @@ def test_caller_limits_capped_and_refused():
 
 @pytest.mark.fast
 def test_net_rate_defaults_and_caller_maxima_per_zone():
-    from starter.caller import Caller
-    from starter.policy import PolicyError
-    from starter.specopts import parse_net_rate
+    from starter.callers.caller import Caller
+    from starter.callers.policy import PolicyError
+    from starter.spec.options import parse_net_rate
 
     pol = _policy('[defaults]\nnet_rate = "wan=1gbit"\n[callers]\nnet = ["none", "nat"]\nmax_net_rate = "out=100mbit"\n')
     zones = lambda raw: dict(parse_net_rate("net-rate", raw["net-rate"]))   # noqa: E731
@@ -692,7 +692,7 @@ def test_net_rate_defaults_and_caller_maxima_per_zone():
 ])
 @pytest.mark.fast
 def test_caller_mounts(mount, ok):
-    from starter.caller import Caller
+    from starter.callers.caller import Caller
     from starter.errors import StarterError
 
     pol = _policy('[callers]\nro_bind = ["/cvmfs"]\nbind = ["/scratch"]\nmount_destinations = ["/tmp"]\n')

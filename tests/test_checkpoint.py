@@ -1,4 +1,4 @@
-"""Checkpoint and restore of a whole job with CRIU (starter/checkpoint.py, issue 26).
+"""Checkpoint and restore of a whole job with CRIU (starter/checkpoint/criu.py, issue 26).
 
 Where CRIU works (the v2 VM: Debian 12's kernel and CRIU 3.17), through the
 real CLI: a job with a counter in memory, a file in its private /tmp, a SysV
@@ -76,7 +76,7 @@ def _end(*procs):
 def _fake_image(tmp_path, record=None, images=None):
     """A checkpoint directory signed with the node's key, whose images are
     not CRIU's: enough for the checks made before CRIU runs."""
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
 
     d = tmp_path / "ck"
     (d / "images").mkdir(parents=True, mode=0o700)
@@ -120,7 +120,7 @@ def test_raw_memory_pages_are_signed_by_their_size(key, tmp_path):
     """pages-N.img is the job's memory, raw: another content of the same
     size loads (it can only change what the job's memory holds); another
     size does not.  Every other image is signed by its bytes (above)."""
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
 
     d = _fake_image(tmp_path, images={"core-1.img": b"\0" * 64, "pages-1.img": b"\0" * 8192})
     pages = d / "images" / "pages-1.img"
@@ -135,7 +135,7 @@ def test_a_root_restore_of_images_not_roots_alone_reads_a_private_copy(key, tmp_
     """Images whose directory or a file in it someone else may write (a
     checkpoint that came back through its user's hands) could be swapped
     between the digest check and CRIU's read: CRIU reads a copy of root's."""
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
 
     state = str(tmp_path / "state")
     d = _fake_image(tmp_path)
@@ -166,7 +166,7 @@ def test_an_image_file_with_other_links_is_refused(key, tmp_path):
 
 
 def test_images_that_do_not_fit_the_private_copy_are_refused_before_a_byte_is_copied(key, tmp_path):
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
 
     d = _fake_image(tmp_path, images={"core-1.img": b"\0" * 64, "pages-1.img": b"\0" * (256 << 10)})
     os.chown(d / "images", 65534, 65534)        # not root's alone: a copy is made

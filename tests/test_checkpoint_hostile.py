@@ -1,5 +1,5 @@
-"""A checkpoint directory in hostile hands (starter/checkpoint_dir.py,
-starter/checkpoint.py).
+"""A checkpoint directory in hostile hands (starter/checkpoint/directory.py,
+starter/checkpoint/criu.py).
 
 Where a dump goes: a job's user who owns a component of DIR chooses, by a
 symlink, where root would make DIR (or DIR.new) and where CRIU would write
@@ -99,7 +99,7 @@ def test_replacing_dir_never_removes_through_a_link_in_its_path(tmp_path):
     """DIR.new and DIR.old are removed (and DIR renamed) relative to DIR's
     parent, opened without following links: a component swapped for a
     link is refused before anything is removed or made."""
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
     from starter.errors import StarterError
 
     victim = _victim(tmp_path, "ck", "ck.new", "ck.old")
@@ -121,7 +121,7 @@ def test_replacing_dir_removes_links_never_what_they_lead_to(tmp_path):
     """DIR.new a link to a directory of root's, DIR.old a directory with
     links to others in it: the links go, what they lead to stays; the new
     directory is root's, 0700, and becomes DIR."""
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
 
     victim = _victim(tmp_path, "a", "b")
     top = tmp_path / "top"
@@ -163,7 +163,7 @@ def test_replacing_dir_never_removes_through_a_mount(tmp_path, mounts):
     its mount id tells) and a tmpfs inside DIR.old, and a bind mount at
     DIR.new itself: nothing below a mount point is removed; the dump is
     refused in one line naming them, and DIR (the last good image) stays."""
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
     from starter.errors import StarterError
 
     victim = _victim(tmp_path, "a", "b")
@@ -202,7 +202,7 @@ def test_replacing_dir_never_enters_a_directory_of_another_owner(tmp_path):
     """DIR.old that is the user's (it put its own there) with a directory of
     root's moved into it: the user's files go, root's directory is not
     entered, and the dump is refused naming it."""
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
     from starter.errors import StarterError
 
     top = tmp_path / "top"
@@ -257,7 +257,7 @@ def test_the_restores_cleanup_never_removes_through_what_is_still_mounted(tmp_pa
     """The restore's bind at work/root: after its unmount something is still
     mounted there (two stacked binds: umount -l takes one): the work
     directory is left, and said so, never removed through the mount."""
-    from starter import checkpoint
+    from starter.checkpoint import criu as checkpoint
 
     victim = _victim(tmp_path, "a")
     work = _work(tmp_path)
@@ -273,7 +273,7 @@ def test_the_restores_cleanup_never_removes_through_what_is_still_mounted(tmp_pa
 
 
 def test_the_restores_cleanup_removes_its_work_once_unmounted_and_never_crosses_a_mount(tmp_path, mounts):
-    from starter import checkpoint
+    from starter.checkpoint import criu as checkpoint
 
     victim = _victim(tmp_path, "a", "b")
     work = _work(tmp_path)
@@ -308,7 +308,7 @@ def test_a_restore_refuses_what_was_not_signed_before_a_byte_is_copied(key, tmp_
     a file larger or smaller than signed (hashed or raw pages), a file
     that is not in the signature, one that is missing: each refused, in one
     line, before a copy is begun (the state directory is read-only here)."""
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
 
     def fresh(name):
         d = _fake_image(tmp_path / name, images={"core-1.img": b"\0" * 64, "pages-1.img": b"\0" * 8192})
@@ -344,7 +344,7 @@ def test_a_restore_refuses_what_was_not_signed_before_a_byte_is_copied(key, tmp_
 
 
 def _resign(d):
-    from starter import checkpoint_dir
+    from starter.checkpoint import directory as checkpoint_dir
 
     rec = json.loads((d / "starter.json").read_text())
     os.unlink(d / "starter.json")

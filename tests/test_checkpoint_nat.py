@@ -1,4 +1,4 @@
-"""Checkpoint and restore of a NAT job (starter/checkpoint.py, issue 26),
+"""Checkpoint and restore of a NAT job (starter/checkpoint/criu.py, issue 26),
 through the real CLI, against the private test site of tests/nethosts.py.
 
 Where CRIU works (the v2 VM: scripts/test runs this file there alone; the

@@ -1,5 +1,5 @@
 """A checkpointed job whose stdout and stderr are a regular file restores
-when that file is no longer the one it had (starter/checkpoint.py).
+when that file is no longer the one it had (starter/checkpoint/criu.py).
 
 Slurm reopens the batch output file when it requeues a job, by default
 truncating it (the same inode, now shorter than the offset the job had
@@ -113,7 +113,7 @@ def test_the_restore_hands_criu_its_own_stdio_as_they_are():
     Where stdin and stdout or stderr were the same file (each its own
     open), one fd cannot stand for both: only the external name, and CRIU
     reopens the restore's stdin for each."""
-    from starter import checkpoint
+    from starter.checkpoint import criu as checkpoint
 
     slurm = {"0": "file[1a:4]", "1": "file[2b:9f]", "2": "file[2b:9f]"}
     assert checkpoint.inherited_stdio(slurm) == [("0", "file[1a:4]"), ("0", "ile[1a:4]"), ("1", "file[2b:9f]"),

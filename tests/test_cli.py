@@ -18,7 +18,8 @@ import tempfile
 import pytest
 
 from conftest import STARTER
-from starter import cli, values
+from starter.cli import main as cli
+from starter.spec import values
 from starter.errors import SpecError
 
 NOBODY = ["setpriv", "--reuid=nobody", "--regid=nogroup", "--clear-groups"]
@@ -84,7 +85,7 @@ def test_job_id_refused(bad):
 
 @pytest.mark.fast
 def test_the_other_modules_use_the_same_job_id_rule():
-    from starter import scratch
+    from starter.storage import scratch
     from starter.cgroups import check_job_id
     from starter.net import netd
 
@@ -254,9 +255,9 @@ def no_setup_watchdog(monkeypatch):
     deadline.start() blocks the ending signals in the calling thread, and
     every process pytest starts afterwards would inherit that (a netd that
     never sees its SIGTERM; the leak check looks)."""
-    import starter.deadline
+    import starter.job.watchdog
 
-    monkeypatch.setattr(starter.deadline, "start", lambda timeout=None: None)
+    monkeypatch.setattr(starter.job.watchdog, "start", lambda timeout=None: None)
 
 
 def test_internal_error_is_one_line(tmp_path, monkeypatch, capsys):
@@ -278,7 +279,7 @@ def test_internal_error_is_one_line(tmp_path, monkeypatch, capsys):
 
 @pytest.mark.fast
 def test_oserror_in_a_subcommand_is_one_line(monkeypatch, capsys):
-    from starter import admin
+    from starter.admin import jobs as admin
 
     def broken(*a, **kw):
         raise OSError(28, "No space left on device", "/run/starter/x.json")
@@ -331,7 +332,7 @@ def test_help_everywhere(starter, cmd, flag):
 
 @pytest.mark.fast
 def test_relative_paths_resolve_against_the_callers_cwd(tmp_path, monkeypatch):
-    from starter import spec
+    from starter.spec import jobspec as spec
 
     monkeypatch.chdir(tmp_path)
     (tmp_path / "data").mkdir()
@@ -445,9 +446,9 @@ def _text(rng, doc):
 @pytest.fixture
 def dry_run(monkeypatch, capsys, tmp_path):
     """cli.main with job.run stubbed: -> (rc, stdout, stderr)."""
-    import starter.job
+    import starter.job.run
 
-    monkeypatch.setattr(starter.job, "run", lambda spec, *a: 0)
+    monkeypatch.setattr(starter.job.run, "run", lambda spec, *a: 0)
     monkeypatch.chdir(tmp_path)
 
     def call(argv):

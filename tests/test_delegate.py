@@ -134,7 +134,7 @@ def test_payload_walk_escapes_names_and_follows_no_link(tmp_path):
 
 @pytest.mark.fast
 def test_classad_report_lists_payload_figures():
-    from starter import classad
+    from starter.observe import classad
 
     ad = dict(classad.attributes({
         "exit_code": 0, "signal": None, "delegated": True, "payloads_truncated": 0, "payloads_oom": ["p256"],

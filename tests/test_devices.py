@@ -45,7 +45,7 @@ def _through():
     """What an open of char 195:0 that the cgroup lets through gives: ENXIO
     with no driver, "ok" where the NVIDIA driver serves minor 0."""
     if os.path.isdir("/proc/driver/nvidia/gpus"):
-        from starter import devices
+        from starter.isolate import devices
 
         if any(minor == 0 for _, _, minor in devices.nvidia_gpus()):
             return "ok"
@@ -226,7 +226,7 @@ def test_gpus_by_index(starter, fake_dev_gpu, tmp_path):
 def test_gpu_lookup_by_uuid(tmp_path):
     """Index (PCI bus order, nvidia-smi's) and UUID -> the device minor, from
     the driver's /proc files; the environment names the job's GPUs."""
-    from starter import devices as D
+    from starter.isolate import devices as D
 
     proc = tmp_path / "gpus"
     for bus, minor, uuid in (("0000:3b:00.0", 1, "GPU-bbbb"), ("0000:1a:00.0", 3, "GPU-aaaa")):
@@ -246,7 +246,7 @@ def test_gpu_lookup_by_uuid(tmp_path):
 
 
 def test_rules_and_access_parsing():
-    from starter import devices as D, mounts as M
+    from starter.isolate import devices as D, mounts as M
 
     assert D.split_access("d", "/dev/x") == ("/dev/x", "rw")
     assert D.split_access("d", "/dev/x:mr") == ("/dev/x", "rm")
@@ -283,7 +283,7 @@ def step_with_gpu0():
     as Slurm's ConstrainDevices does for a step given --gres=gpu:1: the v1
     devices controller where the host has one, else a cgroup2 device program
     (attached as the starter attaches its own).  -> its cgroup.procs."""
-    from starter import mounts
+    from starter.isolate import mounts
     from starter.cgroups import files
 
     layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())

@@ -1,4 +1,4 @@
-"""--disk SIZE / --disk-inodes N (starter/disk.py): the job's scratch is a
+"""--disk SIZE / --disk-inodes N (starter/storage/disk.py): the job's scratch is a
 file system of its own size (a per-job ext4 image on a loop device, mounted
 on the scratch), so the kernel stops its writes there; the report says when
 it was full; nothing is left: not after the job, not after a crash and
@@ -20,7 +20,7 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import SLOWDOWN, STARTER, caller_argv, process_alive, wait_running  # noqa: E402
-from starter import state as S  # noqa: E402
+from starter.state import store as S  # noqa: E402
 
 MB = 1 << 20
 KILL_STEPS = tuple(s for s in S.DISK_FAULT_STEPS if not s.startswith("teardown-"))

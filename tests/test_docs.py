@@ -4,7 +4,7 @@ in-process).
   - every long option of every command (as its --help prints it, the spool's
     subcommands included), every job-file key and every STARTER_* variable the
     starter reads is in docs/reference.md;
-  - the admin guide's example node policy is a valid one (starter/policy.py);
+  - the admin guide's example node policy is a valid one (starter/callers/policy.py);
   - every relative link in README.md and docs/*.md names a file that exists,
     and a #fragment names a heading of that file;
   - every file in starter/, native/ and scripts/ is named in the README's
@@ -18,7 +18,8 @@ import re
 import pytest
 
 from conftest import REPO
-from starter import cli, jobfile
+from starter.cli import main as cli
+from starter.spec import jobfile
 
 pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
 
@@ -105,7 +106,7 @@ def test_every_trace_phase_is_in_the_reference():
 
 
 def test_the_admin_guides_node_policy_parses():
-    from starter import policy
+    from starter.callers import policy
 
     guide = read(os.path.join(DOCS, "admin-guide.md"))
     blocks = re.findall(r"^```toml\n(.*?)^```", guide, re.S | re.M)

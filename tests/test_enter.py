@@ -7,7 +7,7 @@ import os
 
 import pytest
 
-from starter import ns, nsidentity
+from starter.isolate import ns, nsidentity
 from starter.errors import SpawnError, SpecError, StarterError
 from test_ns import ENV, NOBODY, Running, _read_all, no_leaks  # noqa: F401  (no_leaks: autouse)
 

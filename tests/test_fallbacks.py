@@ -27,9 +27,9 @@ import tempfile
 import pytest
 
 from conftest import spawn_output
-from starter import ns
+from starter.isolate import ns
 from starter._native import lib
-from starter.mounts import Mount
+from starter.isolate.mounts import Mount
 
 NOBODY = 65534
 MOUNTS = {"new": (), "no-mount-setattr": ("shim_test_no_mount_setattr",),

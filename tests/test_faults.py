@@ -1,4 +1,4 @@
-"""Fault injection (STARTER_FAULT, starter/state.py): a NAT job with a scratch
+"""Fault injection (STARTER_FAULT, starter/state/store.py): a NAT job with a scratch
 is killed at every step of its life, or has each teardown step fail; then
 `starter gc` must leave nothing: veth, nft set elements and counters, lease,
 cgroup, scratch, state entry, temp files."""
@@ -14,7 +14,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nethosts  # noqa: E402
 from conftest import STARTER, leases  # noqa: E402
 from starter import cgroups  # noqa: E402
-from starter import state as S  # noqa: E402
+from starter.state import store as S  # noqa: E402
 from starter.net import ipam  # noqa: E402
 from test_run_nat import POOL  # noqa: E402
 

@@ -27,7 +27,7 @@ import pytest
 from conftest import GID, PYTHON, SLOWDOWN, STARTER, UID, caller_argv
 from test_callers import refused
 
-# A one-uid range of our own (starter/uids.py), away from the other tests' pins.
+# A one-uid range of our own (starter/callers/uids.py), away from the other tests' pins.
 LEASE_UID = 1879048192 + 40402
 
 
@@ -168,7 +168,7 @@ class _Caller:
 
 
 def _apply(text, rlimits):
-    from starter import policy as P
+    from starter.callers import policy as P
 
     return P.parse(text.encode(), "<test>").apply({"rlimit": list(rlimits)}, _Caller())
 
@@ -183,14 +183,14 @@ def test_rlimit_above_the_nodes_real_limit_is_refused(item):
     """No node policy value and no built-in number for sigpending: the
     node's limit is still a number (threads-max / 2, what every job gets),
     and neither "unlimited" nor a number above it passes."""
-    from starter.policy import PolicyError
+    from starter.callers.policy import PolicyError
 
     with pytest.raises(PolicyError, match="sigpending"):
         _apply("", [item.format(over=_threads_half() + 1)])
 
 
 def test_rlimit_caps_compare_numbers():
-    from starter.policy import PolicyError
+    from starter.callers.policy import PolicyError
 
     _apply("", [f"sigpending={_threads_half()}", "sigpending=100", "nofile=1024:524288", "cpu=unlimited"])
     with pytest.raises(PolicyError, match="nofile"):
@@ -295,7 +295,7 @@ def test_the_jobs_run_is_its_own(policy, starter, state_dir):
 def test_run_passthrough_keys():
     """Entries lie under /run (or are /run itself: no private /run); munge's
     socket directory passes by default."""
-    from starter import policy as P
+    from starter.callers import policy as P
 
     assert "/run/munge" in P.parse(b"").run_passthrough()
     assert P.parse(b'[defaults]\nrun_passthrough = ["/run/a", "/run/b/"]\n').run_passthrough() == ("/run/a", "/run/b")
@@ -312,7 +312,7 @@ def test_a_nosuid_bind_on_every_kernel_path(kernel):
     5.2): the bind stays writable, a read-only bind beside it read-only."""
     from conftest import spawn_output
     from starter._native import lib
-    from starter.mounts import Mount
+    from starter.isolate.mounts import Mount
 
     src = tempfile.mkdtemp(prefix="starter-h2-bind-", dir="/var/lib")
     os.chmod(src, 0o777)
@@ -338,7 +338,7 @@ def test_resolv_conf_links_into_run(tmp_path):
     job's own file goes to the link's end in its own /run (the shim follows
     no link on a destination); a --net host job gets the host's file there;
     a plain file, or no private /run: at the path itself, as before."""
-    from starter import mounts as M
+    from starter.isolate import mounts as M
 
     link = tmp_path / "resolv.conf"
     target = "/run/starter-h2-no-such-dir/stub-resolv.conf"
@@ -367,7 +367,7 @@ def test_gc_can_strip_a_kept_scratch_a_crashed_starter_left(execute_dir):
     --keep-scratch): the recorded scratch, only if it carries the job's
     mark, loses its owner's set-id bits; a directory without the mark is
     left alone."""
-    from starter import scratch
+    from starter.storage import scratch
     from starter.errors import StagingError
 
     u = LEASE_UID
@@ -421,10 +421,10 @@ def test_gc_leaves_the_lease_of_a_start_in_progress(starter, state_dir):
     """A lease comes before its job's state entry: `starter gc` between the
     two must not give it back while the starter that made it runs (a second
     job would get the same uid), and gives it back once that starter died."""
-    from starter import uids
+    from starter.callers import uids
 
     code = ("import os, sys\n"
-            "from starter import uids\n"
+            "from starter.callers import uids\n"
             f"n = uids.lease(uids.LEASES, {state_dir!r}, 'between', {uids.DEFAULT_FIRST}, "
             f"{uids.DEFAULT_FIRST + uids.DEFAULT_COUNT - 1}, lambda n: True)\n"
             "print(n, flush=True)\n"
@@ -450,7 +450,7 @@ def test_gc_clears_the_set_id_bits_a_crashed_transient_job_kept(policy, starter,
     import signal
 
     from conftest import wait_running
-    from starter import uids
+    from starter.callers import uids
 
     u = LEASE_UID
     policy(defaults=f'job_uids = "{u}-{u}"\n')

@@ -16,8 +16,8 @@ import pytest
 from conftest import GID, SLOWDOWN, STARTER, UID, wait_running
 from test_callers import as_caller, refused
 
-from starter import seccomp
-from starter import state as S
+from starter.isolate import seccomp
+from starter.state import store as S
 
 
 def _with_limit(home, limit, *args):

@@ -1,5 +1,5 @@
-"""A uid of its own for every job that names no user (starter/uids.py), and
-processes of a job's uid found outside its cgroup (starter/escapes.py).
+"""A uid of its own for every job that names no user (starter/callers/uids.py), and
+processes of a job's uid found outside its cgroup (starter/job/strays.py).
 
 Through the real CLI: two default jobs share neither files nor per-uid
 kernel quotas; many default jobs never share a uid while they run; a

@@ -324,7 +324,7 @@ def _backend(kind):
 
 @pytest.mark.fast
 def test_cgroup_view_per_layout():
-    from starter import mounts as M
+    from starter.isolate import mounts as M
 
     assert _backend("v2").view() == [("cgroup2", "", "")]
     v1 = _backend("v1").view()
@@ -344,7 +344,7 @@ def test_cgroup_view_per_layout():
 
 @pytest.mark.fast
 def test_private_dirs_and_hide_entries():
-    from starter import mounts as M
+    from starter.isolate import mounts as M
 
     plan = M.private_dirs(65534, 65534, 64 * MiB)
     shm = next(m for m in plan if m.dst == "/dev/shm")
@@ -354,7 +354,7 @@ def test_private_dirs_and_hide_entries():
     assert [m.dst for m in hidden] == ["/proc"] and "ro" in hidden[0].flags and hidden[0].optional
     # the internal kind is not a user kind
     from starter.errors import SpecError
-    from starter.spec import parse_mount
+    from starter.spec.jobspec import parse_mount
 
     with pytest.raises(SpecError):
         parse_mount("mounts", "fs", "/x")

@@ -94,8 +94,8 @@ def test_the_checker_finds_a_cycle():
 
 def test_the_graph_is_read():
     g = graph()
-    assert "starter.values" in g["starter.spec"]          # module level
-    assert "starter.spool" in g["starter.clispool"]        # inside a function
+    assert "starter.spec.values" in g["starter.spec.jobspec"]          # module level
+    assert "starter.spool.store" in g["starter.cli.spool"]        # inside a function
     assert "starter.cgroups.files" in g["starter.cgroups.base"]   # relative
     assert "starter.net" not in g["starter.net.netd"]     # its own package
 

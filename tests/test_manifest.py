@@ -7,7 +7,7 @@ import subprocess
 
 import pytest
 
-from starter import manifest, scratch
+from starter.storage import manifest, scratch
 from starter.errors import SpecError, StagingError
 
 NOBODY = 65534

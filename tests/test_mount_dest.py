@@ -195,7 +195,7 @@ def _spawn(mounts, script):
 
 
 def test_every_kernel_path_mounts_onto_the_walked_destination(kernel, home, src):
-    from starter.mounts import Mount
+    from starter.isolate.mounts import Mount
 
     os.mkdir(os.path.join(home, "real"))
     f = os.path.join(src, "covered-by-the-job")
@@ -216,7 +216,7 @@ def test_every_kernel_path_mounts_onto_the_walked_destination(kernel, home, src)
 @pytest.mark.parametrize("kind", ["bind", "ro-bind", "tmpfs"])
 def test_every_kernel_path_refuses_a_link(kernel, home, src, kind):
     from starter.errors import SpawnError
-    from starter.mounts import Mount
+    from starter.isolate.mounts import Mount
 
     os.symlink("/usr", os.path.join(home, "usr"))
     m = Mount("tmpfs", f"{home}/usr/bin") if kind == "tmpfs" else Mount(kind, f"{home}/usr/bin", src)

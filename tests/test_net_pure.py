@@ -251,7 +251,7 @@ def test_config_validation_ipv6(tmp_path):
 
 
 def test_ipv6_option_and_job_file_keys():
-    from starter import spec
+    from starter.spec import jobspec as spec
     from starter.errors import SpecError
 
     base = {"command": ["true"], "user": "nobody"}
@@ -276,7 +276,7 @@ def test_resolv_conf_names_an_ipv6_resolver(tmp_path):
 
 
 def test_classad_has_the_ipv6_share():
-    from starter import classad
+    from starter.observe import classad
 
     c = lambda b, p: {"bytes": b, "packets": p}  # noqa: E731
     ad = dict(classad.attributes({"network": nft.combine({"lan_in": c(100, 1), "drop": c(0, 0),
@@ -298,7 +298,7 @@ def test_classad_has_the_ipv6_share():
     ("8kbit", None), ("1tbit", None),
 ])
 def test_net_rate_parses(text, zones):
-    from starter.specopts import parse_net_rate
+    from starter.spec.options import parse_net_rate
 
     got = dict(parse_net_rate("net-rate", text))
     assert got == zones or (zones is None and len(got) == 4)
@@ -308,7 +308,7 @@ def test_net_rate_parses(text, zones):
                                   "in=", "=1mbit", "1..2mbit", "$(id)", "lan/in=1mbit", "1mbit\0"])
 def test_net_rate_refuses(text):
     from starter.errors import SpecError
-    from starter.specopts import parse_net_rate
+    from starter.spec.options import parse_net_rate
 
     with pytest.raises(SpecError) as e:
         parse_net_rate("net-rate", text)
@@ -316,7 +316,7 @@ def test_net_rate_refuses(text):
 
 
 def test_net_rate_only_for_nat_and_reaches_the_config():
-    from starter import spec
+    from starter.spec import jobspec as spec
     from starter.errors import SpecError
 
     with pytest.raises(SpecError, match="--net nat"):

@@ -14,9 +14,9 @@ import textwrap
 
 import pytest
 
-from starter import ns
+from starter.isolate import ns
 from starter.errors import SpawnError, SpecError, StarterError
-from starter.mounts import Mount
+from starter.isolate.mounts import Mount
 
 from conftest import SLOWDOWN
 
@@ -397,7 +397,7 @@ def test_environment_is_exactly_as_given():
 
 _TIOCSTI_PROBE = r"""
 import fcntl, os, sys, termios, tty
-from starter import ns
+from starter.isolate import ns
 master, slave = os.openpty()
 tty.setraw(slave)
 os.setsid()
@@ -521,7 +521,7 @@ def test_init_exec_failure_is_reported():
 def test_job_dies_when_the_starter_is_killed(init):
     probe = textwrap.dedent(f"""
         import os, sys
-        from starter import ns
+        from starter.isolate import ns
         c = ns.spawn(ns.ChildSpec(["sleep", "60"], {{"PATH": "/usr/bin:/bin"}}, uid=65534, gid=65534,
                                   init={init}))
         c.release(); c.wait_started()

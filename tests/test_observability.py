@@ -23,9 +23,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import nethosts  # noqa: E402
 from conftest import SLOWDOWN, STARTER, process_alive, starter_in_python, wait_running  # noqa: E402
 
-from starter import classad as CA  # noqa: E402
-from starter import metrics as M  # noqa: E402
-from starter import top as T  # noqa: E402
+from starter.observe import classad as CA  # noqa: E402
+from starter.observe import metrics as M  # noqa: E402
+from starter.observe import top as T  # noqa: E402
 
 POOL = f"10.{216 + secrets.randbelow(32)}.0.0/16"
 NODE_EXPORTER = "/usr/bin/prometheus-node-exporter"
@@ -321,7 +321,7 @@ def _events(path):
 
 
 def _expected_classad(r):
-    """The mapping table of docs/reference.md, written out independently of starter/classad.py."""
+    """The mapping table of docs/reference.md, written out independently of starter/observe/classad.py."""
     kib, mib = 1024, 1 << 20
     want = {
         "StarterJobId": r["job_id"], "StarterReason": r["reason"], "StarterExitCode": r["exit_code"],
@@ -486,6 +486,6 @@ def test_the_run_path_loads_none_of_this(state_dir, tmp_path):
         return {l.split("|")[2].strip() for l in p.stderr.splitlines() if l.startswith("import time:")}
 
     heavy = {"psutil", "json", "re", "argparse", "dataclasses", "signal", "ctypes", "subprocess", "pyroute2",
-             "starter.metrics", "starter.top", "starter.classad", "http.server"}
+             "starter.observe.metrics", "starter.observe.top", "starter.observe.classad", "http.server"}
     assert modules() & heavy == set()
-    assert modules("--report", str(tmp_path / "r.ad"), "--report-format", "classad") & heavy == {"starter.classad"}
+    assert modules("--report", str(tmp_path / "r.ad"), "--report-format", "classad") & heavy == {"starter.observe.classad"}

@@ -81,7 +81,7 @@ class _Out:
 
 @pytest.mark.fast
 def test_classify():
-    from starter.supervisor import classify
+    from starter.job.supervisor import classify
 
     killed = 9  # raw wait status of a SIGKILLed process
     assert classify(_Out(killed), 1) == ("oom", 137, 9)

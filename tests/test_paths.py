@@ -212,7 +212,7 @@ def _spawn_cat(mounts, path):
 
 
 def test_bind_by_path_fallback_mounts_the_resolved_source(tmp_path, no_open_tree):
-    from starter.mounts import Mount
+    from starter.isolate.mounts import Mount
 
     src = tmp_path / "src"
     src.mkdir(mode=0o755)
@@ -225,9 +225,9 @@ def test_bind_by_path_fallback_mounts_the_resolved_source(tmp_path, no_open_tree
 def test_bind_by_path_fallback_refuses_a_source_that_changed(tmp_path, no_open_tree, monkeypatch):
     """The path no longer leads to the inode the starter resolved (a link was
     swapped in between): the child refuses it, the job does not start."""
-    from starter import paths
+    from starter.storage import paths
     from starter.errors import SpawnError
-    from starter.mounts import Mount
+    from starter.isolate.mounts import Mount
 
     (tmp_path / "f").write_text("mine\n")
     elsewhere = tmp_path / "elsewhere"
@@ -242,7 +242,7 @@ def test_bind_by_path_fallback_refuses_a_source_that_changed(tmp_path, no_open_t
 # ---------------------------------------------------------------- the walk itself
 
 def test_walk_refuses_links_fifos_relative_and_dotdot(tmp_path):
-    from starter import paths
+    from starter.storage import paths
 
     (tmp_path / "d").mkdir()
     (tmp_path / "l").symlink_to(tmp_path / "d")

@@ -429,7 +429,7 @@ def test_userns_root_maps_are_written_while_the_child_waits_not_dumpable(monkeyp
     its new user namespace, as the job's uid, and not dumpable (the files in
     its /proc/PID belong to root: the kernel's sign of it); with --init it is the job, not
     the init, and the starter learnt its pid from the message."""
-    from starter import ns
+    from starter.isolate import ns
 
     seen = []
     real = ns.Child._write_maps
@@ -451,7 +451,7 @@ def test_userns_root_maps_are_written_while_the_child_waits_not_dumpable(monkeyp
 
 @pytest.mark.parametrize("init", [False, True], ids=["no-init", "init"])
 def test_userns_root_maps_that_cannot_be_written_fail_the_start(monkeypatch, init):
-    from starter import ns
+    from starter.isolate import ns
     from starter.errors import SpawnError
 
     def refuse(self, pid, uid):

@@ -1,4 +1,4 @@
-"""--disk by project quota (starter/quota.py): on an execute directory whose
+"""--disk by project quota (starter/storage/quota.py): on an execute directory whose
 file system enforces project quotas, the scratch gets a project id and a
 limit, no image; the job cannot move its files out of the project; the
 report says when it was full; nothing is left, after the job and after a
@@ -21,8 +21,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import STARTER, wait_running  # noqa: E402
-from starter import quota, uids  # noqa: E402
-from starter import state as S  # noqa: E402
+from starter.storage import quota
+from starter.callers import uids  # noqa: E402
+from starter.state import store as S  # noqa: E402
 
 MB = 1 << 20
 
@@ -193,9 +194,9 @@ def test_the_default_filter_refuses_setting_a_files_project_attributes(starter, 
 
 @pytest.mark.fast
 def test_the_default_profile_names_every_guarded_ioctl():
-    from starter.seccomp import profile as P
+    from starter.isolate.seccomp import profile as P
 
-    prof = P.parse(open(os.path.join(os.path.dirname(quota.__file__), "seccomp", "default.json"), "rb").read(),
+    prof = P.parse(open(os.path.join(os.path.dirname(quota.__file__), "..", "isolate", "seccomp", "default.json"), "rb").read(),
                    "default")
     guarded = {r.args[0][3] for r in prof.rules if any(n == "ioctl" for n, _ in r.names)
                if r.action == P.ACT_ERRNO | 1 and len(r.args) == 1
@@ -226,7 +227,7 @@ def test_gc_gives_back_a_project_lease_no_entry_recorded(starter, state_dir):
     import sys
 
     # Leased by a process that then dies, as the killed starter did.
-    qid = int(subprocess.run([sys.executable, "-c", "from starter import quota, uids\n"
+    qid = int(subprocess.run([sys.executable, "-c", "from starter.callers import uids\nfrom starter.storage import quota\n"
                               f"print(uids.lease(quota.PROJECTS, {state_dir!r}, 'ghost', quota.FIRST, "
                               "quota.FIRST + quota.COUNT - 1, lambda n: True))"],
                              capture_output=True, text=True, check=True).stdout)

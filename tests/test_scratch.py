@@ -6,7 +6,7 @@ import subprocess
 
 import pytest
 
-from starter import scratch
+from starter.storage import scratch
 from starter.errors import SpecError, StagingError
 
 NOBODY = 65534

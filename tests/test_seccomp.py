@@ -16,7 +16,7 @@ import pytest
 from conftest import REPO, STARTER
 
 PROBE_SRC = os.path.join(REPO, "tests", "fixtures", "seccomp", "probe.c")
-DEFAULT = os.path.join(REPO, "starter", "seccomp", "default.json")
+DEFAULT = os.path.join(REPO, "starter", "isolate", "seccomp", "default.json")
 
 # The default profile's denials (docs/reference.md, "Syscall filter profiles").
 DENIED = {
@@ -296,7 +296,7 @@ def test_cache_is_root_only_and_a_foreign_file_is_ignored(starter, probe_dir, st
 
 # ---------------------------------------------------------------- the parser, on fixture text
 
-from starter.seccomp import profile as P  # noqa: E402
+from starter.isolate.seccomp import profile as P  # noqa: E402
 
 NUMBERS = {"keyctl": 250, "unshare": 272, "clone": 56, "setns": 308, "bpf": 321, "vm86": -10001}
 
@@ -375,7 +375,7 @@ def test_compiling_to_bpf_needs_no_root():
     """native/seccomp.c compiles in the parent with libseccomp: no privilege,
     so it is in the fast tier.  One sock_filter is 8 bytes; dropping the
     user-namespace rules makes a different, shorter program."""
-    from starter import seccomp
+    from starter.isolate import seccomp
 
     data = open(DEFAULT, "rb").read()
     full, userns = seccomp.compile_bytes(data, "default"), seccomp.compile_bytes(data, "default", allow_userns=True)

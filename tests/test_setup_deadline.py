@@ -1,4 +1,4 @@
-"""Setup's deadline and signals during setup (starter/deadline.py), against a
+"""Setup's deadline and signals during setup (starter/job/watchdog.py), against a
 real FUSE mount whose daemon never answers: every request to it waits in the
 kernel, as on a hung NFS server.  The leak check (conftest) checks that a
 start that gave up left nothing: state entry, cgroup, mount, child."""

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from starter import spool as sp
+from starter.spool import store as sp
 from starter.errors import SpecError, StagingError
 
 

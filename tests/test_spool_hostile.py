@@ -10,7 +10,7 @@ import time
 
 import pytest
 
-from starter import spool as sp
+from starter.spool import store as sp
 from starter.errors import StagingError, StarterError
 from test_spool import _exe, _exe_names, other_fs  # noqa: F401 (other_fs: a fixture)
 
@@ -142,7 +142,7 @@ def test_no_rights_to_switch_to_is_its_own_error(tmp_path, monkeypatch):
     _local_account()
     s = sp.Spool(tmp_path / "spool")
     ids = (os.geteuid(), os.getegid(), os.getgroups())
-    from starter import paths
+    from starter.storage import paths
 
     real = paths._switch
 

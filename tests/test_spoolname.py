@@ -1,11 +1,11 @@
-"""The spool's names (starter/spoolname.py): the escaping, CmdHash encoding and
+"""The spool's names (starter/spool/names.py): the escaping, CmdHash encoding and
 entry names.  Pure: the fast tier."""
 
 import random
 
 import pytest
 
-from starter import spoolname as sn
+from starter.spool import names as sn
 
 pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
 

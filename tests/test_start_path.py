@@ -26,13 +26,17 @@ RUN_IMPORTS = {
     "_cffi_backend", "_collections_abc", "_sha256", "_stat", "_struct", "errno", "fcntl", "gc",
     "genericpath", "math", "os", "os.path", "posixpath", "pwd", "select", "stat",
     # the starter's own run path
-    "starter", "starter._native", "starter._shim", "starter._shim.lib",
-    "starter.cgroups", "starter.cgroups.backend", "starter.cgroups.base", "starter.cgroups.dirs",
-    "starter.cgroups.files", "starter.cgroups.kill", "starter.cgroups.limits",
-    "starter.childspec", "starter.cli", "starter.cliparse", "starter.deadline", "starter.errors", "starter.fileio", "starter.job",
-    "starter.mounts", "starter.ns", "starter.nsidentity", "starter.paths", "starter.policy", "starter.report", "starter.seccomp",
-    "starter.escapes",
-    "starter.spec", "starter.specopts", "starter.state", "starter.supervisor", "starter.trace", "starter.values",
+    "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.callers",
+    "starter.callers.policy", "starter.cgroups", "starter.cgroups.backend", "starter.cgroups.base",
+    "starter.cgroups.dirs", "starter.cgroups.files", "starter.cgroups.kill",
+    "starter.cgroups.limits", "starter.cli", "starter.cli.main", "starter.cli.parse",
+    "starter.errors", "starter.fileio", "starter.isolate", "starter.isolate.childspec",
+    "starter.isolate.mounts", "starter.isolate.ns", "starter.isolate.nsidentity",
+    "starter.isolate.seccomp", "starter.job", "starter.job.run", "starter.job.strays",
+    "starter.job.supervisor", "starter.job.trace", "starter.job.watchdog", "starter.observe",
+    "starter.observe.report", "starter.spec", "starter.spec.jobspec", "starter.spec.options",
+    "starter.spec.values", "starter.state", "starter.state.store", "starter.storage",
+    "starter.storage.paths",
 }
 # Only the host's cgroup backend is loaded (with the cgroup2 tracking where it has one).
 BACKEND_IMPORTS = {"v2": {"starter.cgroups.v2", "starter.cgroups.unified"},
@@ -54,7 +58,7 @@ PROBE = """
 import sys
 sys.path[:0] = [{repo!r}, {site!r}]
 before = set(sys.modules)
-from starter.cli import main
+from starter.cli.main import main
 code = main(["run", "--net", {net!r}, *{extra!r}, "--user", "nobody", "--state-dir", {state!r}, "--", "/bin/true"])
 sys.stdout.write(str(code) + " " + " ".join(sorted(set(sys.modules) - before)))
 """
@@ -267,10 +271,10 @@ def test_launcher_starts_the_warm_up_before_the_interpreter(state_dir, tmp_path)
 BUNDLE_PROBE = """
 import sys
 sys.path[:0] = [{top!r}]
-import starter.errors, starter.values
-for m in (starter.errors, starter.values):
+import starter.errors, starter.spec.values
+for m in (starter.errors, starter.spec.values):
     print(m.__name__, "bundle" if "_serve_bundle" in repr(m.__loader__) else "pyc", m.__file__)
-print(getattr(starter.values, "CHANGED", None))
+print(getattr(starter.spec.values, "CHANGED", None))
 """
 
 
@@ -305,12 +309,12 @@ def test_the_launchers_interpreter_reads_modules_from_the_bundle_while_their_sou
     top = _bundled_copy(tmp_path)
     pkg = os.path.join(top, "starter")
     assert _bundle_probe(top, ["-IS"]) == [f"starter.errors bundle {pkg}/errors.py",
-                                           f"starter.values bundle {pkg}/values.py", "None"]
+                                           f"starter.spec.values bundle {pkg}/spec/values.py", "None"]
     assert [l.split()[1] for l in _bundle_probe(top, ["-I"])[:2]] == ["pyc", "pyc"]
-    with open(os.path.join(pkg, "values.py"), "a") as f:
+    with open(os.path.join(pkg, "spec", "values.py"), "a") as f:
         f.write("\nCHANGED = 1\n")
     assert _bundle_probe(top, ["-IS"]) == [f"starter.errors bundle {pkg}/errors.py",
-                                           f"starter.values pyc {pkg}/values.py", "1"]
+                                           f"starter.spec.values pyc {pkg}/spec/values.py", "1"]
     # starter.errors' code damaged in the bundle: compiled from its source instead.
     import marshal
 
@@ -331,8 +335,8 @@ sys.path[:0] = [{top!r}]
 import starter.errors
 print("ready", flush=True)
 sys.stdin.readline()                 # the upgrade happens here
-import starter.values
-print(getattr(starter.values, "CHANGED", None))
+import starter.spec.values
+print(getattr(starter.spec.values, "CHANGED", None))
 """
 
 
@@ -346,7 +350,7 @@ def test_a_starter_upgraded_under_keeps_importing_the_version_it_started_with(tm
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     try:
         assert p.stdout.readline() == "ready\n", p.stderr.read()
-        with open(os.path.join(top, "starter", "values.py"), "a") as f:
+        with open(os.path.join(top, "starter", "spec", "values.py"), "a") as f:
             f.write("\nCHANGED = 1\n")
         _bundle(top)
         out, err = p.communicate("\n", timeout=60)

@@ -1,4 +1,4 @@
-"""The state-directory protocol (starter/state.py): parallel starts never
+"""The state-directory protocol (starter/state/store.py): parallel starts never
 refuse a good job, duplicate ids run once, the interleavings of the protocol
 forced one at a time, reclaiming entries, and planted entries that gc must
 leave alone."""
@@ -16,8 +16,9 @@ import pytest
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import SLOWDOWN, STARTER  # noqa: E402
-from starter import cgroups, reclaim  # noqa: E402
-from starter import state as S  # noqa: E402
+from starter import cgroups
+from starter.admin import gc as reclaim  # noqa: E402
+from starter.state import store as S  # noqa: E402
 
 
 def _entry_names(state_dir, job_id):

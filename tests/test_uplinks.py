@@ -143,7 +143,7 @@ def _payload(c):
 def test_uplink_option_and_job_file_key():
     """--uplink repeats; the job file's network.uplink is a name or a list;
     flags add to the file's, repeats are dropped; hostile names refused."""
-    from starter import spec
+    from starter.spec import jobspec as spec
     from starter.errors import SpecError
 
     job = {"network": {"mode": "nat", "uplink": ["ib0", "eth0"]}, "command": ["x"]}
@@ -174,7 +174,7 @@ def test_two_uplinks_each_destination_leaves_by_its_route(uplinks, cfg):
             assert f"peer {uplinks.addrs[i]}" in out, out
             wire.append(n + nethosts.retransmitted(out))
         per_uplink = nft.read_uplink_counters(cfg.table, cfg.uplink)
-        from starter import metrics
+        from starter.observe import metrics
 
         text = metrics.text(cfg.state_dir)    # the same counters, for Prometheus
         for u in uplinks.names:

@@ -33,7 +33,7 @@ sys.path.insert(0, ROOT)
 STARTER = os.path.join(ROOT, ".venv", "bin", "starter")
 JOB_ID = "bench-ck"
 
-from starter import checkpoint, checkpoint_dir  # noqa: E402
+from starter.checkpoint import criu as checkpoint, directory as checkpoint_dir  # noqa: E402
 
 
 def _wait_running(job_id, timeout=120, proc=None):

@@ -39,7 +39,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 sys.path.insert(0, ROOT)
 
-from starter import ns  # noqa: E402
+from starter.isolate import ns  # noqa: E402
 
 STARTER = os.path.join(ROOT, ".venv", "bin", "starter")
 CG_NAME = "starter_bench_core"
@@ -196,7 +196,7 @@ def starter_argv():
         return None
     import sysconfig
 
-    from starter.cli import launcher_code
+    from starter.cli.main import launcher_code
 
     code = launcher_code(ROOT, sysconfig.get_paths()["purelib"])
     return [os.path.join(ROOT, ".venv", "bin", "python"), "-IS", "-c", code]
@@ -239,7 +239,8 @@ def bench_mount_plan(runs):
     """ns.spawn of /bin/true with the mounts every job gets (its cgroup view,
     private /dev/shm, /tmp, /var/tmp..., the hidden state directory) and
     without them, alternately: medians and the per-round difference."""
-    from starter import cgroups, mounts as M
+    from starter import cgroups
+    from starter.isolate import mounts as M
 
     be = cgroups.open_backend()
     plan = tuple(M.cgroup_view(be.view()) + M.private_dirs(65534, 65534, None)
@@ -268,7 +269,8 @@ def bench_devices(runs):
     ns.spawn /bin/true into it with the job's mounts [and the /dev ones],
     wait, remove the cgroup.  -> {variant: [seconds]} for the start (create
     .. exec) and the whole round."""
-    from starter import cgroups, mounts as M
+    from starter import cgroups
+    from starter.isolate import mounts as M
 
     be = cgroups.open_backend(CG_NAME + "_dev")
     view, private, last = M.cgroup_view(be.view()), M.private_dirs(65534, 65534, None), M.hide(("/run/starter",))
@@ -305,7 +307,8 @@ def bench_devices(runs):
 def bench_device_rules(runs):
     """set_devices() alone on a fresh job cgroup: the program's load and
     attach (v2, hybrid) or the devices.deny/allow writes (v1), ms."""
-    from starter import cgroups, mounts as M
+    from starter import cgroups
+    from starter.isolate import mounts as M
 
     be = cgroups.open_backend(CG_NAME + "_dev")
     times = []
@@ -329,7 +332,7 @@ def bench_transient_lease(runs):
     """A transient uid's own setup: its lease (uids.acquire, with the read of
     /etc/passwd and /etc/group that keeps local accounts out) and its giving
     back, in process, ms."""
-    from starter import uids
+    from starter.callers import uids
 
     state = tempfile.mkdtemp(prefix="starter-bench-lease-")
     times = []
@@ -438,7 +441,7 @@ def main():
     print(f"  {'without':32} {wo * 1000:10.2f}")
     print(f"  {'cost (paired diff)':32} {diff * 1000:10.2f}")
     if not os.environ.get("STARTER_VM"):
-        filt = __import__("starter.seccomp", fromlist=["load"]).load("default")
+        filt = __import__("starter.isolate.seccomp", fromlist=["load"]).load("default")
         print(f"  {'seccomp install (paired diff)':32} {bench_spawn_pairs(min(args.runs, 40), filt) * 1000:10.2f}")
 
     print()

@@ -51,7 +51,7 @@ seen = []
 def hook(event, args):
     if event == "open" and isinstance(args[0], str):
         seen.append(args[0])
-from starter import metrics
+from starter.observe import metrics
 sys.addaudithook(hook)
 metrics.text(sys.argv[1])
 for p in dict.fromkeys(seen):
@@ -186,7 +186,7 @@ def main():
                                             for x in (m, c)]
         warm = subprocess.run([PY, "-c", (
             "import sys, time, statistics\n"
-            "from starter import metrics\n"
+            "from starter.observe import metrics\n"
             "metrics.text(sys.argv[1])\n"
             "ts = []\n"
             "for _ in range(int(sys.argv[2])):\n"

@@ -15,7 +15,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
 
-from starter import manifest, scratch, spool  # noqa: E402
+from starter.storage import manifest, scratch
+from starter.spool import store as spool  # noqa: E402
 
 EXE_MB = 64
 JOBS = 20

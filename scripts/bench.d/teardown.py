@@ -41,7 +41,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 sys.path.insert(0, ROOT)
 
 import _state  # noqa: E402
-from starter import cgroups, state  # noqa: E402
+from starter import cgroups
+from starter.state import store as state  # noqa: E402
 
 STARTER = os.path.join(ROOT, ".venv", "bin", "starter")
 STATE_DIR = None    # the starters' state directory (main)

@@ -110,7 +110,7 @@ def open_backend(parent=None, mountinfo=None, proc_cgroup=None):
 # the GIL cost the main thread 0.4-0.6 ms per start).
 #
 # A migration holds cgroup_mutex while it waits for the grace period, so
-# making the job's cgroup (mkdir) waits for whatever is left of it: job.py
+# making the job's cgroup (mkdir) waits for whatever is left of it: job/run.py
 # plans the mounts before making the cgroup, to fill that wait with work.
 # Only the thread itself is moved, into the cgroup it is in: a batch system
 # moving the whole starter elsewhere at the same moment could at worst leave

@@ -137,7 +137,7 @@ class Backend:
         return list(dict.fromkeys(self.parents.values()))
 
     def check_caller_parents(self):
-        """For a caller that is not root (starter/caller.py): its job's
+        """For a caller that is not root (starter/callers/caller.py): its job's
         cgroups go under the caller's own cgroup in every hierarchy, which
         must be root's all the way up.  A cgroup the caller may write (one
         delegated to it, say by systemd's user@.service) would let it move

@@ -43,7 +43,7 @@ cgroup unless configured otherwise):
 import os
 from abc import abstractmethod   # in sys.modules already: see above
 
-from .. import values
+from ..spec import values
 from ..errors import CgroupError
 from . import files
 from .dirs import rmdir_tree, subdirs_bottom_up
@@ -67,7 +67,7 @@ DELEGATE_V1_HINT = "run the job without --delegate, or on a node booted with cgr
 
 def check_job_id(job_id):
     """Refuse ids that could name a path outside the parent: the same rule
-    as spec.py's (values.job_id), checked again as the last line of defence."""
+    as spec/jobspec.py's (values.job_id), checked again as the last line of defence."""
     return values.job_id("job id", job_id)
 
 

@@ -6,7 +6,7 @@ give.  Pure but for check_within (one read).
 
 import math
 
-from .. import values
+from ..spec import values
 from ..errors import CgroupError, SpecError
 from . import files
 

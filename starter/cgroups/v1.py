@@ -19,7 +19,7 @@ import errno
 import os
 import time
 
-from .. import values
+from ..spec import values
 from ..errors import CgroupError
 from . import files
 from .backend import Backend

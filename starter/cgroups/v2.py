@@ -41,7 +41,7 @@ import os
 
 from ..errors import CgroupError
 from . import files
-from .. import values
+from ..spec import values
 from .backend import Backend
 from .base import DELEGATE_LEAF, JobCgroup
 from .dirs import EventsWatch, mkdir

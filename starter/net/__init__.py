@@ -232,7 +232,7 @@ def resolv_conf_text(cfg, lease=None):
         if lease is None:
             return "# starter: resolver is the job's gateway, address not yet known\n"
         r = lease.gateway
-    from starter import values
+    from starter.spec import values
     from starter.errors import NetworkError, SpecError
 
     try:

@@ -39,7 +39,7 @@ import os
 
 from starter.errors import NetworkError
 from starter.fileio import unlink_quiet
-from starter.state import process_start_time as proc_starttime, write_atomic
+from starter.state.store import process_start_time as proc_starttime, write_atomic
 
 KEY_PREFIX = "stj"
 SLOT_PREFIXLEN = 30  # network, gateway (.1), job (.2), broadcast
@@ -53,7 +53,7 @@ def job_key(job_id, table="starter"):
 
 def check_ifname(field, name):
     """Interface names reach /proc/sys paths and nft sets (rule: values.ifname)."""
-    from starter import values
+    from starter.spec import values
     from starter.errors import SpecError
 
     try:

@@ -46,7 +46,7 @@ import _struct as struct  # the C module: struct.py is one more module to find p
 # imports both in serve().
 import _socket
 
-from starter.state import dumps, loads  # noqa: E402
+from starter.state.store import dumps, loads  # noqa: E402
 
 MAX_MSG = 1 << 20
 TIMEOUT = 60.0
@@ -183,7 +183,7 @@ def _why_refused(pid, uid, pidfd):
 
 
 def _check_job_id(job_id):
-    from starter import values
+    from starter.spec import values
 
     return values.job_id("job_id", job_id)   # a SpecError goes back to the client
 
@@ -310,7 +310,8 @@ def node_config(state_dir):
     """The NAT settings the node policy gives every job (its [defaults]),
     as a job served here would get them -> NetConfig, or None: no policy,
     no NAT defaults in it, or its jobs use another state directory."""
-    from starter import policy, spec
+    from starter.callers import policy
+    from starter.spec import jobspec as spec
     from starter.net import NetConfig, config_for
 
     pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)

@@ -22,8 +22,7 @@ import os
 import struct
 
 from starter.net import netlink
-from starter.net.netlink import NLA_F_NESTED, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, \
-    NLMSG_DONE, NLMSG_ERROR
+from starter.net.netlink import NLA_F_NESTED, NLM_F_ACK, NLM_F_CREATE, NLM_F_DUMP, NLM_F_EXCL, NLM_F_REQUEST, NLMSG_DONE, NLMSG_ERROR
 
 NETLINK_ROUTE = 0
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18

@@ -27,7 +27,7 @@ from starter.net import rtnl
 from starter.net.rtnl import RtnlError
 from starter.net.ipam import JOB_LINK_LOCAL6
 from starter.net.sysctl import forwarding6_path, forwarding_path, ipv6_path, write_sysctl
-from starter.ns import setns
+from starter.isolate.ns import setns
 
 CLONE_NEWNET = 0x40000000
 SIOCGSKNS = 0x894C

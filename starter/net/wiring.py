@@ -14,7 +14,7 @@ import os
 from starter.errors import NetworkError
 from starter.net import ipam, nft, nftrules
 from starter.net.sysctl import forwarding6_path, forwarding_path, ipv6_forwarding_mode, read_sysctl, write_sysctl
-from starter.state import QUICK_BUDGET_S, fault, is_live
+from starter.state.store import QUICK_BUDGET_S, fault, is_live
 
 
 def cfg_fingerprint(cfg):

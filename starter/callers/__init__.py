@@ -1,0 +1,1 @@
+"""Who may ask for what: the node policy, the caller, transient uids."""

@@ -1,0 +1,1 @@
+"""Checkpoint and restore of a job with CRIU, and the checkpoint directory."""

@@ -1,0 +1,1 @@
+"""The command line: `starter run`, the admin's subcommands, `starter spool`."""

@@ -1,0 +1,1 @@
+"""One job's lifetime: setup in order, the supervisor beside it, the watchdog, strays."""

@@ -1,0 +1,1 @@
+"""What a job reports: the final report, ClassAd, metrics, top, GPU usage."""

@@ -1,0 +1,1 @@
+"""A job's description: its options, the job file, and the validators of every value."""

@@ -1,0 +1,1 @@
+"""Shared executables: one copy per owner and content, hard links as refcounts."""

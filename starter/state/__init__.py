@@ -1,0 +1,1 @@
+"""The per-job state directory: one entry per live job."""

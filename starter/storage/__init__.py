@@ -1,0 +1,1 @@
+"""The job's files: scratch, --disk, project quotas, verified inputs, link-safe paths."""
