@@ -9,7 +9,7 @@ import time
 
 from starter.state import store as S
 from starter.errors import StarterError
-from starter.admin.gc import job_cgroup
+from starter.admin.live import entry, job_cgroup
 
 
 # ---------------------------------------------------------------- ps / status
@@ -81,7 +81,7 @@ def ps(state_dir, as_json):
 
 
 def status(state_dir, job_id, as_json, processes=False):
-    st = _entry(state_dir, job_id)
+    st = entry(state_dir, job_id)
     u = _usage(state_dir, st)
     doc = dict(st)
     doc.update(live=S.is_live(state_dir, job_id), **{k: v for k, v in u.items() if k != "cpu_s"})
@@ -130,21 +130,12 @@ def top(state_dir, job_id, interval=None, once=False, as_json=False):
     from starter.observe import top
 
     try:
-        st = _entry(state_dir, job_id)
+        st = entry(state_dir, job_id)
         if not S.starter_alive(st):
             raise StarterError(f"job {job_id!r} has no live starter", "run `starter gc` to clean it up")
         return top.main(st, job_cgroup(st, job_id), job_id, interval, once, as_json)
     except PermissionError as e:
         raise StarterError(f"cannot read {e.filename}: {e.strerror}", "run it as root") from None
-
-
-def _entry(state_dir, job_id):
-    from starter.spec import values
-
-    values.job_id("job", job_id)
-    if not os.path.exists(os.path.join(state_dir, job_id + ".lock")):
-        raise StarterError(f"no job {job_id!r} on this node", "`starter ps` lists the jobs")
-    return S.load(state_dir, job_id) or S.unreadable(state_dir, job_id)
 
 
 # ---------------------------------------------------------------- control
@@ -154,7 +145,7 @@ def control(state_dir, job_id, action):
     then wait for the state to show it (suspend/resume) or the job to end."""
     from starter.job.supervisor import ACTION_SIGNALS
 
-    st = _entry(state_dir, job_id)
+    st = entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id):
         raise StarterError(f"job {job_id!r} has no live starter", "run `starter gc` to clean it up")
     pid = st.get("starter_pid")
@@ -196,7 +187,7 @@ def enter(state_dir, job_id, argv, user=None):
     from starter.isolate import ns, nsidentity
     from starter.spec.jobspec import DEFAULT_PATH, resolve_user, rlimit_table
 
-    st = _entry(state_dir, job_id)
+    st = entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id) or not st.get("pid"):
         raise StarterError(f"job {job_id!r} is not running")
     recorded = st.get("namespaces")

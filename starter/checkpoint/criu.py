@@ -314,14 +314,14 @@ def continue_all(cg):
 def checkpoint(state_dir, job_id, to, leave_running=False):
     """`starter checkpoint`: dump a running job to `to`; unless leave_running,
     its starter then ends it, reason "checkpointed"."""
-    from starter.admin import jobs as admin
+    from starter.admin import live
     from starter.state import store as S
     from starter.job.supervisor import ACTION_SIGNALS
 
-    st = admin._entry(state_dir, job_id)
+    st = live.entry(state_dir, job_id)
     if not S.is_live(state_dir, job_id) or st.get("state") not in ("running", "suspended"):
         raise StarterError(f"job {job_id!r} is not running (state {st.get('state')!r})")
-    dump(job_id, st, admin.job_cgroup(st, job_id), to, leave_running, state_dir=state_dir)
+    dump(job_id, st, live.job_cgroup(st, job_id), to, leave_running, state_dir=state_dir)
     if not leave_running:
         # The tree is stopped (--leave-stopped): its starter kills it through
         # the cgroup and reports "checkpointed"; wait for that.

@@ -157,7 +157,7 @@ def job_samples(entry, live, usage, network):
 
 def collect(state_dir):
     """Read every job once -> {family: [(label text, value)]}."""
-    from starter.admin.gc import job_cgroup
+    from starter.admin.live import job_cgroup
 
     samples, counts, errors = {}, dict.fromkeys(STATES, 0), 0
     backends, links = {}, []

@@ -62,7 +62,7 @@ Interleavings this survives (S = starter, G = gc or another starter's quick gc):
   * The scratch and cgroup are recorded before they are made, so S killed
     between recording and making leaves G a record of something that may not
     exist: every reclaim step tolerates that.  G acts on a record only where
-    it names what the starter would have made (reclaim.job_cgroup,
+    it names what the starter would have made (admin.live.job_cgroup,
     scratch.recorded_path): a planted entry makes G delete nothing.
 
 JSON is encoded here by dumps() and decoded with the C scanner of `_json`
