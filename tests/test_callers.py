@@ -309,8 +309,8 @@ def test_caller_relay_reaps_and_reports_a_dead_starter(policy, home, state_root,
 
 
 def _layout():
-    from starter.cgroups import files
-    return files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
+    from starter.cgroups import hierarchy
+    return hierarchy.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
 
 
 def _own_cgroup_dir(name):

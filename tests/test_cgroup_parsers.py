@@ -8,7 +8,7 @@ import os
 import pytest
 
 from starter import cgroups
-from starter.cgroups import Limits, base, files, limits
+from starter.cgroups import base, hierarchy, limits, parsers, Limits
 from starter.cgroups.backend import Backend
 from starter.errors import CgroupError, SpecError
 
@@ -28,7 +28,7 @@ def fixture(name):
 
 @pytest.mark.fast
 def test_detect_hybrid():
-    lay = files.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
+    lay = hierarchy.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
     assert lay.kind == "hybrid"
     assert lay.unified.mount_point == "/sys/fs/cgroup/unified"
     assert lay.v1["memory"].mount_point == "/sys/fs/cgroup/memory"
@@ -46,7 +46,7 @@ def test_detect_hybrid():
 
 @pytest.mark.fast
 def test_detect_v2_nests_under_slurm_task():
-    lay = files.detect_layout(fixture("mountinfo.v2"), fixture("proc_cgroup.v2"))
+    lay = hierarchy.detect_layout(fixture("mountinfo.v2"), fixture("proc_cgroup.v2"))
     assert lay.kind == "v2"
     be = cgroups.backend_for(lay)
     assert be.parents == {
@@ -57,7 +57,7 @@ def test_detect_v2_nests_under_slurm_task():
 
 @pytest.mark.fast
 def test_detect_v1_combined_hierarchies():
-    lay = files.detect_layout(fixture("mountinfo.v1"), fixture("proc_cgroup.v1"))
+    lay = hierarchy.detect_layout(fixture("mountinfo.v1"), fixture("proc_cgroup.v1"))
     assert lay.kind == "v1"
     assert lay.v1["cpu"] is lay.v1["cpuacct"]
     assert lay.v1["cpu"].mount_point == "/sys/fs/cgroup/cpu,cpuacct"
@@ -72,24 +72,24 @@ def test_detect_v1_combined_hierarchies():
 
 @pytest.mark.fast
 def test_detect_container_mount_root_and_escapes():
-    lay = files.detect_layout(fixture("mountinfo.container"), fixture("proc_cgroup.container"))
+    lay = hierarchy.detect_layout(fixture("mountinfo.container"), fixture("proc_cgroup.container"))
     assert lay.kind == "v2"
     # /sys/fs/cgroup shows /docker/abc123; the starter is in .../init below it.
     assert lay.unified.mount_point == "/sys/fs/cgroup"
     assert lay.own["unified"] == "/init"
-    mounts = files.parse_mountinfo(fixture("mountinfo.container"))
+    mounts = hierarchy.parse_mountinfo(fixture("mountinfo.container"))
     assert mounts[1].mount_point == "/mnt/my cgroup"
 
 
 @pytest.mark.fast
 def test_detect_nothing_mounted():
     with pytest.raises(CgroupError, match="no cgroup hierarchy"):
-        files.detect_layout(fixture("mountinfo.none"), "1:name=systemd:/\n")
+        hierarchy.detect_layout(fixture("mountinfo.none"), "1:name=systemd:/\n")
 
 
 @pytest.mark.fast
 def test_explicit_parent():
-    lay = files.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
+    lay = hierarchy.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
     be = cgroups.backend_for(lay, parent="/htcondor//starter/")
     assert be.parents["memory"] == "/sys/fs/cgroup/memory/htcondor/starter"
     assert be.parents["unified"] == "/sys/fs/cgroup/unified/htcondor/starter"
@@ -103,42 +103,42 @@ def test_explicit_parent():
 
 @pytest.mark.fast
 def test_proc_cgroup():
-    lines = files.parse_proc_cgroup(fixture("proc_cgroup.v1"))
+    lines = hierarchy.parse_proc_cgroup(fixture("proc_cgroup.v1"))
     assert lines[0].controllers == ("net_cls", "net_prio")
     assert lines[-1].controllers == ("name=systemd",)
-    assert files.parse_proc_cgroup("0::/a:b\n")[0].path == "/a:b"
+    assert hierarchy.parse_proc_cgroup("0::/a:b\n")[0].path == "/a:b"
 
 
 @pytest.mark.fast
 def test_flat_keyed_files():
-    cpu = files.parse_flat_keyed(fixture("cpu.stat"))
+    cpu = parsers.parse_flat_keyed(fixture("cpu.stat"))
     assert cpu["user_usec"] == 1990000 and cpu["system_usec"] == 13456
-    assert files.parse_flat_keyed(fixture("memory.events"))["oom_kill"] == 2
-    assert files.parse_flat_keyed(fixture("memory.stat"))["anon"] == 536870912
-    assert files.parse_flat_keyed(fixture("memory.oom_control"))["oom_kill"] == 4
-    assert "oom_kill" not in files.parse_flat_keyed(fixture("memory.oom_control.old"))
-    assert files.parse_flat_keyed(fixture("cgroup.events")) == {"populated": 1, "frozen": 0}
-    assert files.parse_flat_keyed(None) == {}
+    assert parsers.parse_flat_keyed(fixture("memory.events"))["oom_kill"] == 2
+    assert parsers.parse_flat_keyed(fixture("memory.stat"))["anon"] == 536870912
+    assert parsers.parse_flat_keyed(fixture("memory.oom_control"))["oom_kill"] == 4
+    assert "oom_kill" not in parsers.parse_flat_keyed(fixture("memory.oom_control.old"))
+    assert parsers.parse_flat_keyed(fixture("cgroup.events")) == {"populated": 1, "frozen": 0}
+    assert parsers.parse_flat_keyed(None) == {}
 
 
 @pytest.mark.fast
 def test_io_totals():
-    assert files.io_stat_totals(fixture("io.stat")) == (1459200 + 90430464, 314773504 + 299008000)
-    assert files.io_stat_totals("") == (0, 0)
-    assert files.blkio_totals(fixture("blkio.throttle.io_service_bytes")) == (
+    assert parsers.io_stat_totals(fixture("io.stat")) == (1459200 + 90430464, 314773504 + 299008000)
+    assert parsers.io_stat_totals("") == (0, 0)
+    assert parsers.blkio_totals(fixture("blkio.throttle.io_service_bytes")) == (
         1459200 + 90430464,
         314773504 + 299008000,
     )
-    assert files.blkio_totals("Total 0\n") == (0, 0)
+    assert parsers.blkio_totals("Total 0\n") == (0, 0)
 
 
 @pytest.mark.fast
 def test_pressure():
-    assert files.pressure_totals(fixture("cpu.pressure")) == {"some": 76445, "full": 75144}
-    assert files.pressure_totals(fixture("cpu.pressure.old")) == {"some": 12}
-    assert files.pressure_totals(fixture("memory.pressure")) == {"some": 0, "full": 0}
-    assert files.pressure_totals(None) is None
-    nested = files.parse_nested_keyed(fixture("cpu.pressure"))
+    assert parsers.pressure_totals(fixture("cpu.pressure")) == {"some": 76445, "full": 75144}
+    assert parsers.pressure_totals(fixture("cpu.pressure.old")) == {"some": 12}
+    assert parsers.pressure_totals(fixture("memory.pressure")) == {"some": 0, "full": 0}
+    assert parsers.pressure_totals(None) is None
+    nested = parsers.parse_nested_keyed(fixture("cpu.pressure"))
     assert nested["some"]["avg10"] == 1.53
 
 

@@ -24,7 +24,7 @@ import time
 import pytest
 
 from starter import cgroups
-from starter.cgroups import Limits, files
+from starter.cgroups import files, hierarchy, Limits
 from starter.errors import CgroupError, SpecError
 
 from conftest import SLOWDOWN, wait_for
@@ -47,7 +47,7 @@ _host_layout = None
 def host_layout():
     global _host_layout
     if _host_layout is None:
-        _host_layout = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup"))
+        _host_layout = hierarchy.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup"))
     return _host_layout
 
 
@@ -526,7 +526,7 @@ def test_default_parent(backend):
     be = cgroups.open_backend()
     lay = host_layout()
     for role, p in be.parents.items():
-        assert p == files.join(be.mount_for(role).mount_point, lay.own[role], "starter")
+        assert p == hierarchy.join(be.mount_for(role).mount_point, lay.own[role], "starter")
     cg = be.create(f"t{os.getpid()}-default")
     try:
         assert all(os.path.isdir(d) for d in cg.dirs())
@@ -548,7 +548,7 @@ def test_v2_delegation_leaf_is_undone():
     """On v2 the starter moves itself into <own>/<parent>/supervisor-<pid> to
     enable controllers in <own>; destroying the last job puts everything back."""
     lay = _v2_or_skip()
-    own = files.join(lay.unified.mount_point, lay.own["unified"])
+    own = hierarchy.join(lay.unified.mount_point, lay.own["unified"])
     before = (files.read_text("/proc/self/cgroup"), files.read_text(os.path.join(own, "cgroup.subtree_control")))
     be = cgroups.backend_for(lay, f"starter-test-{os.getpid()}")
     try:
@@ -566,7 +566,7 @@ def test_v2_delegation_leaf_is_undone():
 def test_v2_refuses_when_own_cgroup_is_shared():
     """Another process in <own> (not ours to move): fail closed, undo the move."""
     lay = _v2_or_skip()
-    own = files.join(lay.unified.mount_point, lay.own["unified"])
+    own = hierarchy.join(lay.unified.mount_point, lay.own["unified"])
     if set(files.read_text(os.path.join(own, "cgroup.subtree_control")).split()) >= {"memory", "pids"}:
         pytest.skip(f"{own} already delegates its controllers")
     before = files.read_text("/proc/self/cgroup")

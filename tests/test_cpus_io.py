@@ -104,9 +104,9 @@ def test_a_batch_systems_cpuset_is_the_jobs(starter):
     """Started inside a cpuset of one CPU (Slurm's ConstrainCores with
     --cpus-per-task=1), with no --cpus or --cpuset: the job runs there
     (nproc 1) and the thread-count variables say 1."""
-    from starter.cgroups import files
+    from starter.cgroups import hierarchy
 
-    layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
+    layout = hierarchy.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
     if "cpuset" in layout.v1:
         m, own = layout.v1["cpuset"], layout.own["cpuset"]
     elif layout.unified is not None and "cpuset" in open(os.path.join(

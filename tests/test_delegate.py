@@ -16,20 +16,20 @@ import subprocess
 import pytest
 
 from conftest import SLOWDOWN, process_alive
-from starter.cgroups import files
+from starter.cgroups import files, hierarchy, subtree
 
 PY = "/usr/bin/python3"
 
 
 def _layout():
-    return files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup"))
+    return hierarchy.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup"))
 
 
 def _pure_v2_or_skip():
     lay = _layout()
     if lay.kind != "v2":
         pytest.skip(f"host cgroups are {lay.kind}: --delegate needs pure cgroup v2 (scripts/vm-test)")
-    if "nsdelegate" not in files.super_options(files.read_text("/proc/self/mountinfo"), lay.unified.mount_point):
+    if "nsdelegate" not in hierarchy.super_options(files.read_text("/proc/self/mountinfo"), lay.unified.mount_point):
         pytest.skip("the cgroup2 mount lacks nsdelegate: --delegate is refused here")
 
 
@@ -59,9 +59,9 @@ def test_job_file_delegate_must_be_a_boolean(starter, tmp_path):
 def test_nsdelegate_is_read_from_the_mount():
     mi = ("26 24 0:23 / /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw,nsdelegate,memory_recursiveprot\n"
           "27 24 0:24 / /sys/fs/cgroup/unified rw - cgroup2 cgroup2 rw\n")
-    assert "nsdelegate" in files.super_options(mi, "/sys/fs/cgroup")
-    assert "nsdelegate" not in files.super_options(mi, "/sys/fs/cgroup/unified")
-    assert files.super_options(mi, "/nowhere") == set()
+    assert "nsdelegate" in hierarchy.super_options(mi, "/sys/fs/cgroup")
+    assert "nsdelegate" not in hierarchy.super_options(mi, "/sys/fs/cgroup/unified")
+    assert hierarchy.super_options(mi, "/nowhere") == set()
 
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "cgroup")
@@ -75,7 +75,7 @@ def _fixture_backend(kind):
             return f.read()
 
     mi = read(f"mountinfo.{kind}")
-    return cgroups.backend_for(files.detect_layout(mi, read(f"proc_cgroup.{kind}")), "/starter"), mi
+    return cgroups.backend_for(hierarchy.detect_layout(mi, read(f"proc_cgroup.{kind}")), "/starter"), mi
 
 
 @pytest.mark.parametrize("kind", ["v1", "hybrid"])
@@ -119,17 +119,17 @@ def test_payload_walk_escapes_names_and_follows_no_link(tmp_path):
     outside.mkdir()
     (outside / "secret").mkdir()
     os.symlink(outside, top / "link")
-    got, left = files.subtree_figures(str(top), 64)
+    got, left = subtree.subtree_figures(str(top), 64)
     names = [g["name"] for g in got]
     assert names == ["a", "a/deep", "bad\\x0a\\x1b[31m\\x5cname", "y" * 255, "z"]
     assert left == 0
     deep = got[1]
     assert deep["memory_peak_bytes"] == 12345 and deep["oom_kill"] == 2 and deep["oom"] == 1
-    assert files.ran_out_of_memory(deep) and not files.ran_out_of_memory(got[0])
+    assert subtree.ran_out_of_memory(deep) and not subtree.ran_out_of_memory(got[0])
     assert deep["cpu_s"] == 1.5 and "memory_peak_bytes" not in got[0]
-    got, left = files.subtree_figures(str(top), 2)
+    got, left = subtree.subtree_figures(str(top), 2)
     assert [g["name"] for g in got] == ["a", "a/deep"] and left == 3
-    assert len(files.show_name(b"\xff" * 255)) == files.NAME_MAX_SHOWN
+    assert len(subtree.show_name(b"\xff" * 255)) == subtree.NAME_MAX_SHOWN
 
 
 @pytest.mark.fast

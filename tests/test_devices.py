@@ -284,9 +284,9 @@ def step_with_gpu0():
     devices controller where the host has one, else a cgroup2 device program
     (attached as the starter attaches its own).  -> its cgroup.procs."""
     from starter.isolate import mounts
-    from starter.cgroups import files
+    from starter.cgroups import hierarchy
 
-    layout = files.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
+    layout = hierarchy.detect_layout(open("/proc/self/mountinfo").read(), open("/proc/self/cgroup").read())
     if "devices" in layout.v1:
         m, own = layout.v1["devices"], layout.own["devices"]
     else:

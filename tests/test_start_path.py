@@ -12,7 +12,7 @@ import pytest
 
 from conftest import REPO, running_netd
 from starter import cgroups
-from starter.cgroups import files
+from starter.cgroups import files, hierarchy
 
 FIX = os.path.join(os.path.dirname(__file__), "fixtures", "cgroup")
 PY = os.path.join(REPO, ".venv", "bin", "python")
@@ -28,7 +28,7 @@ RUN_IMPORTS = {
     # the starter's own run path
     "starter", "starter._native", "starter._shim", "starter._shim.lib", "starter.callers",
     "starter.callers.policy", "starter.cgroups", "starter.cgroups.backend", "starter.cgroups.base",
-    "starter.cgroups.dirs", "starter.cgroups.files", "starter.cgroups.kill",
+    "starter.cgroups.dirs", "starter.cgroups.files", "starter.cgroups.hierarchy", "starter.cgroups.kill",
     "starter.cgroups.limits", "starter.cli", "starter.cli.main", "starter.cli.parse",
     "starter.errors", "starter.fileio", "starter.isolate", "starter.isolate.childspec",
     "starter.isolate.mounts", "starter.isolate.ns", "starter.isolate.nsidentity",
@@ -39,9 +39,11 @@ RUN_IMPORTS = {
     "starter.storage.paths",
 }
 # Only the host's cgroup backend is loaded (with the cgroup2 tracking where it has one).
-BACKEND_IMPORTS = {"v2": {"starter.cgroups.v2", "starter.cgroups.unified"},
-                   "v1": {"starter.cgroups.v1"},
-                   "hybrid": {"starter.cgroups.hybrid", "starter.cgroups.v1", "starter.cgroups.unified"}}
+BACKEND_IMPORTS = {"v2": {"starter.cgroups.v2", "starter.cgroups.unified", "starter.cgroups.parsers",
+                          "starter.cgroups.subtree"},
+                   "v1": {"starter.cgroups.v1", "starter.cgroups.parsers"},
+                   "hybrid": {"starter.cgroups.hybrid", "starter.cgroups.v1", "starter.cgroups.unified",
+                              "starter.cgroups.parsers"}}
 # Named in docs/design.md, "The start path"; each costs milliseconds per start (measured
 # with python -IS on the 2-CPU test host: json +9 ms (it pulls in re),
 # contextlib +4.5 ms, threading +4.9 ms, signal +5 ms).
@@ -81,7 +83,7 @@ def test_run_imports_exactly_the_lean_set(state_dir):
     finally:
         _remove_seccomp_cache(state_dir)
     assert not mods & NEVER_ON_RUN_PATH, f"heavy imports on the run path: {sorted(mods & NEVER_ON_RUN_PATH)}"
-    kind = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
+    kind = hierarchy.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
     want = RUN_IMPORTS | BACKEND_IMPORTS[kind]
     assert mods == want, (f"new on the run path: {sorted(mods - want)}; "
                           f"no longer imported: {sorted(want - mods)}")
@@ -96,7 +98,7 @@ def test_a_nat_run_through_netd_adds_only_the_client(state_dir):
                                                                 "--resolver", "192.0.2.53"])
     finally:
         _remove_seccomp_cache(state_dir)
-    kind = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
+    kind = hierarchy.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
     want = RUN_IMPORTS | BACKEND_IMPORTS[kind] | NAT_IMPORTS
     assert mods == want, (f"new on the NAT run path: {sorted(mods - want)}; "
                           f"no longer imported: {sorted(want - mods)}")
@@ -131,7 +133,7 @@ def test_trace_prints_every_phase_and_nothing_without_it(starter, state_dir):
 
 def _layout(name):
     with open(os.path.join(FIX, f"mountinfo.{name}")) as m, open(os.path.join(FIX, f"proc_cgroup.{name}")) as c:
-        return files.detect_layout(m.read(), c.read())
+        return hierarchy.detect_layout(m.read(), c.read())
 
 
 @pytest.mark.fast
@@ -141,12 +143,12 @@ def test_warm_up_target_is_a_v1_tasks_file_only_where_jobs_join_v1():
         lay = _layout(name)
         target = cgroups._warm_target(lay)
         assert target is not None and target.endswith("/tasks"), target
-        role = next(r for r in sorted(files.V1_RESOURCE_CONTROLLERS) if r in lay.v1 and r in lay.own)
-        assert target == files.join(lay.v1[role].mount_point, lay.own[role], "tasks")
+        role = next(r for r in sorted(hierarchy.V1_RESOURCE_CONTROLLERS) if r in lay.v1 and r in lay.own)
+        assert target == hierarchy.join(lay.v1[role].mount_point, lay.own[role], "tasks")
 
 
 def test_warm_up_thread_moves_only_itself_and_ends_when_told():
-    lay = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup"))
+    lay = hierarchy.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup"))
     if cgroups._warm_target(lay) is None:
         pytest.skip("this host's jobs join no v1 hierarchy: warm_up() starts no thread (checked below)")
     before = _own_cgroups()
@@ -250,7 +252,7 @@ def test_launcher_starts_the_warm_up_before_the_interpreter(state_dir, tmp_path)
     python_at = next(i for i, l in enumerate(lines) if "execve(" in l and "/python" in l)
     tasks = [l.split()[0] for l in lines[:python_at + 40] if "/sys/fs/cgroup/" in l and "/tasks\"" in l
              and "openat(" in l and "= -1" not in l]
-    kind = files.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
+    kind = hierarchy.detect_layout(files.read_text("/proc/self/mountinfo"), files.read_text("/proc/self/cgroup")).kind
     if kind == "v2":
         assert tasks == [], tasks
         return

@@ -351,9 +351,9 @@ def bench_transient_lease(runs):
 def machine():
     layout = "?"
     try:
-        from starter.cgroups import files
+        from starter.cgroups import files, hierarchy
 
-        layout = files.detect_layout(files.read_text("/proc/self/mountinfo"),
+        layout = hierarchy.detect_layout(files.read_text("/proc/self/mountinfo"),
                                      files.read_text("/proc/self/cgroup")).kind
     except Exception as e:  # noqa: BLE001 - a bench prints what it can
         layout = f"? ({e})"

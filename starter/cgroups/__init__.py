@@ -14,13 +14,13 @@ import stat
 import time
 from _thread import allocate_lock as _allocate_lock
 
-from . import files
+from . import files, hierarchy
 
 __all__ = ["open_backend", "backend_for", "Limits", "Backend", "JobCgroup", "check_job_id",
            "warm_up", "warm_up_done"]
 
 # The backends are imported on first use, not with the package: `starter run`
-# calls warm_up() (which needs only files.py) before anything else, and the
+# calls warm_up() (which needs only files.py and hierarchy.py) before anything else, and the
 # ~2.5 ms of importing base/v1/v2/hybrid then runs after the warm-up thread
 # has started instead of before it.
 def __getattr__(name):
@@ -55,7 +55,7 @@ def _backend_class(kind):
 
 
 def backend_for(layout, parent=None):
-    """The backend for a detected files.Layout (testable without a host)."""
+    """The backend for a detected hierarchy.Layout (testable without a host)."""
     if layout.kind not in ("v2", "v1", "hybrid"):
         raise KeyError(layout.kind)
     return _backend_class(layout.kind)(layout, parent)
@@ -79,7 +79,7 @@ def open_backend(parent=None, mountinfo=None, proc_cgroup=None):
         mountinfo = files.read_text("/proc/self/mountinfo")
     if proc_cgroup is None:
         proc_cgroup = files.read_text("/proc/self/cgroup")
-    return backend_for(files.detect_layout(mountinfo, proc_cgroup), parent)
+    return backend_for(hierarchy.detect_layout(mountinfo, proc_cgroup), parent)
 
 
 # --------------------------------------------------------------------------
@@ -130,7 +130,7 @@ def warm_up():
     global _early_layout, _warm_stop
     by_launcher = _take_launcher_fd()
     try:
-        layout = files.detect_layout(files.read_text("/proc/self/mountinfo"),
+        layout = hierarchy.detect_layout(files.read_text("/proc/self/mountinfo"),
                                      files.read_text("/proc/self/cgroup"))
     except Exception:
         return
@@ -187,10 +187,10 @@ def _take_launcher_fd():
 def _warm_target(layout):
     """The v1 `tasks` file of the starter's own cgroup in a hierarchy a job
     joins (None: the job joins no v1 hierarchy)."""
-    for role in sorted(files.V1_RESOURCE_CONTROLLERS):
+    for role in sorted(hierarchy.V1_RESOURCE_CONTROLLERS):
         m, own = layout.v1.get(role), layout.own.get(role)
         if m is not None and own is not None:
-            return files.join(m.mount_point, own, "tasks")
+            return hierarchy.join(m.mount_point, own, "tasks")
     return None
 
 

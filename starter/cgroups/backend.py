@@ -11,7 +11,7 @@ import os
 from abc import abstractmethod   # in sys.modules already: see base.py
 
 from ..errors import CgroupError, SpecError
-from . import files
+from . import files, hierarchy
 from .base import DELEGATE_V1_HINT, DELEGATE_V1_REFUSAL, JOB_PREFIX, JobCgroup, check_job_id, require_hooks
 from .dirs import mkdir, rmdir_quiet
 
@@ -98,14 +98,14 @@ class Backend:
         m = self.mount_for(role)
         parent = check_parent("starter" if parent is None else parent)
         if parent.startswith("/"):
-            return files.join(m.mount_point, parent)
+            return hierarchy.join(m.mount_point, parent)
         own = self.layout.own.get(role)
         if own is None:
             raise CgroupError(
                 f"cannot find the starter's own {role} cgroup under {m.mount_point}",
                 "set the cgroup parent to an absolute cgroup path like /starter",
             )
-        return files.join(m.mount_point, own, parent)
+        return hierarchy.join(m.mount_point, own, parent)
 
     def view(self):
         """What a job sees at /sys/fs/cgroup inside its cgroup namespace:
@@ -233,7 +233,7 @@ class Backend:
         cands = [self.parents[role]]
         own = self.layout.own.get(role)
         if own and own != "/":
-            cands.append(files.join(m.mount_point, own))
+            cands.append(hierarchy.join(m.mount_point, own))
         try:
             with os.scandir(m.mount_point) as it:
                 for e in it:

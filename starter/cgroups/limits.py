@@ -8,7 +8,7 @@ import math
 
 from ..spec import values
 from ..errors import CgroupError, SpecError
-from . import files
+from . import files, hierarchy
 
 CPU_PERIOD_US = 100_000
 CPU_WEIGHT_MIN, CPU_WEIGHT_MAX = 1, 10_000
@@ -17,7 +17,7 @@ CPU_SHARES_MIN, CPU_SHARES_MAX = 2, 262_144
 PIDS_MAX_SANE = 2**31 - 1
 
 
-class Limits(files._Record):
+class Limits(hierarchy.Record):
     """Resource limits for one job.  None means "not limited" for that resource.
 
     memory_bytes  RAM limit; swap is not allowed beyond it (v2 memory.swap.max=0,

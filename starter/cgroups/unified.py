@@ -11,7 +11,7 @@ import os
 import time
 
 from ..errors import CgroupError
-from . import files
+from . import files, parsers
 from .dirs import EventsWatch, subdirs_bottom_up
 from .kill import kill_pids
 
@@ -50,7 +50,7 @@ class UnifiedTracking:
             self._events.drain()
 
     def _read_events(self):
-        return files.parse_flat_keyed(self._text(self._ufile("cgroup.events")))
+        return parsers.parse_flat_keyed(self._text(self._ufile("cgroup.events")))
 
     def is_empty(self):
         """No process left in the job or any cgroup below it."""
@@ -191,13 +191,13 @@ class UnifiedTracking:
     # -- accounting on the cgroup2 side -----------------------------------------
     def _tracking_stats(self):
         out = {}
-        cpu = files.parse_flat_keyed(self._text(self._ufile("cpu.stat")))
+        cpu = parsers.parse_flat_keyed(self._text(self._ufile("cpu.stat")))
         if "user_usec" in cpu:
             out["cpu_user_s"] = cpu["user_usec"] / 1e6
             out["cpu_system_s"] = cpu.get("system_usec", 0) / 1e6
         psi = {}
         for res in ("cpu", "memory", "io"):
-            t = files.pressure_totals(self._text(self._ufile(f"{res}.pressure")))
+            t = parsers.pressure_totals(self._text(self._ufile(f"{res}.pressure")))
             if t is not None:
                 psi[res] = t
         out["psi"] = psi or None

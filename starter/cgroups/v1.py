@@ -21,7 +21,7 @@ import time
 
 from ..spec import values
 from ..errors import CgroupError
-from . import files
+from . import files, parsers
 from .backend import Backend
 from .base import JobCgroup
 from .dirs import subdirs_bottom_up
@@ -117,7 +117,7 @@ class V1Resources:
         if mem:
             out["memory_current_bytes"] = rd(os.path.join(mem, "memory.usage_in_bytes"))
             out["memory_peak_bytes"] = rd(os.path.join(mem, "memory.max_usage_in_bytes"))
-            mstat = files.parse_flat_keyed(self._text(os.path.join(mem, "memory.stat")))
+            mstat = parsers.parse_flat_keyed(self._text(os.path.join(mem, "memory.stat")))
             # total_shmem covers the job's sub-cgroups; shmem alone does not
             out["memory_shmem_bytes"] = mstat.get("total_shmem", mstat.get("shmem"))
             out["oom_kills"] = _oom_kills_v1(mem, self._text)
@@ -130,7 +130,7 @@ class V1Resources:
             for name in ("blkio.throttle.io_service_bytes_recursive", "blkio.throttle.io_service_bytes"):
                 text = self._text(os.path.join(blk, name))
                 if text is not None:
-                    out["io_read_bytes"], out["io_write_bytes"] = files.blkio_totals(text)
+                    out["io_read_bytes"], out["io_write_bytes"] = parsers.blkio_totals(text)
                     break
         return out
 
@@ -199,7 +199,7 @@ def _oom_kills_v1(mem, read_top):
     total = None
     for d in subdirs_bottom_up(mem):
         read = read_top if d == mem else files.read_text_or_none
-        n = files.parse_flat_keyed(read(os.path.join(d, "memory.oom_control"))).get("oom_kill")
+        n = parsers.parse_flat_keyed(read(os.path.join(d, "memory.oom_control"))).get("oom_kill")
         if n is not None:
             total = (total or 0) + n
     return total
@@ -314,7 +314,7 @@ class V1Tracking:
             u = self._int(os.path.join(acct, "cpuacct.usage_user"))
             s = self._int(os.path.join(acct, "cpuacct.usage_sys"))
             if u is None or s is None:
-                st = files.parse_flat_keyed(self._text(os.path.join(acct, "cpuacct.stat")))
+                st = parsers.parse_flat_keyed(self._text(os.path.join(acct, "cpuacct.stat")))
                 if "user" in st:
                     hz = os.sysconf("SC_CLK_TCK")
                     u, s = st["user"] * 1e9 / hz, st.get("system", 0) * 1e9 / hz

@@ -40,7 +40,7 @@ import errno
 import os
 
 from ..errors import CgroupError
-from . import files
+from . import files, hierarchy, parsers, subtree
 from ..spec import values
 from .backend import Backend
 from .base import DELEGATE_LEAF, JobCgroup
@@ -108,23 +108,23 @@ class V2Resources:
         out["memory_peak_bytes"] = rd(os.path.join(d, "memory.peak"))
         mstat = self._text(os.path.join(d, "memory.stat"))
         if mstat is not None:
-            out["memory_shmem_bytes"] = files.parse_flat_keyed(mstat).get("shmem")
+            out["memory_shmem_bytes"] = parsers.parse_flat_keyed(mstat).get("shmem")
         out["pids_current"] = rd(os.path.join(d, "pids.current"))
         out["pids_peak"] = rd(os.path.join(d, "pids.peak"))
         io = self._text(os.path.join(d, "io.stat"))
         if io is not None:
-            out["io_read_bytes"], out["io_write_bytes"] = files.io_stat_totals(io)
+            out["io_read_bytes"], out["io_write_bytes"] = parsers.io_stat_totals(io)
         ev = self._text(os.path.join(d, "memory.events"))
         if ev is not None:
             # memory.events is hierarchical (memory.events.local is not):
             # it counts OOM kills in sub-cgroups the job made too.
-            out["oom_kills"] = files.parse_flat_keyed(ev).get("oom_kill", 0)
+            out["oom_kills"] = parsers.parse_flat_keyed(ev).get("oom_kill", 0)
         return out
 
 
     def oom_kills(self):
         ev = self._text(os.path.join(self.upath, "memory.events"))
-        return None if ev is None else files.parse_flat_keyed(ev).get("oom_kill", 0)
+        return None if ev is None else parsers.parse_flat_keyed(ev).get("oom_kill", 0)
 
     def end_on_oom(self):
         """memory.oom.group=1: when the OOM killer picks a task of the job
@@ -214,14 +214,14 @@ class V2Delegation:
         was reached (memory.events.local "oom") or the job was group-killed
         (a global OOM; "oom_group_kill").  An OOM inside a sub-cgroup the job
         limited itself counts in neither."""
-        ev = files.parse_flat_keyed(files.read_text_or_none(os.path.join(self.upath, "memory.events.local")))
+        ev = parsers.parse_flat_keyed(files.read_text_or_none(os.path.join(self.upath, "memory.events.local")))
         return ev.get("oom", 0) > 0 or ev.get("oom_group_kill", 0) > 0
 
     def payload_stats(self, limit=None):
         """Figures of every cgroup below the job's (depth first, at most
         `limit`) -> (list of dicts, number left out).  The names are the
         job's: escaped, bounded, and the walk never follows a link."""
-        return files.subtree_figures(self.upath, PAYLOADS_MAX if limit is None else limit)
+        return subtree.subtree_figures(self.upath, PAYLOADS_MAX if limit is None else limit)
 
 
 # The files of a cgroup that delegation hands over ("" = the directory).
@@ -265,7 +265,7 @@ class V2Backend(Backend):
         m = self.layout.unified
         if mountinfo is None:
             mountinfo = files.read_text("/proc/self/mountinfo")
-        opts = files.super_options(mountinfo, m.mount_point)
+        opts = hierarchy.super_options(mountinfo, m.mount_point)
         if "nsdelegate" not in opts:
             raise CgroupError(
                 f"--delegate needs the nsdelegate option on the cgroup2 mount {m.mount_point}",
@@ -345,7 +345,7 @@ class V2Backend(Backend):
 
     def _is_own(self, d):
         own = self.layout.own.get("unified")
-        return own is not None and d == files.join(self.layout.unified.mount_point, own)
+        return own is not None and d == hierarchy.join(self.layout.unified.mount_point, own)
 
     def _move_back(self):
         """Every process of our leaf (the starter, and what followed it)
@@ -449,7 +449,7 @@ def _owner_of_leaf(layout, parent):
     if len(parts) != 3 or parts[1] != name or not parts[2].startswith(SUPERVISOR_PREFIX) \
             or not parts[2][len(SUPERVISOR_PREFIX):].isdigit():
         return layout
-    return files.Layout(kind=layout.kind, unified=layout.unified, v1=layout.v1,
+    return hierarchy.Layout(kind=layout.kind, unified=layout.unified, v1=layout.v1,
                         own={**layout.own, "unified": parts[0] or "/"})
 
 

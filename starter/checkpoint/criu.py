@@ -651,7 +651,7 @@ def _fix_mounts(pid, rec):
     root), read-only; the kernel refuses a file system on itself at the
     same place, so a tiny tmpfs goes between.  The job, without
     CAP_SYS_ADMIN, cannot take them off."""
-    from starter.cgroups.files import unescape_mountinfo
+    from starter.cgroups.hierarchy import unescape_mountinfo
 
     wrong = {}
     with open(f"/proc/{pid}/mountinfo") as f:

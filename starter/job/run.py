@@ -540,7 +540,7 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
     elif reason == "checkpointed" and spec.on_vacate:
         report["checkpoint"] = spec.on_vacate
     if spec.delegate:
-        from starter.cgroups.files import ran_out_of_memory
+        from starter.cgroups.subtree import ran_out_of_memory
 
         payloads, left_out = cg.payload_stats()
         report.update(delegated=True, payloads=payloads, payloads_truncated=left_out,

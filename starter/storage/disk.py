@@ -477,7 +477,7 @@ def _clear_loops(ident, path, candidates=None):
 
 def mounts_at(path):
     """[(major, minor)] of what is mounted at `path` (this mount namespace)."""
-    from starter.cgroups.files import unescape_mountinfo   # the one mountinfo unescaping
+    from starter.cgroups.hierarchy import unescape_mountinfo   # the one mountinfo unescaping
 
     out = []
     with open("/proc/self/mountinfo") as f:
