@@ -1,7 +1,7 @@
 """Callers that are not root: the set-user-ID `starter run` under the node policy.
 
 Every test runs the real `starter` command as an ordinary user (nobody, with
-setpriv), through the launcher's relay and root half (native/launcher.c,
+setpriv), through the launcher's relay and root half (native/launcher_relay.c,
 starter/callers/caller.py), against a node policy written to /etc/starter/starter.toml
 for the test (the one a caller's starter reads: its environment is emptied).
 What a hostile caller asks for is refused with exit 125 and one line, and

@@ -176,7 +176,7 @@ def test_warm_up_starts_no_thread_without_v1(monkeypatch):
 
 
 def test_warm_up_takes_the_launchers_pipe_and_closes_it_when_done(monkeypatch):
-    """Where the launcher warms up (native/launcher.c), warm_up() starts no
+    """Where the launcher warms up (native/launcher_warm.c), warm_up() starts no
     thread: it takes the launcher's pipe out of the environment, keeps it
     from anything it starts, and warm_up_done() closes it (the launcher's
     process sees EOF and stops).  A value that is no pipe of ours is ignored."""

@@ -1,7 +1,7 @@
 """Who asked for this job, when it was not root.
 
 A caller that is not root reaches `starter run` through the set-user-ID
-launcher (native/launcher.c, caller_run()), which forks: the caller's half
+launcher (native/launcher_relay.c, caller_run()), which forks: the caller's half
 (the relay, which keeps the caller's pid and forwards its signals) and this
 process, root through and through, with an empty environment but for
 $STARTER_CALLER ("UID:GID:G1,G2,...": the caller's real ids and groups, as

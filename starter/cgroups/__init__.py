@@ -104,7 +104,7 @@ def open_backend(parent=None, mountinfo=None, proc_cgroup=None):
 # migrations) ends it.  Layouts without a v1 hierarchy the job joins start no
 # thread.  Costs: ~50 us of the node-wide migration lock per round; the
 # thread ends by itself after WARM_MAX_S.  Where the `starter` command (the C
-# launcher, native/launcher.c) ran, a process of its own already does this,
+# launcher, native/launcher_warm.c) ran, a process of its own already does this,
 # from before the interpreter started, until warm_up_done() closes the pipe
 # it handed over in $STARTER_WARM_FD: then no thread is started (its turns at
 # the GIL cost the main thread 0.4-0.6 ms per start).
