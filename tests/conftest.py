@@ -476,6 +476,15 @@ def _test_tables():
     return {t for t in _lines(["nft", "list", "tables"]) if t.split()[-1].startswith("starter_t")}
 
 
+def _test_policy():
+    """Is the node policy a policy fixture's (its state_dir in pytest's temp)?"""
+    try:
+        with open(POLICY) as f:
+            return "/pytest-of-" in f.read()
+    except OSError:
+        return False
+
+
 @pytest.fixture(scope="session", autouse=True)
 def node_clean_at_end(request, state_root):
     """After the whole run: gc, then nothing of ours may remain at all (a
@@ -486,7 +495,16 @@ def node_clean_at_end(request, state_root):
         yield
         return
     before = _test_tables()
+    if _test_policy():
+        # A policy fixture's file whose run was killed before it put the
+        # old one back: every later `starter run` on the node reads it.
+        sys.stderr.write(f"\nnote: {POLICY}, a test's policy left by an earlier run, removed\n")
+        os.unlink(POLICY)
+        with contextlib.suppress(OSError):
+            os.rmdir(os.path.dirname(POLICY))
     yield
+    if _test_policy():
+        raise RuntimeError(f"left after the session: {POLICY}, a test's policy")
     if os.path.exists(STARTER):
         subprocess.run([STARTER, "gc", "--state-dir", state_root], capture_output=True, timeout=60)
     if SHARED_NODE:

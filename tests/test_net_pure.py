@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from starter import net  # noqa: E402
 from starter.errors import NetworkError  # noqa: E402
-from starter.net import conntrack, ipam, netlink, nft, wiring  # noqa: E402
+from starter.net import conntrack, ipam, netlink, nft, table  # noqa: E402
 
 pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
 
@@ -61,7 +61,7 @@ def test_ifname_validation():
 
 
 def test_config_validation(tmp_path):
-    from starter.net.wiring import validate
+    from starter.net.table import validate
 
     ok = net.NetConfig(state_dir=str(tmp_path), lan=("10.77.0.0/16",), uplink="up0",
                        allow_host_ports=(("tcp", 3128),))
@@ -153,11 +153,11 @@ def test_uplinks_config():
     assert net.NetConfig.from_dict(json.loads(json.dumps(two.as_dict()))) == two
     # one fingerprint per node, whatever order the jobs name the uplinks in;
     # one uplink keeps the form tables recorded before several were allowed
-    fp = wiring.cfg_fingerprint
+    fp = table.cfg_fingerprint
     assert fp(two)["uplink"] == fp(net.NetConfig(state_dir="x", uplink=("up0", "ib0")))["uplink"] == ["ib0", "up0"]
     assert fp(one)["uplink"] == "up0" and fp(net.NetConfig(state_dir="x"))["uplink"] is None
     with pytest.raises(NetworkError, match="uplink"):
-        wiring.validate(net.NetConfig(state_dir="x", uplink=("up0", "bad/name")))
+        table.validate(net.NetConfig(state_dir="x", uplink=("up0", "bad/name")))
 
 
 def test_conntrack_messages():
@@ -235,7 +235,7 @@ def test_lease_has_both_addresses_of_one_slot(tmp_path):
 
 
 def test_config_validation_ipv6(tmp_path):
-    from starter.net.wiring import validate
+    from starter.net.table import validate
 
     sd = str(tmp_path)
     assert validate(net.NetConfig(state_dir=sd, lan=("192.168.0.0/16", "2001:db8::/32"))).cidr == net.DEFAULT_POOL
@@ -325,12 +325,12 @@ def test_net_rate_only_for_nat_and_reaches_the_config():
     cfg = net.config_for(s)
     assert cfg.rate == (("wan_in", 5 * 10**6), ("wan_out", 5 * 10**6))
     assert net.NetConfig.from_dict(json.loads(json.dumps(cfg.as_dict()))) == cfg
-    assert wiring.cfg_fingerprint(cfg) == wiring.cfg_fingerprint(net.config_for(spec.build(
+    assert table.cfg_fingerprint(cfg) == table.cfg_fingerprint(net.config_for(spec.build(
         {"command": ["true"], "user": "nobody", "net": "nat"})))       # per job: not the table's business
     with pytest.raises(NetworkError, match="rate"):
-        wiring.validate(net.NetConfig("/run/x", rate=[("lan_up", 10**6)]))
+        table.validate(net.NetConfig("/run/x", rate=[("lan_up", 10**6)]))
     with pytest.raises(NetworkError, match="rate"):
-        wiring.validate(net.NetConfig("/run/x", rate=[("lan_in", 1)]))
+        table.validate(net.NetConfig("/run/x", rate=[("lan_in", 1)]))
 
 
 def _tc(req):

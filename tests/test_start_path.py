@@ -35,7 +35,7 @@ RUN_IMPORTS = {
     "starter.isolate.seccomp", "starter.job", "starter.job.run", "starter.job.strays",
     "starter.job.supervisor", "starter.job.trace", "starter.job.watchdog", "starter.observe",
     "starter.observe.report", "starter.spec", "starter.spec.jobspec", "starter.spec.options",
-    "starter.spec.values", "starter.state", "starter.state.store", "starter.storage",
+    "starter.spec.registry", "starter.spec.values", "starter.state", "starter.state.store", "starter.storage",
     "starter.storage.paths",
 }
 # Only the host's cgroup backend is loaded (with the cgroup2 tracking where it has one).

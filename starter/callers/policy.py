@@ -23,36 +23,26 @@ and the key.  Format and keys: docs/reference.md, "The node policy".
 import os
 import stat
 
-from starter.spec import values as V
+from starter.spec import registry, values as V
 from starter.errors import SpecError, StarterError
 
 PATH = "/etc/starter/starter.toml"
 MAX_SIZE = 1 << 20
 DEFAULT_MAX_JOBS = 64
 
-# [defaults] key -> (run option it stands for, kind); kind says how it is checked.
-DEFAULT_KEYS = {
-    "uplink": ("uplink", "ifnames"), "lan": ("lan", "cidrs"), "pool": ("pool", "cidr"),
-    "pool6": ("pool6", "cidr"), "ipv6": ("ipv6", "ipv6"), "resolver": ("resolver", "ip"),
-    "allow_host_ports": ("allow-host-port", "ports"),
-    "execute_dir": ("execute-dir", "dir"),
-    "memory": ("memory", "size"), "cpus": ("cpus", "cpus"), "cpu_weight": ("cpu-weight", "weight"),
-    "pids": ("pids", "count"), "wall_time": ("wall-time", "duration"),
-    "disk": ("disk", "size"), "disk_inodes": ("disk-inodes", "inodes"),
-    "rlimits": ("rlimit", "rlimits"), "seccomp": ("seccomp", "profile"),
-    "grace": ("grace", "duration"),
-    "state_dir": ("state-dir", "dir"),
-    "user": ("user", "user"),
+# [defaults] key -> (run option it stands for, kind); kind says how it is
+# checked (_check).  The run options' are the option registry's; these few
+# have no run option: the node's alone.
+DEFAULT_KEYS = registry.policy_defaults()
+DEFAULT_KEYS.update({
     "job_uids": ("job-uids", "uids"),
     "escape_transient": ("escape-transient", "escape"),
     "escape_named": ("escape-named", "escape"),
-    "ptys": ("ptys", "count"),      # no run option: the most ptys of a job's own devpts
-    "net_rate": ("net-rate", "netrate"),
-    "gpus": ("gpus", "gpus"),       # "slurm": each job gets the GPUs its step was given
-    "run_passthrough": ("run-passthrough", "run_dirs"),     # no run option: the node's (run_passthrough())
-}
+    "ptys": ("ptys", "count"),      # the most ptys of a job's own devpts
+    "run_passthrough": ("run-passthrough", "run_dirs"),     # the node's (run_passthrough())
+})
 # Options whose defaults only make sense for a NAT job (spec refuses them otherwise).
-NET_OPTIONS = ("uplink", "lan", "pool", "pool6", "ipv6", "resolver", "allow-host-port")
+NET_OPTIONS = registry.nat_only()
 NAT_DEFAULTS = NET_OPTIONS + ("net-rate",)
 
 # [callers] key -> (kind, built-in value).
@@ -72,15 +62,12 @@ CALLER_KEYS = {
     "devices": ("globs", ()), "gpus": ("bool", False),
     "max_net_rate": ("netrate", None),
 }
-# Options that only root sets: where jobs' state and cgroups live, the network's shape.
-# (on-vacate and checkpoint-every: the checkpoint's directory is written as
-# root, and a caller's restore is not there yet: starter/checkpoint/criu.py)
-ROOT_ONLY = ("state-dir", "cgroup-parent", "on-vacate", "checkpoint-every") + NET_OPTIONS
-# A caller's flag -> the [callers] key that allows it.
-FLAG_KEYS = {"userns-root": "userns_root", "allow-userns": "allow_userns", "delegate": "delegate",
-             "init": "init"}
-LIMIT_KEYS = {"memory": "max_memory", "cpus": "max_cpus", "pids": "max_pids", "wall-time": "max_wall_time",
-              "disk": "max_disk"}
+# Options that only root sets (where jobs' state and cgroups live, the
+# network's shape, a checkpoint's directory: written as root), a caller's
+# flag -> the [callers] key that allows it, and a caller's value -> its cap.
+ROOT_ONLY = registry.root_only()
+FLAG_KEYS = registry.caller_flags()
+LIMIT_KEYS = registry.caller_caps()
 # --disk limits a scratch: its defaults (and a caller's max_disk) go only to jobs with one.
 DISK_OPTIONS = ("disk", "disk-inodes")
 
@@ -526,9 +513,7 @@ def _check(kind, key, val):
     if kind == "ip":
         return V.ip_address(key, V.string(key, val))
     if kind == "ipv6":
-        if val not in S.IPV6_MODES:
-            raise SpecError(key, f"must be one of {', '.join(S.IPV6_MODES)}")
-        return val
+        return S.ipv6_mode(key, val)
     if kind == "ports":
         for p in strings(val):
             S.parse_host_port(key, p)
@@ -544,10 +529,12 @@ def _check(kind, key, val):
         items = [val] if kind == "dir" else strings(val)
         out = []
         for d in items:
-            d = V.host_path(key, V.string(key, d))
-            if not d.startswith("/"):
+            # Absolute before anything else: a relative one would be
+            # resolved against whoever's directory the policy is read in,
+            # a caller's among them.
+            if not V.string(key, d).startswith("/"):
                 raise SpecError(key, f"{V.show(d)} must be an absolute path")
-            out.append(_norm(d))
+            out.append(_norm(V.host_path(key, d)))
         return out[0] if kind == "dir" else tuple(out)
     if kind == "run_dirs":
         out = []

@@ -16,6 +16,7 @@ import os
 import sys
 
 # parse, help_text, need_root, quiet_stdout, UsageError, HelpRequested: also as cli.X
+from starter.spec import registry
 from starter.cli.parse import HelpRequested, UsageError, help_text, need_root, parse, quiet_stdout  # noqa: F401
 from starter.errors import EXIT_STARTER_FAILED, StarterError
 
@@ -52,65 +53,8 @@ exit codes of run: the job's code, 128+N for signal N, 125 starter failed,
 126 not executable, 127 not found.
 """
 
-# name -> (key, kind, help).  kind: flag | value | multi | mount
-RUN_OPTIONS = {
-    "--job": ("job", "value", "FILE  JSON job description; options given here override it"),
-    "--id": ("id", "value", "ID  job id (default: random); [A-Za-z0-9_.-], at most 64"),
-    "--user": ("user", "value", "USER  run as this user (name or uid; default: the starter-job account; root only if named)"),
-    "--group": ("group", "value", "GROUP  primary group (default: the user's)"),
-    "--userns-root": ("userns-root", "flag", "be uid 0 in a user namespace that maps 0 to the job's user (not host root)"),
-    "--rlimit": ("rlimit", "multi", "NAME=SOFT[:HARD]  resource limit (repeatable), e.g. nofile=4096:65536, core=unlimited"),
-    "--cwd": ("cwd", "value", "DIR  working directory inside the job (default: the scratch, else the caller's if the job can enter it, else home, else /)"),
-    "--env": ("env", "multi", "K=V  set a variable (repeatable); the job gets only these plus HOME/USER/PATH"),
-    "--net": ("net", "value", "MODE  none (default: own namespace, loopback only), host, nat"),
-    "--hostname": ("hostname", "value", "NAME  host name inside the job (own UTS namespace)"),
-    "--bind": ("bind", "mount", "SRC[:DST]  bind mount (repeatable)"),
-    "--ro-bind": ("ro-bind", "mount", "SRC[:DST]  read-only bind mount (repeatable)"),
-    "--tmpfs": ("tmpfs", "mount", "DST[:OPTS]  a tmpfs (size=,mode=,nr_inodes=)"),
-    "--device": ("device", "multi", "PATH[:rwm]  pass a device node, bound at its path (repeatable; access read, write, mknod; default rw)"),
-    "--gpus": ("gpus", "value", "LIST  NVIDIA GPUs by index or UUID (0,1 | GPU-... | all) and their control nodes; sets CUDA_VISIBLE_DEVICES"),
-    "--init": ("init", "flag", "keep a tiny init as PID 1 (reaps orphans, forwards signals)"),
-    "--seccomp": ("seccomp", "value", "default|off|FILE  syscall filter (default: the built-in profile)"),
-    "--allow-userns": ("allow-userns", "flag", "let the job create user namespaces (unprivileged container runtimes)"),
-    "--memory": ("memory", "value", "SIZE  memory limit, no swap beyond it (e.g. 512M)"),
-    "--cpus": ("cpus", "value", "N  cpu quota in cores (e.g. 1.5)"),
-    "--cpu-weight": ("cpu-weight", "value", "N  cpu weight 1..10000 (default 100)"),
-    "--cpuset": ("cpuset", "value", "LIST  CPUs the job may run on, e.g. 0,2-3 (within its cgroup parent's)"),
-    "--mems": ("mems", "value", "LIST  NUMA memory nodes the job may use, e.g. 0"),
-    "--io-max": ("io-max", "multi", "DEV:KEY=V,..  block I/O limit (repeatable); KEY rbps, wbps (bytes/s, e.g. 10M), riops, wiops"),
-    "--pids": ("pids", "value", "N  most processes/threads at once"),
-    "--wall-time": ("wall-time", "value", "SECONDS  wall-clock limit; then the job is killed (reason timeout)"),
-    "--delegate": ("delegate", "flag", "give the job its cgroup subtree to manage (pilots; cgroup v2 with nsdelegate only)"),
-    "--oom-policy": ("oom-policy", "value", "kill|continue  kill: an OOM kill of any process ends the job (reason oom; default); continue: only that process dies"),
-    "--grace": ("grace", "value", "SECONDS  vacate: time between SIGTERM and the kill (default 10)"),
-    "--on-signal": ("on-signal", "multi", "SIG=ACTION  map a signal to vacate|suspend|resume|kill"),
-    "--report": ("report", "value", "FILE|fd:N  write the JSON usage report here when the job ends"),
-    "--report-format": ("report-format", "value", "FMT  json (default) or classad (HTCondor job attributes)"),
-    "--events": ("events", "value", "FILE|fd:N  write JSON lines, one per state change"),
-    "--state-dir": ("state-dir", "value", "DIR  per-job state (default /run/starter)"),
-    "--cgroup-parent": ("cgroup-parent", "value", "PATH  job cgroups' parent: a NAME goes under the starter's own cgroup (default: starter), a /PATH (must exist) is used as is"),
-    "--lan": ("lan", "multi", "CIDR  network counted as LAN (repeatable, IPv4 or IPv6); the rest is WAN"),
-    "--pool": ("pool", "value", "CIDR  address pool for job networks (default 10.213.0.0/16)"),
-    "--pool6": ("pool6", "value", "CIDR  IPv6 unique local pool for job networks (default fd70:7639:1864::/64)"),
-    "--ipv6": ("ipv6", "value", "auto|on|off  IPv6 for NAT jobs: auto (default) where an uplink has IPv6; on: required"),
-    "--uplink": ("uplink", "multi", "IFACE  interface jobs are NATed out of (repeatable: each destination leaves by the host's routing)"),
-    "--allow-host-port": ("allow-host-port", "multi", "PROTO:PORT  let jobs reach this port on the host"),
-    "--net-rate": ("net-rate", "value", "RATE|SCOPE=RATE,..  bandwidth caps, shaped by the kernel; SCOPE all, in, out, lan, wan, lan-in, lan-out, wan-in, wan-out (e.g. 100mbit, out=50mbit,lan=1gbit)"),
-    "--resolver": ("resolver", "value", "IP  name server (IPv4 or IPv6) written to the job's /etc/resolv.conf"),
-    "--scratch": ("scratch", "value", "DIR  fresh private working directory, removed at the end"),
-    "--execute-dir": ("execute-dir", "value", "DIR  make the scratch directory as DIR/job-ID"),
-    "--keep-scratch": ("keep-scratch", "flag", "keep the scratch directory of a job that ran"),
-    "--disk": ("disk", "value", "SIZE  the scratch is a file system of this size (e.g. 20G): writes past it fail (ENOSPC)"),
-    "--disk-inodes": ("disk-inodes", "value", "N  with --disk: at least this many files and directories (default: one per 16 KiB)"),
-    "--on-vacate": ("on-vacate", "value", "checkpoint:DIR  a vacate first dumps the job to DIR with CRIU (bounded by --grace; "
-                    "if it fails: the ordinary vacate)"),
-    "--checkpoint-every": ("checkpoint-every", "value", "DURATION  with --on-vacate checkpoint:DIR, also dump the "
-                           "running job there this often (the last good image is kept)"),
-    "--restore": ("restore", "value", "DIR  restore the job checkpointed to DIR (`starter checkpoint`), no CMD"),
-    "--manifest": ("manifest", "value", "FILE  signature file listing the inputs (sha256sum format)"),
-    "--manifest-digest": ("manifest-digest", "value", "SHA256  trusted digest of the signature file"),
-    "--inputs": ("inputs", "value", "DIR  where the manifest's files are read from"),
-}
+# "--name" -> (name, kind, help): the option registry's (spec/registry.py)
+RUN_OPTIONS = registry.cli_table()
 
 
 # ------------------------------------------------------------ subcommands

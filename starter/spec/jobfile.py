@@ -7,30 +7,15 @@ spec.build merges with the flags.  Imported only for a job given a file.
 import os
 
 from starter.isolate import mounts as M
-from starter.spec import values as V
+from starter.spec import registry as R, values as V
 from starter.errors import SpecError
 
-FILE_KEYS = {
-    "id": "id", "command": "command", "user": "user", "group": "group",
-    "cwd": "cwd", "env": "env", "hostname": "hostname", "init": "init",
-    "limits": None, "network": None, "mounts": None, "report": "report",
-    "report_format": "report-format",
-    "events": "events", "grace": "grace", "on_signal": "on-signal",
-    "state_dir": "state-dir", "cgroup_parent": "cgroup-parent",
-    "scratch": "scratch", "execute_dir": "execute-dir",
-    "keep_scratch": "keep-scratch", "manifest": "manifest",
-    "manifest_digest": "manifest-digest", "inputs": "inputs",
-    "seccomp": "seccomp", "allow_userns": "allow-userns",
-    "userns_root": "userns-root", "rlimits": None,
-    "oom_policy": "oom-policy", "delegate": "delegate",
-    "devices": "device", "gpus": "gpus",
-}
-LIMIT_KEYS = {"memory": "memory", "cpus": "cpus", "cpu_weight": "cpu-weight",
-               "pids": "pids", "wall_time": "wall-time", "cpuset": "cpuset", "mems": "mems",
-               "io_max": "io-max", "disk": "disk", "disk_inodes": "disk-inodes"}
-NET_KEYS = {"mode": "net", "lan": "lan", "pool": "pool", "uplink": "uplink",
-             "allow_host_ports": "allow-host-port", "resolver": "resolver",
-             "ipv6": "ipv6", "pool6": "pool6", "rate": "net-rate"}
+# The file's key -> the option, from the option registry; limits, network,
+# mounts and rlimits are read below, command is not an option.
+FILE_KEYS = {"command": "command", "limits": None, "network": None, "mounts": None, "rlimits": None}
+FILE_KEYS.update({k: v for k, v in R.file_keys().items() if k not in FILE_KEYS})
+LIMIT_KEYS = R.file_keys("limits")
+NET_KEYS = R.file_keys("network")
 
 
 def flatten(doc):

@@ -253,9 +253,7 @@ def _make(raw, caller=None, asked=None):
     resolver = raw.get("resolver")
     if resolver is not None:
         resolver = V.ip_address("resolver", resolver)
-    ipv6 = V.string("ipv6", raw.get("ipv6") or "auto")
-    if ipv6 not in IPV6_MODES:
-        raise SpecError("ipv6", f"{V.show(ipv6)} is not one of {', '.join(IPV6_MODES)}")
+    ipv6 = ipv6_mode("ipv6", raw.get("ipv6") or "auto")
     network = Network(
         mode=mode, ipv6=ipv6,
         pool6=V.cidr("pool6", raw["pool6"]) if raw.get("pool6") else None,
@@ -393,6 +391,14 @@ def _check_disk(raw, limits):
     if limits.disk_inodes is not None and limits.disk_inodes > limits.disk // 256:
         raise SpecError("disk-inodes", f"{limits.disk_inodes} inodes do not fit in {V.show(raw['disk'])} "
                         "(at most one per 256 bytes)", "ask for fewer inodes or a larger --disk")
+
+
+def ipv6_mode(field, value):
+    """--ipv6, network.ipv6 and the policy's [defaults] ipv6: one of IPV6_MODES."""
+    value = V.string(field, value)
+    if value not in IPV6_MODES:
+        raise SpecError(field, f"{V.show(value)} is not one of {', '.join(IPV6_MODES)}")
+    return value
 
 
 def _seccomp_choice(value):
