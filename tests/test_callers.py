@@ -21,6 +21,9 @@ import pytest
 
 from conftest import GID, POLICY, PYTHON, SLOWDOWN, STARTER, UID, caller_argv, children_of, wait_running
 
+from starter.callers import gate
+
+
 def as_caller(*args, cwd=None, timeout=60, check=None, env=None, **kw):
     p = subprocess.run(caller_argv(*args, keep_env=env is not None), capture_output=True, text=True, timeout=timeout * SLOWDOWN,
                        cwd=cwd or "/", env=env, **kw)
@@ -649,13 +652,13 @@ def test_caller_limits_capped_and_refused():
 
     pol = _policy('[callers]\nmax_memory = "1G"\nmax_cpus = 2\n')
     me = Caller(UID, GID, ())
-    raw = pol.apply({}, me)
+    raw = gate.apply(pol, {}, me)
     assert raw["memory"] == "1G" and raw["cpus"] == 2
-    assert pol.apply({"memory": "512M"}, me)["memory"] == "512M"
+    assert gate.apply(pol, {"memory": "512M"}, me)["memory"] == "512M"
     with pytest.raises(PolicyError, match="callers.max_cpus"):
-        pol.apply({"cpus": "2.5"}, me)
+        gate.apply(pol, {"cpus": "2.5"}, me)
     with pytest.raises(PolicyError, match="line 2, key callers.max_memory"):
-        pol.apply({"memory": "2G"}, me)
+        gate.apply(pol, {"memory": "2G"}, me)
 
 
 @pytest.mark.fast
@@ -672,10 +675,10 @@ def test_net_rate_defaults_and_caller_maxima_per_zone():
         "wan_in": 2 * 10**9, "wan_out": 10**9, "lan_in": 10**10, "lan_out": 10**10}
     me = Caller(UID, GID, ())
     # a caller: at most the maximum where it is set, which it gets when it asks for nothing
-    assert zones(pol.apply({"net": "nat", "net-rate": "lan-out=50mbit"}, me)) == {
+    assert zones(gate.apply(pol, {"net": "nat", "net-rate": "lan-out=50mbit"}, me)) == {
         "wan_in": 10**9, "wan_out": 10**8, "lan_out": 5 * 10**7}
     with pytest.raises(PolicyError, match="lan-out 1gbit is above the maximum 100mbit .* line 5, key callers.max_net_rate"):
-        pol.apply({"net": "nat", "net-rate": "lan=1gbit"}, me)
+        gate.apply(pol, {"net": "nat", "net-rate": "lan=1gbit"}, me)
     with pytest.raises(PolicyError, match="line 2.*net_rate"):
         _policy('[defaults]\nnet_rate = "fast"\n')
 
@@ -697,7 +700,7 @@ def test_caller_mounts(mount, ok):
 
     pol = _policy('[callers]\nro_bind = ["/cvmfs"]\nbind = ["/scratch"]\nmount_destinations = ["/tmp"]\n')
     try:
-        pol.apply({"mounts": [mount]}, Caller(UID, GID, ()))
+        gate.apply(pol, {"mounts": [mount]}, Caller(UID, GID, ()))
         assert ok
     except StarterError:
         assert not ok

@@ -168,9 +168,9 @@ class _Caller:
 
 
 def _apply(text, rlimits):
-    from starter.callers import policy as P
+    from starter.callers import gate, policy as P
 
-    return P.parse(text.encode(), "<test>").apply({"rlimit": list(rlimits)}, _Caller())
+    return gate.apply(P.parse(text.encode(), "<test>"), {"rlimit": list(rlimits)}, _Caller())
 
 
 def _threads_half():

@@ -94,13 +94,10 @@ class Policy:
         return f"the node policy {self.path}" + (f" line {line}" if line else "") + f", key {key}"
 
     # ------------------------------------------------------------ applying
-    def apply(self, raw, caller=None):
+    def apply(self, raw):
         """Fill the node defaults into `raw` (run option -> value, merged from
-        the command line and the job file) and, for a caller that is not
-        root, refuse what [callers] does not allow and cap the limits."""
-        if caller is not None:
-            self._check_caller(raw, caller)
-        asked_rate = raw.get("net-rate")      # a caller's, before the node's defaults
+        the command line and the job file).  For a caller that is not root,
+        gate.apply() checks first and caps after."""
         for opt, value in self.defaults.items():
             if opt in NAT_DEFAULTS and raw.get("net") != "nat":
                 continue
@@ -127,150 +124,7 @@ class Policy:
             for opt in DISK_OPTIONS:
                 if raw.get(opt) is None and opt in self.defaults and (opt == "disk" or raw.get("disk") is not None):
                     raw[opt] = self.defaults[opt]
-        if caller is not None:
-            self._cap_limits(raw, asked_rate)
         return raw
-
-    def _refuse(self, what, key, hint=None):
-        c = self.callers
-        raise PolicyError(f"{what}: not allowed for callers that are not root by {self.where('callers.' + key)}",
-                          hint or f"ask the node's admin, or run without it (allowed now: {_show(c.get(key))})")
-
-    def _check_caller(self, raw, caller):
-        c = self.callers
-        if not c["allow"]:
-            raise PolicyError(f"starter run is for root only on this node ({self.where('callers.allow')})",
-                              "ask the node's admin to set callers.allow = true")
-        for opt in ("user", "group"):
-            v = raw.get(opt)
-            if v is not None and not caller.is_self(opt, v):
-                raise PolicyError(f"--{opt} {V.show(str(v))}: a caller that is not root runs its jobs as itself",
-                                  f"leave out --{opt}: the job runs as uid {caller.uid}, gid {caller.gid}")
-        for opt in ROOT_ONLY:
-            if raw.get(opt) not in (None, [], ()):
-                raise PolicyError(f"--{opt}: a node setting; only root sets it for a job",
-                                  f"the node's admin sets it in {self.path or PATH} ([defaults])")
-        for opt, key in FLAG_KEYS.items():
-            if raw.get(opt) is True and not c[key]:
-                self._refuse(f"--{opt}", key, f"ask the node's admin to set callers.{key} = true")
-        net = raw.get("net", "none")
-        if net not in c["net"]:
-            self._refuse(f"--net {V.show(str(net))}", "net")
-        seccomp = raw.get("seccomp", self.defaults.get("seccomp", "default"))
-        if seccomp not in c["seccomp"]:
-            self._refuse(f"--seccomp {V.show(str(seccomp))}", "seccomp")
-        for kind, item in raw.get("mounts") or ():
-            self._check_mount(kind, item)
-        for opt in ("execute-dir", "scratch"):
-            v = raw.get(opt)
-            if v is None:
-                continue
-            d = _norm(str(v)) if opt == "execute-dir" else os.path.dirname(_norm(str(v)))
-            allowed = list(c["execute_dirs"]) + ([self.defaults["execute-dir"]] if "execute-dir" in self.defaults else [])
-            if d not in allowed:
-                raise PolicyError(f"--{opt} {V.show(str(v))}: {'it' if opt == 'execute-dir' else 'its parent'} "
-                                  f"is not an execute directory of {self.where('callers.execute_dirs')}",
-                                  f"leave it out (the node's default) or use one of: {_show(allowed)}")
-        for item in raw.get("rlimit") or ():
-            self._check_rlimit(item)
-        # --gpus slurm gives only what the step already has (devices.may_open).
-        if raw.get("gpus") not in (None, "", [], "slurm") and not c["gpus"]:
-            self._refuse("--gpus", "gpus", "ask the node's admin to set callers.gpus = true")
-        for item in raw.get("device") or ():
-            self._check_device(item)
-
-    def _check_device(self, item):
-        """--device PATH[:rwm]: PATH (normalised, no '..') must match one of
-        callers.devices (fnmatch globs: /dev/nvidia*, /dev/fuse)."""
-        from fnmatch import fnmatchcase
-
-        from starter.isolate import devices as D
-
-        try:
-            path = _norm(V.host_path("device", D.split_access("device", item)[0]))
-        except SpecError:
-            return          # spec says what is wrong with it
-        globs = self.callers["devices"]
-        if ".." in path.split("/") or not any(fnmatchcase(path, g) for g in globs):
-            self._refuse(f"--device {V.show(str(item))}", "devices",
-                         f"pass only devices matching: {_show(globs) or 'none on this node'}")
-
-    def _check_mount(self, kind, item):
-        from starter.isolate import mounts as M
-
-        try:
-            m = M.Mount.parse(kind, V.string(kind, item))
-        except SpecError:
-            return          # spec says what is wrong with it
-        c = self.callers
-        if kind != "tmpfs":
-            src = _norm(m.src)
-            dirs = c["bind"] + (c["ro_bind"] if kind == "ro-bind" else ())
-            if not any(_under(src, d) for d in dirs):
-                key = "bind" if kind == "bind" else "ro_bind"
-                self._refuse(f"--{kind} {V.show(m.src)}", key,
-                             f"bind only what is under: {_show(dirs) or 'nothing on this node'}")
-            if _norm(m.dst) == src:
-                return
-        if not any(_under(_norm(m.dst), d) for d in c["mount_destinations"]):
-            self._refuse(f"--{kind} {V.show(item)}: destination {V.show(m.dst)}", "mount_destinations",
-                         "bind a source at its own path, or mount under: "
-                         f"{_show(c['mount_destinations']) or 'nothing on this node'}")
-
-    def _check_rlimit(self, item):
-        """A caller's --rlimit may only lower the node's hard limit: the one
-        every job gets without asking, a number (the node policy's
-        defaults.rlimits, else the built-in table, sigpending's threads-max
-        / 2 included).  Not the starter's own getrlimit: the set-user-ID
-        launcher keeps the caller's nice, rtprio, sigpending and memlock
-        limits, so there it is the caller's.  "unlimited" passes only an
-        unlimited node limit."""
-        from starter.spec import options as O
-
-        try:
-            name, soft, hard = O.parse_rlimit("rlimit", item)
-        except SpecError:
-            return
-        node = {n: h for n, _, h in (O.parse_rlimit("rlimit", r) for r in self.defaults.get("rlimit", ()))}
-        limit = node[name] if name in node else O.rlimit_table()[O.RLIMIT_NAMES.index(name)][2]
-        if hard > limit:
-            raise PolicyError(f"--rlimit {V.show(str(item))}: above the node's hard limit for {name} "
-                              f"({'unlimited' if limit == O.RLIM_INFINITY else limit})",
-                              "a caller that is not root may only lower resource limits")
-
-    def _cap_limits(self, raw, asked_rate=None):
-        """A caller's limits never exceed the maxima; a job that asks for none
-        gets the maximum (the node's default where it is lower)."""
-        cap = self.callers["max_net_rate"]
-        if cap is not None and raw.get("net") == "nat":
-            from starter.spec import options as O
-
-            asked = dict(O.parse_net_rate("net-rate", asked_rate)) if asked_rate else {}
-            most = dict(O.parse_net_rate("callers.max_net_rate", cap))
-            for zone, bits in asked.items():
-                if bits > most.get(zone, bits):
-                    raise PolicyError(f"--net-rate: {zone.replace('_', '-')} {O.format_rate(bits)} is above the "
-                                      f"maximum {O.format_rate(most[zone])} of {self.where('callers.max_net_rate')}",
-                                      f"ask for at most {cap}")
-            zones = dict(O.parse_net_rate("net-rate", raw["net-rate"])) if raw.get("net-rate") else {}
-            for zone, bits in most.items():
-                zones[zone] = min(zones.get(zone, bits), bits)
-            raw["net-rate"] = O.format_net_rate(zones)
-        for opt, key in LIMIT_KEYS.items():
-            cap = self.callers[key]
-            if cap is None:
-                continue
-            v = raw.get(opt)
-            if v is None:
-                if opt != "disk" or _has_scratch(raw):
-                    raw[opt] = cap
-                continue
-            parse = {"memory": lambda x: V.size(opt, x), "disk": lambda x: V.size(opt, x),
-                     "wall-time": lambda x: V.duration(opt, x, 0.001, 1e9)}.get(
-                opt, lambda x: V.number(opt, x, 0, 1 << 62))
-            if parse(v) > parse(cap):
-                raise PolicyError(f"--{opt} {V.show(str(v))}: above the maximum {cap} of {self.where('callers.' + key)}",
-                                  f"ask for at most {cap}")
 
     def run_passthrough(self):
         """What of the host's /run every job sees (defaults.run_passthrough;
@@ -474,7 +328,7 @@ def parse(data, path="<policy>"):
 
 def _check(kind, key, val):
     """Validate one value; -> what apply() puts into a job's options."""
-    from starter.spec import jobspec as S
+    from starter.spec import options as O
 
     def strings(v):
         if not isinstance(v, list) or not all(isinstance(x, str) for x in v):
@@ -513,10 +367,10 @@ def _check(kind, key, val):
     if kind == "ip":
         return V.ip_address(key, V.string(key, val))
     if kind == "ipv6":
-        return S.ipv6_mode(key, val)
+        return O.ipv6_mode(key, val)
     if kind == "ports":
         for p in strings(val):
-            S.parse_host_port(key, p)
+            O.parse_host_port(key, p)
         return val
     if kind == "globs":
         out = []
@@ -545,17 +399,15 @@ def _check(kind, key, val):
         return tuple(out)
     if kind == "modes":
         for m in strings(val):
-            if m not in S.NET_MODES:
-                raise SpecError(key, f"{V.show(m)} is not one of {', '.join(S.NET_MODES)}")
+            if m not in O.NET_MODES:
+                raise SpecError(key, f"{V.show(m)} is not one of {', '.join(O.NET_MODES)}")
         return tuple(val)
     if kind in ("profile", "profiles"):
         items = [val] if kind == "profile" else strings(val)
         for p in items:
-            S._seccomp_choice(V.string(key, p))
+            O.seccomp_choice(V.string(key, p))
         return items[0] if kind == "profile" else tuple(items)
     if kind == "netrate":
-        from starter.spec import options as O
-
         O.parse_net_rate(key, val)
         return val
     if kind == "rlimits":
@@ -566,7 +418,7 @@ def _check(kind, key, val):
             if isinstance(v, bool) or not isinstance(v, (int, str)):
                 raise SpecError(f"{key}.{k}", 'must be "SOFT[:HARD]" or a number')
             item = f"{V.string(key, k)}={v}"
-            S.parse_rlimit(key + "." + k, item)
+            O.parse_rlimit(key + "." + k, item)
             items.append(item)
         return items
     if isinstance(val, bool) or not isinstance(val, (int, float, str)):
@@ -574,15 +426,15 @@ def _check(kind, key, val):
     if kind == "size":
         V.size(key, val)
     elif kind == "cpus":
-        V.number(key, val, 0.01, S.MAX_CPUS)
+        V.number(key, val, 0.01, O.MAX_CPUS)
     elif kind == "weight":
         V.number(key, val, 1, 10000, integer=True)
     elif kind == "inodes":
-        V.number(key, val, 16, S.MAX_DISK_INODES, integer=True)
+        V.number(key, val, 16, O.MAX_DISK_INODES, integer=True)
     elif kind == "count":
-        V.number(key, val, 0 if key == "callers.max_jobs" else 1, S.MAX_PIDS, integer=True)
+        V.number(key, val, 0 if key == "callers.max_jobs" else 1, O.MAX_PIDS, integer=True)
     elif kind == "duration":
-        V.duration(key, val, 0, S.MAX_WALL)
+        V.duration(key, val, 0, O.MAX_WALL)
     return val
 
 

@@ -16,20 +16,16 @@ from starter.isolate import mounts as M
 from starter.spec import values as V
 from starter.errors import SpecError
 # The option parsers; policy, admin, job, cli and tests name some as spec.X.
+from starter.spec.options import IPV6_MODES, MAX_CPUS, MAX_DISK_INODES, MAX_PIDS, MAX_WALL, NET_MODES  # noqa: F401
+from starter.spec.options import ipv6_mode, seccomp_choice
 from starter.spec.options import DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS, caller_user, check_cwd, parse_env, parse_host_port, parse_io_max, parse_net_rate, parse_mount, parse_on_signal, parse_rlimit, resolve_group, resolve_user, rlimit_table, own_cpus, state_dir, thread_count
 
 MAX_ARGS = 4096
 MAX_MEMORY = V.MAX_SIZE
-MAX_CPUS = 4096
-MAX_PIDS = 4194304            # pid_max limit of the kernel
-MAX_WALL = 366 * 86400
 MAX_GRACE = 3600
 MIN_DISK = 1 << 20             # --disk: smaller than an ext4 image's metadata is no use
-MAX_DISK_INODES = (1 << 32) - 1
 KILL_TIMEOUT = 10.0           # $STARTER_KILL_TIMEOUT: then the job's processes are "unkillable"
 
-NET_MODES = ("none", "host", "nat")
-IPV6_MODES = ("auto", "on", "off")   # network.ipv6 / --ipv6 (see starter.net.NetConfig)
 REPORT_FORMATS = ("json", "classad")
 OOM_POLICIES = ("kill", "continue")
 # The PATH a job (and `starter enter`, `ns-exec`) gets unless one is given.
@@ -137,8 +133,12 @@ def build(cli, job_file=None, policy=None, caller=None):
     # What the job asked for, before the node's policy: kept in its state
     # entry, so a checkpoint can be restored under the restoring node's policy.
     asked = {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in raw.items()}
-    if policy is not None:
-        policy.apply(raw, caller)
+    if policy is not None and caller is not None:
+        from starter.callers import gate     # only for a caller that is not root
+
+        gate.apply(policy, raw, caller)
+    elif policy is not None:
+        policy.apply(raw)
     return _make(raw, caller, asked)
 
 
@@ -345,7 +345,7 @@ def _make(raw, caller=None, asked=None):
         manifest=opt_path("manifest", must_exist=True),
         manifest_digest=digest,
         inputs=opt_path("inputs", must_exist=True),
-        seccomp=_seccomp_choice(raw.get("seccomp", "default")),
+        seccomp=seccomp_choice(raw.get("seccomp", "default")),
         allow_userns=_bool("allow-userns", raw.get("allow-userns", False)),
         userns_root=userns_root,
         rlimits=tuple(rlimits.values()),
@@ -391,25 +391,6 @@ def _check_disk(raw, limits):
     if limits.disk_inodes is not None and limits.disk_inodes > limits.disk // 256:
         raise SpecError("disk-inodes", f"{limits.disk_inodes} inodes do not fit in {V.show(raw['disk'])} "
                         "(at most one per 256 bytes)", "ask for fewer inodes or a larger --disk")
-
-
-def ipv6_mode(field, value):
-    """--ipv6, network.ipv6 and the policy's [defaults] ipv6: one of IPV6_MODES."""
-    value = V.string(field, value)
-    if value not in IPV6_MODES:
-        raise SpecError(field, f"{V.show(value)} is not one of {', '.join(IPV6_MODES)}")
-    return value
-
-
-def _seccomp_choice(value):
-    """default, off, or an absolute path to a profile (read and compiled by
-    starter/seccomp before the job's resources are made)."""
-    value = V.string("seccomp", value)
-    if value in ("default", "off"):
-        return value
-    if not value.startswith("/"):
-        raise SpecError("seccomp", f"{V.show(value)} is not default, off or an absolute path to a profile")
-    return V.path("seccomp", value)
 
 
 def load_job_file(path):

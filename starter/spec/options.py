@@ -31,6 +31,34 @@ JOB_ACCOUNT_CMD = (f"useradd --system --user-group --no-create-home --home-dir /
 _MAGIC_DIRS = ("/proc", "/sys", "/dev/fd")
 
 
+# Bounds and choices the command line, the job file and the policy share.
+MAX_CPUS = 4096
+MAX_PIDS = 4194304            # pid_max limit of the kernel
+MAX_WALL = 366 * 86400
+MAX_DISK_INODES = (1 << 32) - 1
+NET_MODES = ("none", "host", "nat")
+IPV6_MODES = ("auto", "on", "off")   # network.ipv6 / --ipv6 (see starter.net.NetConfig)
+
+
+def ipv6_mode(field, value):
+    """--ipv6, network.ipv6 and the policy's [defaults] ipv6: one of IPV6_MODES."""
+    value = V.string(field, value)
+    if value not in IPV6_MODES:
+        raise SpecError(field, f"{V.show(value)} is not one of {', '.join(IPV6_MODES)}")
+    return value
+
+
+def seccomp_choice(value):
+    """default, off, or an absolute path to a profile (read and compiled by
+    starter/isolate/seccomp before the job's resources are made)."""
+    value = V.string("seccomp", value)
+    if value in ("default", "off"):
+        return value
+    if not value.startswith("/"):
+        raise SpecError("seccomp", f"{V.show(value)} is not default, off or an absolute path to a profile")
+    return V.path("seccomp", value)
+
+
 def check_cwd(field, value):
     value = V.path(field, value)
     norm = "/" + "/".join(c for c in value.split("/") if c not in ("", "."))
