@@ -11,8 +11,8 @@ must (a path is checked as it is opened) and RULES names them.  tests/test_optio
 
 import os
 
-from starter.callers.policy import (FLAG_KEYS, LIMIT_KEYS, PATH, ROOT_ONLY, PolicyError, _has_scratch, _norm, _show,
-                                    _under)
+from starter.callers.policy import (FLAG_KEYS, LIMIT_KEYS, PATH, ROOT_ONLY, PolicyError, has_scratch, is_under,
+                                    norm_path, show_list)
 from starter.errors import SpecError
 from starter.spec import values as V
 
@@ -74,7 +74,7 @@ def apply(pol, raw, caller):
 def _refuse(pol, what, key, hint=None):
     c = pol.callers
     raise PolicyError(f"{what}: not allowed for callers that are not root by {pol.where('callers.' + key)}",
-                      hint or f"ask the node's admin, or run without it (allowed now: {_show(c.get(key))})")
+                      hint or f"ask the node's admin, or run without it (allowed now: {show_list(c.get(key))})")
 
 def check(pol, raw, caller):
     """Refuse what `raw` (run option -> value, the command line and the job
@@ -107,12 +107,12 @@ def check(pol, raw, caller):
         v = raw.get(opt)
         if v is None:
             continue
-        d = _norm(str(v)) if opt == "execute-dir" else os.path.dirname(_norm(str(v)))
+        d = norm_path(str(v)) if opt == "execute-dir" else os.path.dirname(norm_path(str(v)))
         allowed = list(c["execute_dirs"]) + ([pol.defaults["execute-dir"]] if "execute-dir" in pol.defaults else [])
         if d not in allowed:
             raise PolicyError(f"--{opt} {V.show(str(v))}: {'it' if opt == 'execute-dir' else 'its parent'} "
                               f"is not an execute directory of {pol.where('callers.execute_dirs')}",
-                              f"leave it out (the node's default) or use one of: {_show(allowed)}")
+                              f"leave it out (the node's default) or use one of: {show_list(allowed)}")
     for item in raw.get("rlimit") or ():
         _check_rlimit(pol, item)
     # --gpus slurm gives only what the step already has (devices.may_open).
@@ -129,13 +129,13 @@ def _check_device(pol, item):
     from starter.isolate import devices as D
 
     try:
-        path = _norm(V.host_path("device", D.split_access("device", item)[0]))
+        path = norm_path(V.host_path("device", D.split_access("device", item)[0]))
     except SpecError:
         return          # spec says what is wrong with it
     globs = pol.callers["devices"]
     if ".." in path.split("/") or not any(fnmatchcase(path, g) for g in globs):
         _refuse(pol, f"--device {V.show(str(item))}", "devices",
-                     f"pass only devices matching: {_show(globs) or 'none on this node'}")
+                     f"pass only devices matching: {show_list(globs) or 'none on this node'}")
 
 def _check_mount(pol, kind, item):
     from starter.isolate import mounts as M
@@ -146,18 +146,18 @@ def _check_mount(pol, kind, item):
         return          # spec says what is wrong with it
     c = pol.callers
     if kind != "tmpfs":
-        src = _norm(m.src)
+        src = norm_path(m.src)
         dirs = c["bind"] + (c["ro_bind"] if kind == "ro-bind" else ())
-        if not any(_under(src, d) for d in dirs):
+        if not any(is_under(src, d) for d in dirs):
             key = "bind" if kind == "bind" else "ro_bind"
             _refuse(pol, f"--{kind} {V.show(m.src)}", key,
-                         f"bind only what is under: {_show(dirs) or 'nothing on this node'}")
-        if _norm(m.dst) == src:
+                         f"bind only what is under: {show_list(dirs) or 'nothing on this node'}")
+        if norm_path(m.dst) == src:
             return
-    if not any(_under(_norm(m.dst), d) for d in c["mount_destinations"]):
+    if not any(is_under(norm_path(m.dst), d) for d in c["mount_destinations"]):
         _refuse(pol, f"--{kind} {V.show(item)}: destination {V.show(m.dst)}", "mount_destinations",
                      "bind a source at its own path, or mount under: "
-                     f"{_show(c['mount_destinations']) or 'nothing on this node'}")
+                     f"{show_list(c['mount_destinations']) or 'nothing on this node'}")
 
 def _check_rlimit(pol, item):
     """A caller's --rlimit may only lower the node's hard limit: the one
@@ -204,7 +204,7 @@ def cap(pol, raw, asked_rate=None):
             continue
         v = raw.get(opt)
         if v is None:
-            if opt != "disk" or _has_scratch(raw):
+            if opt != "disk" or has_scratch(raw):
                 raw[opt] = cap
             continue
         parse = {"memory": lambda x: V.size(opt, x), "disk": lambda x: V.size(opt, x),

@@ -120,7 +120,7 @@ class Policy:
                 continue
             if raw.get(opt) is None:
                 raw[opt] = value
-        if _has_scratch(raw):
+        if has_scratch(raw):
             for opt in DISK_OPTIONS:
                 if raw.get(opt) is None and opt in self.defaults and (opt == "disk" or raw.get("disk") is not None):
                     raw[opt] = self.defaults[opt]
@@ -148,7 +148,7 @@ class Policy:
         return "\n".join(out) + "\n"
 
 
-def _has_scratch(raw):
+def has_scratch(raw):
     return raw.get("scratch") is not None or raw.get("execute-dir") is not None
 
 
@@ -166,17 +166,17 @@ def _toml(v):
     return dumps(str(v))        # a basic TOML string is a JSON string
 
 
-def _show(v):
+def show_list(v):
     if isinstance(v, (list, tuple)):
         return ", ".join(str(x) for x in v)
     return str(v)
 
 
-def _norm(path):
+def norm_path(path):
     return "/" + "/".join(c for c in path.split("/") if c not in ("", "."))
 
 
-def _under(path, d):
+def is_under(path, d):
     """Is `path` (normalised) `d` or below it?  A '..' anywhere: never."""
     if ".." in path.split("/"):
         return False
@@ -388,14 +388,14 @@ def _check(kind, key, val):
             # a caller's among them.
             if not V.string(key, d).startswith("/"):
                 raise SpecError(key, f"{V.show(d)} must be an absolute path")
-            out.append(_norm(V.host_path(key, d)))
+            out.append(norm_path(V.host_path(key, d)))
         return out[0] if kind == "dir" else tuple(out)
     if kind == "run_dirs":
         out = []
         for d in strings(val):
-            if not d.startswith("/") or "\0" in d or ".." in d.split("/") or not _under(_norm(d), "/run"):
+            if not d.startswith("/") or "\0" in d or ".." in d.split("/") or not is_under(norm_path(d), "/run"):
                 raise SpecError(key, f"{V.show(d)} must be /run or a path under it, without '..'")
-            out.append(_norm(d))
+            out.append(norm_path(d))
         return tuple(out)
     if kind == "modes":
         for m in strings(val):

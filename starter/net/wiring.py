@@ -13,7 +13,7 @@ import os
 
 from starter.errors import NetworkError
 from starter.net import ipam, nft, nftrules
-from starter.net.table import PINNED, NodeTable, cfg_fingerprint, checked_pools, if_exists
+from starter.net.table import NodeTable, checked_pools, if_exists
 from starter.state.store import QUICK_BUDGET_S, fault, is_live
 
 
@@ -66,16 +66,9 @@ class Wiring(NodeTable):
     node's table is NodeTable's (table.py)."""
 
     def __init__(self, linger=None):
+        super().__init__(linger)
         self._links = None
         self._nft = None
-        # netd sets linger (seconds): the table outlives its last job by that
-        # long (expire_idle), so the next job does not pay for making it
-        # (8-11 ms here: the ruleset, the uplink checks, the IPv6 probe).
-        # A table made by another process, or one whose settings differ from
-        # the next job's, is rebuilt as before.
-        self._linger = linger
-        self._idle = {}  # (state_dir, table) -> (cfg, monotonic time its last job left, or PINNED)
-        self._pinned = {}  # (state_dir, table) -> fingerprint of the node's own settings (pin())
         # netd's TeardownWorker, or None: then a teardown does everything
         # before it returns.  With one, teardown answers once the rules and
         # counters are gone and leaves the rest to the worker (finish()).
@@ -291,23 +284,10 @@ class Wiring(NodeTable):
 
     def _release(self, store, cfg, key, lease, removed, keep_table=False):
         """The lease, and the table if no job is left.  Lock held."""
-        table = nftrules.Table(cfg.table)
         store.release(key, lease.get("slot") if lease else None)
         if keep_table or store.has_leases():
             return
-        key = (cfg.state_dir, cfg.table)
-        if self._pinned.get(key) == cfg_fingerprint(cfg) and store.table_record() is not None:
-            self._idle[key] = (cfg, PINNED)
-            return
-        if self._linger is not None and store.table_record() is not None:
-            import time
-
-            self._idle[key] = (cfg, time.monotonic())
-            return
-        if store.table_record() is not None or self.nft.table_exists(table):
-            self._delete_table(store, table)
-            if removed is not None:
-                removed.append(f"table {nftrules.FAMILY} {cfg.table}")
+        self._last_job_left(store, cfg, removed)
 
     def gc(self, cfg, live_job_ids):
         table = nftrules.Table(cfg.table)
