@@ -495,17 +495,21 @@ def test_caller_parent_its_user_made_first_is_refused(policy, home):
 
 def test_caller_batch_script_without_exec(policy, home):
     """A batch script that runs `starter run` as a child, not by exec, three
-    times in a row and twice at once, in a cgroup of its own (Slurm's task
-    cgroup): every job runs; on pure cgroup v2 the script and the relays are
-    moved into a leaf below their cgroup for the job's time and back after;
-    nothing is left below the script's cgroup."""
+    times in a row and then four at once, twice, in a cgroup of its own
+    (Slurm's task cgroup): every job runs; on pure cgroup v2 the script and
+    the relays are moved into a leaf below their cgroup for the job's time
+    and back after, the starters taking turns (one's prune must not undo
+    another's setup); nothing is left below the script's cgroup."""
     d = _own_cgroup_dir("starter-batch")
     try:
         run = shlex.join(caller_argv("run", "--", "sh", "-c", "exit 3"))
         script = (f"echo $$ > {d}/cgroup.procs || exit 90\n"
                   f"for i in 1 2 3; do {run}; [ $? = 3 ] || exit 91; done\n"
-                  f"{run} & a=$!; {run}; b=$?; wait $a; a=$?\n"
-                  f"[ $a = 3 ] && [ $b = 3 ] || exit 92\n"
+                  f"for i in 1 2; do\n"
+                  f"  {run} & a=$!; {run} & b=$!; {run} & c=$!; {run}; d=$?\n"
+                  f"  for p in $a $b $c; do wait $p; [ $? = 3 ] || exit 92; done\n"
+                  f"  [ $d = 3 ] || exit 92\n"
+                  f"done\n"
                   f"grep -qx $$ {d}/cgroup.procs || exit 93\n")
         p = subprocess.run(["sh", "-c", script], capture_output=True, text=True, cwd=home, timeout=120 * SLOWDOWN)
         assert p.returncode == 0, (p.returncode, p.stderr)

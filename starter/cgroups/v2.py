@@ -34,10 +34,20 @@ cgroup.  What the user's directory does allow is removing an empty cgroup
 in it, or making one first under the name the starter is about to use: the
 parent starter/ is checked to be root's once it holds the starter's leaf or
 a job (Backend.verify_parents()), when it can no longer be removed.
+
+Starters sharing <own> (a batch script's `starter run &` twice) take turns:
+making the parents and the job's cgroup, and prune()'s check for jobs left
+and its undoing, happen under an flock on <own>'s directory.  Without it
+one starter's prune() could disable the controllers, move everything back
+and remove starter/ between another's setup of the parents and its mkdir
+of the job.  A user who owns <own> and holds the lock only stalls his own
+jobs, for LOCK_WAIT seconds, then gets a one-line error.
 """
 
 import errno
+import fcntl
 import os
+import time
 
 from ..errors import CgroupError
 from . import files, hierarchy, parsers, subtree
@@ -253,6 +263,28 @@ class V2Backend(Backend):
         super().__init__(_owner_of_leaf(layout, parent), parent)
         self._moved_self = None  # the supervisor leaf we moved into, if any
         self._enabled_above = []  # controllers we enabled in the parent's parent
+        self._lock_fd, self._lock_depth = None, 0
+
+    def create(self, job_id, limits=None):
+        self._lock()
+        try:
+            return super().create(job_id, limits)
+        finally:
+            self._unlock()
+
+    def _lock(self):
+        """Take the flock on <own> (module docstring); reentrant, since
+        create() prunes on failure.  Not for an absolute parent: nothing is
+        moved, enabled or removed there."""
+        if self._lock_depth == 0 and not self.parent_is_absolute:
+            self._lock_fd = _flock_dir(os.path.dirname(self.parents["unified"]))
+        self._lock_depth += 1
+
+    def _unlock(self):
+        self._lock_depth -= 1
+        if self._lock_depth == 0 and self._lock_fd is not None:
+            os.close(self._lock_fd)   # releases the flock
+            self._lock_fd = None
 
     def roles(self):
         return ("unified",)
@@ -386,6 +418,13 @@ class V2Backend(Backend):
         this, so a starter that destroys its job leaves nothing behind).
         The last starter of several sharing <own> does it for all: the one
         that enabled the controllers may be gone."""
+        self._lock()
+        try:
+            return self._prune_locked()
+        finally:
+            self._unlock()
+
+    def _prune_locked(self):
         p = self.parents["unified"]
         if not self.parent_is_absolute and not self.list_jobs() and (
                 self._moved_self is not None or _leaves(p)):
@@ -409,6 +448,27 @@ class V2Backend(Backend):
 
 
 MOVE_ROUNDS = 8
+LOCK_WAIT = 60.0
+
+
+def _flock_dir(d):
+    """An O_DIRECTORY fd of `d` holding an exclusive flock on it."""
+    try:
+        fd = os.open(d, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError as e:
+        raise CgroupError(f"cannot open {d}: {os.strerror(e.errno)}", files.hint_for(e.errno)) from None
+    deadline = time.monotonic() + LOCK_WAIT
+    while True:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return fd
+        except BlockingIOError:
+            if time.monotonic() > deadline:
+                os.close(fd)
+                raise CgroupError(f"{d} stayed locked for {LOCK_WAIT:.0f}s (flock): another starter "
+                                  "sharing this cgroup is stuck, or its owner holds the lock",
+                                  "end the process holding it (`fuser -v` shows it), then start the job again") from None
+            time.sleep(0.01)
 
 
 def _move_all(src, dst):
