@@ -45,14 +45,30 @@ def test_detect_hybrid():
 
 
 @pytest.mark.fast
-def test_detect_v2_nests_under_slurm_task():
+def test_detect_v2_goes_beside_slurms_task():
+    """Slurm's cgroup/v2 signals the pids in task_T only: jobs go beside it,
+    in the step's user/ (cgroups/v2.py, "Under Slurm")."""
     lay = hierarchy.detect_layout(fixture("mountinfo.v2"), fixture("proc_cgroup.v2"))
     assert lay.kind == "v2"
     be = cgroups.backend_for(lay)
-    assert be.parents == {
-        "unified": "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/step_0/user/task_0/starter"
+    step = "/sys/fs/cgroup/system.slice/slurmstepd.scope/job_42/step_0"
+    assert be.parents == {"unified": step + "/user/starter"}
+    assert be.job_paths("7")["unified"] == step + "/user/starter/job-7"
+    assert cgroups.backend_for(lay, parent="starter-x/y").parents["unified"] == step + "/user/starter-x/y"
+    assert cgroups.backend_for(lay, parent="/abs").parents["unified"] == "/sys/fs/cgroup/abs"
+    slurm_like = {
+        "/system.slice/s.scope/job_42/step_batch/user/task_special": "/job_42/step_batch/user/starter",
+        "/job_7/step_extern/user/task_3": "/job_7/step_extern/user/starter",
+        # not Slurm's: below the caller's own cgroup, as anywhere
+        "/job_7/step_0/user/task_x": "/job_7/step_0/user/task_x/starter",
+        "/job_x/step_0/user/task_0": "/job_x/step_0/user/task_0/starter",
+        "/a/step_0/user/task_0": "/a/step_0/user/task_0/starter",
+        "/job_7/step_0/other/task_0": "/job_7/step_0/other/task_0/starter",
+        "/job_7/step_0/user/task_0/more": "/job_7/step_0/user/task_0/more/starter",
     }
-    assert be.job_paths("7")["unified"].endswith("/task_0/starter/job-7")
+    for own, parent in slurm_like.items():
+        lay2 = hierarchy.Layout(kind="v2", unified=lay.unified, v1={}, own={"unified": own})
+        assert cgroups.backend_for(lay2).parents["unified"].endswith(parent), own
 
 
 @pytest.mark.fast

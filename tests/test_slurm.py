@@ -450,29 +450,10 @@ def test_sbatch_exec_exit_code_and_report(site):
     site.assert_nothing_left(jobid)
 
 
-# Slurm 22.05's cgroup/v2 plugin signals a step (scancel, its KillWait SIGKILL)
-# through the pids it reads in each task_T/cgroup.procs, not below them.  The
-# starter moves itself, the batch script and a caller's relay into a leaf
-# below task_T (task_T/starter/supervisor-PID) so that its jobs' cgroups can
-# have controllers: there no signal of Slurm's reaches them, the job does not
-# end, and slurmd drains the node ("Kill task failed").  Found by the whole
-# file in the v2 VM (scripts/test --vms --slurm); the fix wanted: leave
-# Slurm's task cgroup as it is and put the starter's cgroups beside it.
-V2_SIGNALS_MISSED = ("Slurm's cgroup/v2 plugin signals only the processes directly in task_T, and the "
-                     "starter moved the batch script, its relay and itself below it: scancel does not "
-                     "reach the job (not yet supported)")
-
-
-def xfail_where_slurm_cannot_signal(site):
-    if site.slurm.cgroup_plugin == "cgroup/v2" and site.slurm.proctrack == "cgroup":
-        pytest.xfail(V2_SIGNALS_MISSED)
-
-
 @pytest.mark.slurm
 def test_scancel_vacates_with_report(site):
     """scancel: SIGCONT+SIGTERM to every process of the step, SIGKILL after KillWait.
     starter takes the SIGTERM as vacate and writes its report before the SIGKILL."""
-    xfail_where_slurm_cannot_signal(site)
     slurm, report = site.slurm, site.report()
     jobid = slurm.sbatch(batch_script(
         site.starter_run(report, "--grace", GRACE)
@@ -506,7 +487,6 @@ def test_scancel_batch_usr1_vacates(site):
 
 @pytest.mark.slurm
 def test_suspend_resume_through_starter(site):
-    xfail_where_slurm_cannot_signal(site)
     slurm, report = site.slurm, site.report()
     jobid = slurm.sbatch(batch_script(
         site.starter_run(report, "--grace", GRACE) + ["sh", "-c", COUNTER]))
@@ -564,7 +544,6 @@ def test_job_stays_inside_the_steps_cgroups(site):
     cgroups (cgroup/v1: freezer, and cpuset, memory and devices for the constraints on;
     cgroup/v2: the step's one cgroup): starter must nest its cgroups below the step's,
     never move the job out of them."""
-    xfail_where_slurm_cannot_signal(site)
     slurm, report = site.slurm, site.report()
     tok = token()
     jobid = slurm.sbatch(batch_script(

@@ -35,6 +35,22 @@ in it, or making one first under the name the starter is about to use: the
 parent starter/ is checked to be root's once it holds the starter's leaf or
 a job (Backend.verify_parents()), when it can no longer be removed.
 
+Under Slurm
+-----------
+Slurm's cgroup/v2 plugin (22.05) signals a step (scancel, the SIGKILL after
+KillWait) through the pids directly in each task cgroup's cgroup.procs,
+job_<J>/step_<S>/user/task_<T>, and nothing below them; it freezes the
+step through step_<S>/user/cgroup.freeze, and limits memory, CPUs and
+devices at step_<S>/user and above.  A starter started in a task cgroup
+therefore leaves itself, the batch script and the relay where they are,
+and takes step_<S>/user as <own>: its parent is step_<S>/user/starter,
+beside the task cgroups.  user/ holds no processes, so the controllers are
+enabled there without moving anything; Slurm's signal reaches the starter
+(which ends the job: vacate), and its freeze and limits cover the job.
+What Slurm reads per task (jobacct_gather/cgroup: task_<T>'s cpu.stat and
+memory.stat) no longer includes the job; the step's figures and the
+starter's report do.
+
 Starters sharing <own> (a batch script's `starter run &` twice) take turns:
 making the parents and the job's cgroup, and prune()'s check for jobs left
 and its undoing, happen under an flock on <own>'s directory.  Without it
@@ -260,7 +276,7 @@ class V2Backend(Backend):
     job_class = V2Job
 
     def __init__(self, layout, parent=None):
-        super().__init__(_owner_of_leaf(layout, parent), parent)
+        super().__init__(_beside_slurm_task(_owner_of_leaf(layout, parent), parent), parent)
         self._moved_self = None  # the supervisor leaf we moved into, if any
         self._enabled_above = []  # controllers we enabled in the parent's parent
         self._lock_fd, self._lock_depth = None, 0
@@ -511,6 +527,29 @@ def _owner_of_leaf(layout, parent):
         return layout
     return hierarchy.Layout(kind=layout.kind, unified=layout.unified, v1=layout.v1,
                         own={**layout.own, "unified": parts[0] or "/"})
+
+
+def _beside_slurm_task(layout, parent):
+    """In a Slurm step under its cgroup/v2 plugin (own cgroup
+    .../job_<J>/step_<S>/user/task_<T>), jobs go beside the task cgroup,
+    in .../step_<S>/user/starter: the starter and the batch script stay
+    in the task cgroup, where Slurm looks for the pids it signals (module
+    docstring, "Under Slurm")."""
+    own = layout.own.get("unified")
+    name = "starter" if parent is None else str(parent)
+    if own is None or name.startswith("/"):
+        return layout
+    parts = own.rstrip("/").split("/")
+    if len(parts) < 5 or parts[-2] != "user" or not _slurm_id(parts[-1], "task_", "special") \
+            or not parts[-3].startswith("step_") or not _slurm_id(parts[-4], "job_"):
+        return layout
+    return hierarchy.Layout(kind=layout.kind, unified=layout.unified, v1=layout.v1,
+                            own={**layout.own, "unified": "/".join(parts[:-1])})
+
+
+def _slurm_id(name, prefix, *words):
+    rest = name[len(prefix):] if name.startswith(prefix) else ""
+    return rest.isdigit() or rest in words
 
 
 def _controllers(d):
