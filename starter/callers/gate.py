@@ -56,7 +56,7 @@ RULES = (
      "starter.cgroups.backend:Backend.check_caller_parents"),
     ("read, write or bind what it could not open itself", None, "starter.callers.caller:Caller.rights"),
     ("a report where it could not write", None, "starter.observe.report:Dest.check_writable"),
-    ("a scratch in an execute directory it cannot enter", None, "starter.job.run:run"),
+    ("a scratch in an execute directory it cannot enter", None, "starter.job.run:Job.make_scratch"),
     ("restore another user's checkpoint", None, "starter.checkpoint.directory:load"),
 )
 

@@ -1,6 +1,10 @@
 """One job's lifetime: acquire in order, release in reverse, always.
 
-    gc of dead starters' leftovers
+Job.run() is the checklist; each line is one phase (a method below):
+
+    the syscall filter, the report's and the events' destinations
+    gc of dead starters' leftovers; the cgroup backend and its checks
+    the job's uid (transient or named) and its escape check at the end
     state entry (lock held for the job's life)
     scratch / verified inputs
     cgroup (limits set before anything runs in it)
@@ -82,208 +86,267 @@ def run(spec, caller=None, policy=None):
     caller: a starter.callers.caller.Caller when the caller is not root (its paths
     are opened with its rights, its relay's signals and hang-up are
     watched); policy: the node policy (its per-caller job count)."""
-    from starter.observe.report import Dest, Events, write_report
-    from starter.job.supervisor import Signals
+    return Job(spec, caller, policy).run()
 
-    t0 = time.time()
-    undo = Undo()
-    if spec.restore is not None:    # a checkpoint's images (a caller's private copy of them, too)
-        undo.push(spec.restore.close, label="image")
-    rights = caller.rights if caller is not None else _root_rights
-    # Closed at the very end, after the report: a SIGTERM during teardown
-    # must not kill the starter before it reports (Signals.close).
-    signals = Signals(spec.on_signal)
-    events = Events(None, spec.id)
-    report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
-              "signal": None, "started_at": round(t0, 6)}
-    report_dest = None
-    job_state = None
-    if spec.restore is not None:    # runs after the network's teardown (pushed later): its counters
-        from starter.checkpoint import criu as checkpoint
 
-        undo.push(checkpoint.segments, report, spec.restore.record["segments"], label="segments")
+class Job:
+    """One `starter run`: what the phases share.  The report is the dict
+    written at the end (docs/reference.md, "The report"); each phase adds
+    its own fields."""
 
-    def end(in_main=True):
+    def __init__(self, spec, caller, policy):
+        from starter.observe.report import Events
+        from starter.job.supervisor import Signals
+
+        self.spec, self.caller, self.policy = spec, caller, policy
+        self.t0 = time.time()
+        self.undo = Undo()
+        if spec.restore is not None:    # a checkpoint's images (a caller's private copy of them, too)
+            self.undo.push(spec.restore.close, label="image")
+        self.rights = caller.rights if caller is not None else _root_rights
+        # Closed at the very end, after the report: a SIGTERM during teardown
+        # must not kill the starter before it reports (Signals.close).
+        self.signals = Signals(spec.on_signal)
+        self.events = Events(None, spec.id)
+        self.report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
+                       "signal": None, "started_at": round(self.t0, 6)}
+        self.report_dest = None
+        self.job_state = None
+        self.image = spec.restore     # a checkpoint to restore (starter/checkpoint/criu.py), or None
+        if self.image is not None:    # runs after the network's teardown (pushed later): its counters
+            from starter.checkpoint import criu as checkpoint
+
+            self.undo.push(checkpoint.segments, self.report, self.image.record["segments"], label="segments")
+        self.sc_filter = self.backend = self.count_lock = None
+        self.since = None               # the job's start time, once it runs (clock ticks)
+        self.sc = None                  # the scratch directory
+        self.cwd, self.argv, self.mounts = spec.cwd, list(spec.argv), []
+        self.netcfg = self.lease = None
+        self.net_end = None             # None: no network; []: none set up yet; [None]: tear down; [begun]
+        self.net_fd = []                # a capped job's netns, kept open until its shaper is read
+        self.cg = self.child = None
+
+    def run(self):
+        deadline.on_takeover(self._taken_over)
+        try:
+            self.load_filter()
+            self.open_destinations()
+            self.reclaim_dead()
+            self.open_cgroups()
+            self.check_checkpoint()
+            self.take_uid()
+            self.make_entry()
+            code = self.start_and_supervise()
+        except StarterError as e:
+            sys.stderr.write(f"starter: {one_line(e)}\n")
+            self.report.update(error=str(e), exit_code=e.exit_code)
+            code = e.exit_code
+        except OSError as e:
+            # An errno nothing above turned into a precise message.
+            e = from_oserror(e)
+            sys.stderr.write(f"starter: {one_line(e)}\n")
+            self.report.update(error=str(e), exit_code=EXIT_STARTER_FAILED)
+            code = EXIT_STARTER_FAILED
+        except Exception as e:
+            # A bug or an unexpected kernel answer: still fail closed, unwind, report;
+            # one line for the admin, the traceback with STARTER_DEBUG=1.
+            if os.environ.get("STARTER_DEBUG"):
+                import traceback
+
+                traceback.print_exc()
+            sys.stderr.write(f"starter: internal error: {one_line(repr(e))} (STARTER_DEBUG=1 shows where)\n")
+            self.report.update(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
+            code = EXIT_STARTER_FAILED
+        finally:
+            deadline.claim()    # the watchdog stays out: this thread unwinds
+            self.end()
+        return code
+
+    def start_and_supervise(self):
+        """From the entry on: what runs the job and measures it."""
+        self.make_scratch()
+        deadline.check()
+        self.plan_mounts()
+        self.make_cgroup()
+        self.add_resolv_conf()
+        self.clone()
+        self.attach()
+        self.release()
+        self.mark_running()
+        out = self.supervise()
+        return self.measure(out)
+
+    # -- the end ------------------------------------------------------------
+    def end(self, in_main=True):
+        from starter.observe.report import write_report
+
+        report = self.report
         trace.mark("measure")
-        err = undo.run()
-        if job_state is not None:
+        err = self.undo.run()
+        if self.job_state is not None:
             # The entry lives until everything it names is gone: a failed
             # teardown keeps it, "reclaiming", for `starter gc`.
             try:
-                if undo.failed:
-                    job_state.keep(undo.failed)
+                if self.undo.failed:
+                    self.job_state.keep(self.undo.failed)
                 else:
-                    job_state.remove()
+                    self.job_state.remove()
             except OSError as e:
                 sys.stderr.write(f"starter: teardown state entry failed: {one_line(e)}\n")
-                job_state.keep([f"state entry: {e}"])
+                self.job_state.keep([f"state entry: {e}"])
                 err = err or e
         if err is not None and report.get("reason") != "starter_error":
             report["teardown_error"] = str(err)
         trace.mark("teardown")
         report["ended_at"] = round(time.time(), 6)
-        if report_dest is not None:
+        if self.report_dest is not None:
             try:
-                with rights():      # the caller's file, made with its rights
-                    write_report(report_dest, report, spec.report_format)
+                with self.rights():      # the caller's file, made with its rights
+                    write_report(self.report_dest, report, self.spec.report_format)
             except (OSError, StarterError) as e:
-                sys.stderr.write(f"starter: cannot write report {spec.report}: "
+                sys.stderr.write(f"starter: cannot write report {self.spec.report}: "
                                  f"{getattr(e, 'strerror', None) or one_line(e)}\n")
-            report_dest.close()
-        events.emit("exited", report=report)
-        events.close()
+            self.report_dest.close()
+        self.events.emit("exited", report=report)
+        self.events.close()
         if in_main:
-            signals.close()
+            self.signals.close()
         trace.mark("report")
         trace.report()
 
-    def taken_over(msg):
+    def _taken_over(self, msg):
         # Setup's watchdog (job/watchdog.py), while this thread waits in the
         # kernel on a path: the same end, then the watchdog exits 125.
         sys.stderr.write(f"starter: {one_line(msg)}\n")
-        report.update(error=msg, exit_code=EXIT_STARTER_FAILED)
-        end(in_main=False)
+        self.report.update(error=msg, exit_code=EXIT_STARTER_FAILED)
+        self.end(in_main=False)
 
-    deadline.on_takeover(taken_over)
-    try:
-        # The syscall filter first: a bad profile must create nothing.
+    # -- before the entry ----------------------------------------------------
+    def load_filter(self):
+        """The syscall filter first: a bad profile must create nothing."""
         from starter.isolate import seccomp
 
-        sc_filter = seccomp.load(spec.seccomp, spec.allow_userns, spec.state_dir,
-                                 no_setid=spec.transient is not None)
+        spec = self.spec
+        self.sc_filter = seccomp.load(spec.seccomp, spec.allow_userns, spec.state_dir,
+                                      no_setid=spec.transient is not None)
         trace.mark("seccomp")
-        # Both resolved (without following links) before anything runs; the
-        # report's directory fd is held until the end.
-        with rights():
+
+    def open_destinations(self):
+        """The report's and the events' destinations, resolved (without
+        following links) before anything runs; the report's directory fd is
+        held until the end."""
+        from starter.observe.report import Dest, Events
+
+        spec = self.spec
+        with self.rights():
             if spec.report:
-                report_dest = Dest(spec.report, "report")
-                if caller is not None:
-                    report_dest.check_writable()
+                self.report_dest = Dest(spec.report, "report")
+                if self.caller is not None:
+                    self.report_dest.check_writable()
             try:
-                events = Events(spec.events, spec.id)
+                self.events = Events(spec.events, spec.id)
             except OSError as e:
                 raise StarterError(f"cannot open events destination {spec.events}: {e.strerror}") from None
-        from starter import cgroups
 
-        dead = find_dead(spec.state_dir)     # reclaim's code loads only for one
+    def reclaim_dead(self):
+        dead = find_dead(self.spec.state_dir)     # reclaim's code loads only for one
         if dead is not None:
             from starter.admin import gc as reclaim
 
-            reclaim.reclaim_found(spec.state_dir, dead)
-        # The job's cgroup paths go into the entry's first write, before the
-        # cgroup exists, so a crash at any point leaves gc a record of them.
-        backend = cgroups.open_backend(spec.cgroup_parent)
+            reclaim.reclaim_found(self.spec.state_dir, dead)
+
+    def open_cgroups(self):
+        """The backend, and what it must allow this job; the job's cgroup
+        paths go into the entry's first write, before the cgroup exists, so
+        a crash at any point leaves gc a record of them."""
+        from starter import cgroups
+
+        spec = self.spec
+        backend = self.backend = cgroups.open_backend(spec.cgroup_parent)
         if spec.limits.cpuset is not None or spec.limits.mems is not None:
             backend.add_cpuset()    # v1 layouts: the cpuset hierarchy too, for this job only
         if spec.delegate:   # refused before anything of the job exists
             backend.check_delegation()
-        count_lock = None
-        if caller is not None:
+        if self.caller is not None:
             # Its cgroups go inside the caller's own: root's all the way up,
             # and not a job's (a process inside a job cannot start one).
             backend.check_caller_parents()
-            count_lock = caller.job_slot(spec.state_dir, policy)
-        # The job's uid: its own (leased before the entry, which records it;
-        # the lease names the job, so gc finds it even if we die between),
-        # or a named one.  Its end, after the cgroup is gone (pushed first,
-        # runs last): processes of the uid outside the cgroup are escapes.
-        since = [None]          # the job's start time, once it runs
-        image = spec.restore
-        if image is not None:
-            checkpoint.check_restore(spec, image, backend)
+            self.count_lock = self.caller.job_slot(spec.state_dir, self.policy)
+
+    def check_checkpoint(self):
+        spec = self.spec
+        if self.image is not None:
+            from starter.checkpoint import criu as checkpoint
+
+            checkpoint.check_restore(spec, self.image, self.backend)
         if spec.on_vacate:
             from starter.checkpoint import criu as checkpoint
 
             checkpoint.check_dumpable(spec.id, {
                 "net": spec.network.mode, "disk": spec.limits.disk, "delegate": spec.delegate,
                 "userns_root": spec.userns_root, "asked": spec.asked})
+
+    def take_uid(self):
+        """The job's uid: its own (leased before the entry, which records
+        it; the lease names the job, so gc finds it even if we die between),
+        or a named one.  Its end, after the cgroup is gone (pushed first,
+        runs last): processes of the uid outside the cgroup are escapes."""
+        spec, caller = self.spec, self.caller
         if spec.transient is not None:
             from starter.callers import uids
 
             # A restored job's processes keep their uid: that one again, or none.
-            want = (image.record["uid"],) * 2 if image is not None else spec.transient
+            want = (self.image.record["uid"],) * 2 if self.image is not None else spec.transient
             uid = uids.acquire(spec.state_dir, spec.id, *want)
-            undo.push(_end_transient, spec.state_dir, uid, spec.id, spec.escape, report, label="uid")
-            spec = spec.replace(uid=uid, gid=uid if spec.gid is None else spec.gid, user=str(uid))
+            self.undo.push(_end_transient, spec.state_dir, uid, spec.id, spec.escape, self.report, label="uid")
+            self.spec = spec = spec.replace(uid=uid, gid=uid if spec.gid is None else spec.gid, user=str(uid))
             fault("uid")
         elif spec.uid != 0:
             # The caller's relay is a process of the job's uid (its own): known, not an escape.
             relay = caller.relay if caller is not None and caller.uid == spec.uid else None
-            undo.push(_end_named, spec.uid, since, spec.escape, report, relay, label="escapes")
-        report["uid"] = spec.uid
-        job_state = JobState(spec.state_dir, spec.id).create(
+            self.undo.push(self._end_named, relay, label="escapes")
+        self.report["uid"] = spec.uid
+
+    def _end_named(self, relay):
+        from starter.job import strays as escapes
+
+        escapes.end_named(self.spec.uid, self.since, self.spec.escape, self.report, relay)
+
+    def make_entry(self):
+        spec, backend, image, caller = self.spec, self.backend, self.image, self.caller
+        self.job_state = JobState(spec.state_dir, spec.id).create(
             reclaim=_reclaim_for_start,
             state="starting", user=spec.user, uid=spec.uid, gid=spec.gid, groups=list(spec.groups),
             userns_root=spec.userns_root, seccomp=spec.seccomp, allow_userns=spec.allow_userns,
-            argv=spec.argv, net=spec.network.mode, started_at=round(t0, 6),
+            argv=spec.argv, net=spec.network.mode, started_at=round(self.t0, 6),
             cgroup=backend.job_paths(spec.id), cgroup_parents=dict(backend.parents),
             cgroup_kind=backend.kind, cgroup_parent=spec.cgroup_parent, delegate=spec.delegate,
             caller=caller.uid if caller is not None else 0, transient=spec.transient is not None,
             escape=spec.escape, asked=spec.asked,
             **({"segments": image.record["segments"], "restored_from": image.path} if image is not None else {}))
-        if count_lock is not None:      # the entry counts from here on
-            os.close(count_lock)
+        if self.count_lock is not None:      # the entry counts from here on
+            os.close(self.count_lock)
         fault("state-entry")
         deadline.check()
-        events.emit("starting", argv=spec.argv, user=spec.uid)
+        self.events.emit("starting", argv=spec.argv, user=spec.uid)
         trace.mark("state")
-        code = _run(spec, job_state, signals, events, undo, report, backend, sc_filter, rights, since, policy)
-    except StarterError as e:
-        sys.stderr.write(f"starter: {one_line(e)}\n")
-        report.update(error=str(e), exit_code=e.exit_code)
-        code = e.exit_code
-    except OSError as e:
-        # An errno nothing above turned into a precise message.
-        e = from_oserror(e)
-        sys.stderr.write(f"starter: {one_line(e)}\n")
-        report.update(error=str(e), exit_code=EXIT_STARTER_FAILED)
-        code = EXIT_STARTER_FAILED
-    except Exception as e:
-        # A bug or an unexpected kernel answer: still fail closed, unwind, report;
-        # one line for the admin, the traceback with STARTER_DEBUG=1.
-        if os.environ.get("STARTER_DEBUG"):
-            import traceback
 
-            traceback.print_exc()
-        sys.stderr.write(f"starter: internal error: {one_line(repr(e))} (STARTER_DEBUG=1 shows where)\n")
-        report.update(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
-        code = EXIT_STARTER_FAILED
-    finally:
-        deadline.claim()    # the watchdog stays out: this thread unwinds
-        end()
-    return code
+    # -- the job's resources -------------------------------------------------
+    def make_scratch(self):
+        """Scratch directory and verified inputs, before anything can run."""
+        from starter.isolate import mounts as M
 
-
-def _reclaim_for_start(state_dir, job_id, st):
-    """JobState.create found a dead entry of this job's id: reclaim it."""
-    from starter.admin import gc as reclaim
-
-    return reclaim.reclaim_for_start(state_dir, job_id, st)
-
-
-def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None, rights=_root_rights, since=None,
-         policy=None):
-    image = spec.restore     # a checkpoint to restore (starter/checkpoint/criu.py), or None
-    if image is not None:
-        from starter.checkpoint import criu as checkpoint
-    from starter import cgroups
-    from starter.isolate import ns
-    from starter.isolate.nsidentity import made_for
-    from starter.isolate import mounts as M
-    from starter.isolate.mounts import Mount
-    from starter.spec.jobspec import rlimit_table
-    from starter.job.supervisor import Supervisor, classify
-
-    # Scratch directory and verified inputs, before anything can run.
-    cwd = spec.cwd
-    # A transient uid's writable binds (and scratch, below) are nosuid in its view.
-    mounts = list(spec.mounts) if spec.transient is None else M.nosuid_binds(spec.mounts)
-    # The job's own /run, but for what the node policy passes through.
-    run_through = policy.run_passthrough() if policy is not None else M.RUN_PASSTHROUGH
-    private_run = M.RUN not in run_through
-    argv = list(spec.argv)
-    sc = None
-    if spec.scratch or spec.execute_dir:
+        spec, job_state = self.spec, self.job_state
+        # A transient uid's writable binds (and scratch, below) are nosuid in its view.
+        self.mounts = list(spec.mounts) if spec.transient is None else M.nosuid_binds(spec.mounts)
+        # The job's own /run, but for what the node policy passes through.
+        self.run_through = self.policy.run_passthrough() if self.policy is not None else M.RUN_PASSTHROUGH
+        self.private_run = M.RUN not in self.run_through
+        if not (spec.scratch or spec.execute_dir):
+            if spec.manifest:
+                raise StarterError("--manifest needs a scratch directory to stage into",
+                                   "add --scratch DIR or --execute-dir DIR")
+            return
         from starter.storage import scratch
 
         # Recorded before it exists, so a crash at any point leaves gc a record.
@@ -291,14 +354,14 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
         job_state.update(scratch=path, scratch_parent=os.path.dirname(path),
                          scratch_kind="scratch" if spec.scratch else "execute-dir")
         fault("scratch-record")
-        if rights is not _root_rights:
+        if self.rights is not _root_rights:
             # A caller's execute directory (one of the policy's) must be one
             # it can reach itself: walked with its rights before root makes
             # anything there.
             from starter.storage import paths
 
             parent = os.path.dirname(path)
-            with rights():
+            with self.rights():
                 fd = paths.open_dir(parent, "execute directory")
                 try:    # O_PATH reached it; may the caller enter it?
                     if not os.access(f"/proc/self/fd/{fd}", os.X_OK, effective_ids=True):
@@ -310,8 +373,9 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
             sc = scratch.create(spec.scratch, spec.uid, spec.gid, mark=spec.id, groups=spec.groups)
         else:
             sc = scratch.create_in(spec.execute_dir, spec.id, spec.uid, spec.gid, groups=spec.groups)
+        self.sc = sc
         # Removed unless the job runs: --keep-scratch counts from its exec on (below).
-        undo.push(_release_scratch, sc, report, label="scratch")   # removes it, or when kept only closes its fd
+        self.undo.push(_release_scratch, sc, self.report, label="scratch")   # removes it, or when kept only closes its fd
         fault("scratch-create")
         job_state.update(scratch_id=[sc.dev, sc.ino])
         stage_fd = sc.fd
@@ -320,250 +384,327 @@ def _run(spec, job_state, signals, events, undo, report, backend, sc_filter=None
             from starter.storage import disk
 
             stage_fd = disk.setup(sc, spec.id, spec.limits.disk, spec.limits.disk_inodes, spec.uid, spec.gid,
-                                  job_state, undo, fault, report, spec.seccomp, spec.state_dir).root_fd
+                                  job_state, self.undo, fault, self.report, spec.seccomp, spec.state_dir).root_fd
             trace.mark("disk")
-        if image is not None:   # the dumped scratch's files, before CRIU restores fds naming them
-            checkpoint.unpack_scratch(image, sc.path, spec.uid, spec.gid)
-        cwd = cwd or sc.path
+        if self.image is not None:   # the dumped scratch's files, before CRIU restores fds naming them
+            from starter.checkpoint import criu as checkpoint
+
+            checkpoint.unpack_scratch(self.image, sc.path, spec.uid, spec.gid)
+        self.cwd = self.cwd or sc.path
         # Where the job's own /tmp or /run covers it, the scratch is shown at
         # the same path inside; a transient uid's always, nosuid.
-        mounts += M.scratch_binds(sc.path, spec.transient is not None, private_run)
+        self.mounts += M.scratch_binds(sc.path, spec.transient is not None, self.private_run)
         if spec.manifest:
             from starter.storage import manifest
 
-            with rights():      # read with the caller's rights (the job's own uid then)
+            with self.rights():      # read with the caller's rights (the job's own uid then)
                 staged = manifest.verify_and_stage(
                     spec.manifest, spec.manifest_digest, spec.inputs or os.path.dirname(spec.manifest),
                     stage_fd, spec.uid, spec.gid)
             # Run the verified copy, never the path that was checked.
+            argv = self.argv
             name = argv[0][2:] if argv[0].startswith("./") else argv[0]
             if name in staged:
                 argv[0] = staged[name]
-    elif spec.manifest:
-        raise StarterError("--manifest needs a scratch directory to stage into",
-                           "add --scratch DIR or --execute-dir DIR")
 
-    deadline.check()
-    # The cgroup, with its limits, before anything runs in it.
-    # The job's own cgroup tree, /dev/shm and temp dirs first (the spec's
-    # mounts may stack on them); the state directory and /proc/keys hidden
-    # last.  Planned before the cgroup is made: on layouts with v1
-    # hierarchies, making it waits for the warm-up's RCU grace period
-    # (cgroups.warm_up), and this work fills some of that wait.
-    # The job's own /dev (only the nodes it was given; its own devpts) goes
-    # before /dev/shm and /dev/mqueue, which stack on it, and is made
-    # read-only after the spec's binds, which may add nodes to it.
-    first_mounts = (M.cgroup_view(backend.view(), writable=spec.delegate)
-                    + M.dev(spec.ptys)
-                    + M.private_dirs(spec.uid, spec.gid, spec.limits.memory, run_through)
-                    + M.device_binds(d[0] for d in spec.devices))
-    last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
-    rlimits = rlimit_table(spec.rlimits)
-    cwd_fallbacks = () if cwd else default_cwds(spec)
-    netcfg = net_end = None
-    net_fd = []     # a capped job's netns, kept open until its shaper is read
-    if spec.network.mode == "nat":
+    def plan_mounts(self):
+        """The job's own cgroup tree, /dev/shm and temp dirs first (the
+        spec's mounts may stack on them); the state directory and /proc/keys
+        hidden last.  Planned before the cgroup is made: on layouts with v1
+        hierarchies, making it waits for the warm-up's RCU grace period
+        (cgroups.warm_up), and this work fills some of that wait.  The job's
+        own /dev (only the nodes it was given; its own devpts) goes before
+        /dev/shm and /dev/mqueue, which stack on it, and is made read-only
+        after the spec's binds, which may add nodes to it."""
+        from starter.isolate import mounts as M
+        from starter.spec.jobspec import rlimit_table
+
+        spec = self.spec
+        self.first_mounts = (M.cgroup_view(self.backend.view(), writable=spec.delegate)
+                             + M.dev(spec.ptys)
+                             + M.private_dirs(spec.uid, spec.gid, spec.limits.memory, self.run_through)
+                             + M.device_binds(d[0] for d in spec.devices))
+        self.last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
+        self.rlimits = rlimit_table(spec.rlimits)
+        self.cwd_fallbacks = () if self.cwd else default_cwds(spec)
+        if spec.network.mode == "nat":
+            from starter import net
+
+            self.netcfg = net.config_for(spec)
+            # Pushed before the cgroup's teardown, so it runs after it: the job
+            # has ended, netd works on the network's teardown (asked in the
+            # meantime, below) while we measure and remove the cgroup.  Also the
+            # end of a failed start: it reads the counters into the report, then
+            # removes the rules.
+            self.net_end = []
+            self.undo.push(self._net_teardown, label="net")
+
+    def make_cgroup(self):
+        """The cgroup, with its limits and device rules, before anything runs in it."""
+        from starter import cgroups
+        from starter.isolate import mounts as M
+
+        spec = self.spec
+        cg = self.cg = self.backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
+            memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
+            cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids,
+            cpuset=spec.limits.cpuset, mems=spec.limits.mems, io_max=spec.limits.io_max))
+        self.undo.push(cg.destroy, label="cgroup")
+        fault("cgroup-create")
+        # What the kernel lets the job open, by any path: before anything runs.
+        self.report["device_rules"] = cg.set_devices(M.dev_rules(spec.devices))
+        self.oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None
+        trace.mark("cgroup")
+
+    def add_resolv_conf(self):
+        from starter.isolate import mounts as M
+
+        spec = self.spec
+        if self.netcfg is not None:
+            from starter import net
+
+            resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
+            write_atomic(resolv, net.resolv_conf_text(self.netcfg), 0o644)
+            self.undo.push(unlink_quiet, resolv, label="resolv")
+            self.mounts += M.resolv_conf(resolv, self.private_run)
+        elif spec.network.mode == "host":
+            self.mounts += M.resolv_conf(None, self.private_run)     # the host's, where it lies in /run
+
+    # -- the job's process ---------------------------------------------------
+    def clone(self):
+        """The job's PID 1, cloned into the cgroup (or restored from its
+        checkpoint); it waits for release()."""
+        from starter.isolate import ns
+        from starter.isolate.nsidentity import made_for
+
+        spec = self.spec
+        namespaces = {"pid", "mnt", "ipc", "cgroup"}
+        if spec.network.mode != "host":
+            namespaces.add("net")
+        if spec.hostname:
+            namespaces.add("uts")
+        child_spec = self.child_spec = ns.ChildSpec(
+            argv=self.argv, env=spec.env, cwd=self.cwd, cwd_fallbacks=self.cwd_fallbacks,
+            uid=spec.uid, gid=spec.gid,
+            groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
+            mounts=tuple(self.first_mounts + self.mounts + self.last_mounts), init=spec.init,
+            cgroup_fd=self.cg.clone_fd(), seccomp=self.sc_filter,
+            userns_root=spec.userns_root, rlimits=self.rlimits, cgroupns_at_clone=spec.delegate)
+        trace.mark("plan")
+        if self.image is None:
+            child = ns.spawn(child_spec)
+        else:
+            from starter.checkpoint import criu as checkpoint
+
+            # A NAT job's tree goes into a namespace made and wired first.
+            netns = checkpoint.new_netns() if self.netcfg is not None else None
+            try:
+                if netns is not None:
+                    self._wire(netns)
+                child = checkpoint.spawn(self.image, self.cg, spec.state_dir, spec.id, netns)
+            finally:
+                if netns is not None:
+                    self._let_go(netns)
+        self.child = child
+        self.undo.push(child.close, label="child")
+        # Which namespaces the starter made, for `starter enter` (admin/jobs.py),
+        # read now: the child runs nothing of the job's before the release.  A
+        # job with a user namespace of its own can later unshare its PID 1 into
+        # namespaces of its own making; enter refuses those.
+        self.job_namespaces = made_for(child.pid, child_spec)
+        from starter.state.store import process_start_time
+
+        self.since = process_start_time(child.pid)
+        trace.mark("clone")
+
+    def attach(self):
+        """The child into the v1 hierarchies (ns.spawn put it in clone_fd()'s
+        cgroup: CLONE_INTO_CGROUP, or by pid), its delegated subtree, and its
+        network."""
+        from starter import cgroups
+
+        spec, child, cg = self.spec, self.child, self.cg
+        cg.add_pid(child.pid, cloned=self.child_spec.cgroup_fd is not None)
+        cgroups.warm_up_done()
+        if spec.delegate:
+            # Before release: the job starts in job/, sees its cgroup as the root
+            # and finds the subtree its own (the teardown above removes it all).
+            cg.delegate(child.pid, spec.uid, spec.gid)
+        fault("clone")
+        trace.mark("attach")
+        if self.netcfg is not None and self.image is None:
+            fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+            try:
+                self._wire(fd)
+            finally:
+                self._let_go(fd)
+
+    def _wire(self, fd):
+        """The job's network, in the namespace fd (_let_go() after)."""
         from starter import net
 
-        netcfg = net.config_for(spec)
-        # Pushed before the cgroup's teardown, so it runs after it: the job
-        # has ended, netd works on the network's teardown (asked in the
-        # meantime, below) while we measure and remove the cgroup.  Also the
-        # end of a failed start: it reads the counters into the report, then
-        # removes the rules.
-        net_end = []
-        undo.push(_net_teardown, spec.id, netcfg, report, net_end, net_fd, label="net")
-    cg = backend.create(spec.id, cgroups.Limits(  # removes what it made if a limit fails
-        memory_bytes=spec.limits.memory, cpus=spec.limits.cpus,
-        cpu_weight=spec.limits.cpu_weight, pids=spec.limits.pids,
-        cpuset=spec.limits.cpuset, mems=spec.limits.mems, io_max=spec.limits.io_max))
-    undo.push(cg.destroy, label="cgroup")
-    fault("cgroup-create")
-    # What the kernel lets the job open, by any path: before anything runs.
-    report["device_rules"] = cg.set_devices(M.dev_rules(spec.devices))
-    oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None
-    trace.mark("cgroup")
-
-    if netcfg is not None:
-        resolv = os.path.join(spec.state_dir, spec.id + ".resolv.conf")
-        write_atomic(resolv, net.resolv_conf_text(netcfg), 0o644)
-        undo.push(unlink_quiet, resolv, label="resolv")
-        mounts += M.resolv_conf(resolv, private_run)
-    elif spec.network.mode == "host":
-        mounts += M.resolv_conf(None, private_run)     # the host's, where it lies in /run
-
-    mounts = first_mounts + mounts + last_mounts
-    namespaces = {"pid", "mnt", "ipc", "cgroup"}
-    if spec.network.mode != "host":
-        namespaces.add("net")
-    if spec.hostname:
-        namespaces.add("uts")
-    child_spec = ns.ChildSpec(
-        argv=argv, env=spec.env, cwd=cwd, cwd_fallbacks=cwd_fallbacks,
-        uid=spec.uid, gid=spec.gid,
-        groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
-        mounts=tuple(mounts), init=spec.init, cgroup_fd=cg.clone_fd(), seccomp=sc_filter,
-        userns_root=spec.userns_root, rlimits=rlimits, cgroupns_at_clone=spec.delegate)
-    trace.mark("plan")
-    lease = None
-
-    def wire(fd):       # the job's network, in the namespace fd (let_go() after)
-        nonlocal lease
-        net_end.append(None)        # from here on, a teardown has work to do
-        lease = net.setup(spec.id, fd, netcfg)
+        self.net_end.append(None)        # from here on, a teardown has work to do
+        lease = self.lease = net.setup(self.spec.id, fd, self.netcfg)
         fault("net-setup")
-        job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
-                         address6=lease.address6, **({"net_rate": dict(netcfg.rate)} if netcfg.rate else {}))
+        self.job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
+                              address6=lease.address6,
+                              **({"net_rate": dict(self.netcfg.rate)} if self.netcfg.rate else {}))
         trace.mark("net")
 
-    def let_go(fd):     # a capped job's namespace stays open for its teardown, which closes it
-        if netcfg.rate:
-            net_fd.append(fd)
+    def _let_go(self, fd):
+        """A capped job's namespace stays open for its teardown, which closes it."""
+        if self.netcfg.rate:
+            self.net_fd.append(fd)
         else:
             os.close(fd)
 
-    if image is None:
-        child = ns.spawn(child_spec)
-    else:
-        # A NAT job's tree goes into a namespace made and wired first.
-        netns = checkpoint.new_netns() if netcfg is not None else None
+    def release(self):
+        """Let the child exec, and wait until it has (or has failed to)."""
+        child, cg = self.child, self.cg
+        deadline.check()    # the last moment a start can fail without the job running
+        child.release()
+        fault("release")
+        # While the job execs: the files its end reads, opened now (not after it).
+        cg.keep_open()
+        probe = child.exec_probe()
         try:
-            if netns is not None:
-                wire(netns)
-            child = checkpoint.spawn(image, cg, spec.state_dir, spec.id, netns)
+            # The child's chdir and exec may wait on a path too.  A signal that
+            # comes once it has exec'd (the job may run, and print, before we
+            # see it) is the job's: a vacate, not a failed start (the probe).
+            with deadline.region(f"the job's working directory {self.cwd or '(default)'} or command "
+                                 f"{self.argv[0]}", probe, child.pid):
+                child.wait_started()
+        except StarterError as e:
+            self.report.update(error=str(e), exit_code=e.exit_code)
+            raise
         finally:
-            if netns is not None:
-                let_go(netns)
-    undo.push(child.close, label="child")
-    # Which namespaces the starter made, for `starter enter` (admin/jobs.py),
-    # read now: the child runs nothing of the job's before the release.  A
-    # job with a user namespace of its own can later unshare its PID 1 into
-    # namespaces of its own making; enter refuses those.
-    job_namespaces = made_for(child.pid, child_spec)
-    if since is not None:
-        from starter.state.store import process_start_time
+            if probe is not None:
+                probe.close()
+        deadline.finish(self.signals.w)   # the job runs: signals are the supervisor's now
+        trace.mark("exec")
 
-        since[0] = process_start_time(child.pid)
-    trace.mark("clone")
-    # ns.spawn put it in clone_fd()'s cgroup (CLONE_INTO_CGROUP, or by pid).
-    cg.add_pid(child.pid, cloned=child_spec.cgroup_fd is not None)
-    cgroups.warm_up_done()
-    if spec.delegate:
-        # Before release: the job starts in job/, sees its cgroup as the root
-        # and finds the subtree its own (the teardown above removes it all).
-        cg.delegate(child.pid, spec.uid, spec.gid)
-    fault("clone")
-    trace.mark("attach")
+    def mark_running(self):
+        spec, child, lease = self.spec, self.child, self.lease
+        # The job runs: only now is its scratch what --keep-scratch keeps (a
+        # start that failed, exit 125, 126 or 127, leaves nothing).
+        if self.sc is not None and spec.keep_scratch:
+            self.sc.keep = True
+            self.job_state.update(state="running", pid=child.pid, namespaces=self.job_namespaces,
+                                  keep_scratch=True)
+        else:
+            self.job_state.update(state="running", pid=child.pid, namespaces=self.job_namespaces)
+        fault("running")
+        self.events.emit("running", pid=child.pid, cgroup=self.cg.paths,
+                         address=lease.address if lease else None,
+                         address6=lease.address6 if lease else None)
+        trace.mark("running")
+        # The job may run for days: collect cycles again where entry() turned
+        # that off for the start, but never walk the start's objects (frozen).
+        if not gc.isenabled():
+            gc.freeze()
+            gc.enable()
 
-    if netcfg is not None and image is None:
-        fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
-        try:
-            wire(fd)
-        finally:
-            let_go(fd)
+    def supervise(self):
+        """Until the job's main process is gone and its cgroup is empty."""
+        from starter.job.supervisor import Supervisor
 
-    deadline.check()    # the last moment a start can fail without the job running
-    child.release()
-    fault("release")
-    # While the job execs: the files its end reads, opened now (not after it).
-    cg.keep_open()
-    probe = child.exec_probe()
-    try:
-        # The child's chdir and exec may wait on a path too.  A signal that
-        # comes once it has exec'd (the job may run, and print, before we
-        # see it) is the job's: a vacate, not a failed start (the probe).
-        with deadline.region(f"the job's working directory {cwd or '(default)'} or command {argv[0]}", probe,
-                             child.pid):
-            child.wait_started()
-    except StarterError as e:
-        report.update(error=str(e), exit_code=e.exit_code)
-        raise
-    finally:
-        if probe is not None:
-            probe.close()
-    deadline.finish(signals.w)   # the job runs: signals are the supervisor's now
-    trace.mark("exec")
-    # The job runs: only now is its scratch what --keep-scratch keeps (a
-    # start that failed, exit 125, 126 or 127, leaves nothing).
-    if sc is not None and spec.keep_scratch:
-        sc.keep = True
-        job_state.update(state="running", pid=child.pid, namespaces=job_namespaces, keep_scratch=True)
-    else:
-        job_state.update(state="running", pid=child.pid, namespaces=job_namespaces)
-    fault("running")
-    events.emit("running", pid=child.pid, cgroup=cg.paths, address=lease.address if lease else None,
-                address6=lease.address6 if lease else None)
-    trace.mark("running")
-    # The job may run for days: collect cycles again where entry() turned
-    # that off for the start, but never walk the start's objects (frozen).
-    if not gc.isenabled():
-        gc.freeze()
-        gc.enable()
+        spec, cg = self.spec, self.cg
+        gpu_usage = None
+        if spec.gpus:
+            from starter.observe.gpu import Usage
 
-    gpu_usage = None
-    if spec.gpus:
-        from starter.observe.gpu import Usage
+            gpu_usage = Usage(spec.gpus)
+        sup = Supervisor(self.child, cg, self.signals, self.events, self.job_state, spec.limits.wall_time,
+                         spec.grace, oom_watch=self.oom_watch, kill_timeout=spec.kill_timeout,
+                         checkpoint=_checkpointer(spec, self.job_state, cg) if spec.on_vacate else None,
+                         checkpoint_every=spec.checkpoint_every, watch_roles=cg.backend.watch_roles)
+        out = sup.run()
+        self.supervised_since = sup.started
+        if gpu_usage is not None:
+            self.report.update(gpu_usage.stop())
+        trace.mark("job")
+        if self.lease is not None and not out.unkillable:
+            # The job is gone: its counters are final.  netd tears down while we measure.
+            from starter import net
 
-        gpu_usage = Usage(spec.gpus)
-    sup = Supervisor(child, cg, signals, events, job_state, spec.limits.wall_time, spec.grace,
-                     oom_watch=oom_watch, kill_timeout=spec.kill_timeout,
-                     checkpoint=_checkpointer(spec, job_state, cg) if spec.on_vacate else None,
-                     checkpoint_every=spec.checkpoint_every, watch_roles=cg.backend.watch_roles)
-    out = sup.run()
-    if gpu_usage is not None:
-        report.update(gpu_usage.stop())
-    trace.mark("job")
-    if lease is not None and not out.unkillable:
-        # The job is gone: its counters are final.  netd tears down while we measure.
-        try:
-            net_end[0] = net.teardown_begin(spec.id, netcfg, net_fd[0] if net_fd else None)
-        except Exception:   # noqa: BLE001 - the teardown step tries again, and reports
-            pass
+            try:
+                self.net_end[0] = net.teardown_begin(spec.id, self.netcfg, self.net_fd[0] if self.net_fd else None)
+            except Exception:   # noqa: BLE001 - the teardown step tries again, and reports
+                pass
+        return out
 
-    # Measure before anything is destroyed.
-    stats = cg.stats()
-    oom = stats.get("oom_kills")
-    if spec.delegate and oom:
-        # A payload that reached a limit the job set itself is the job's
-        # business (payloads_oom names it); the job was OOM-killed only when
-        # its own limit was reached or it was group-killed.
-        oom = oom if cg.own_oom() else 0
-    reason, code, sig = classify(out, oom, spec.oom_policy)
-    if stats.get("oom_kills"):
-        events.emit("oom", oom_kills=stats.get("oom_kills"))
-    report.update(reason=reason, exit_code=code, signal=sig,
-                  wall_s=round(time.monotonic() - sup.started, 6),
-                  cgroup=backend.kind, **stats)
-    report.update(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
-    if out.checkpoint_error:
-        report["checkpoint_error"] = out.checkpoint_error
-    elif reason == "checkpointed" and spec.on_vacate:
-        report["checkpoint"] = spec.on_vacate
-    if spec.delegate:
-        from starter.cgroups.subtree import ran_out_of_memory
+    def measure(self, out):
+        """Measure before anything is destroyed; -> the job's exit code."""
+        from starter.job.supervisor import classify
 
-        payloads, left_out = cg.payload_stats()
-        report.update(delegated=True, payloads=payloads, payloads_truncated=left_out,
-                      payloads_oom=[p["name"] for p in payloads if ran_out_of_memory(p)])
-    if out.unkillable:
-        # Nothing the job holds may be reused while its processes live: the
-        # cgroup, address, scratch and entry stay for `starter gc`.
-        report.update(unkillable=out.unkillable, kill_reason=out.reason)
-        undo.keep_only(child.close)
-        stuck = ", ".join(f"{u['pid']} ({u['state']}, wchan {u['wchan']})" for u in out.unkillable)
-        # run() keeps the entry "reclaiming" with this as what is still held.
-        undo.failed.append(f"cgroup: {len(out.unkillable)} unkillable processes: {stuck}")
-        sys.stderr.write(f"starter: job {spec.id}: unkillable processes survived the kill for "
-                         f"{spec.kill_timeout:g}s: {stuck}; `starter gc` reclaims the job once they are gone\n")
+        spec, cg, report, undo = self.spec, self.cg, self.report, self.undo
+        stats = cg.stats()
+        oom = stats.get("oom_kills")
+        if spec.delegate and oom:
+            # A payload that reached a limit the job set itself is the job's
+            # business (payloads_oom names it); the job was OOM-killed only when
+            # its own limit was reached or it was group-killed.
+            oom = oom if cg.own_oom() else 0
+        reason, code, sig = classify(out, oom, spec.oom_policy)
+        if stats.get("oom_kills"):
+            self.events.emit("oom", oom_kills=stats.get("oom_kills"))
+        report.update(reason=reason, exit_code=code, signal=sig,
+                      wall_s=round(time.monotonic() - self.supervised_since, 6),
+                      cgroup=self.backend.kind, **stats)
+        report.update(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
+        if out.checkpoint_error:
+            report["checkpoint_error"] = out.checkpoint_error
+        elif reason == "checkpointed" and spec.on_vacate:
+            report["checkpoint"] = spec.on_vacate
+        if spec.delegate:
+            from starter.cgroups.subtree import ran_out_of_memory
+
+            payloads, left_out = cg.payload_stats()
+            report.update(delegated=True, payloads=payloads, payloads_truncated=left_out,
+                          payloads_oom=[p["name"] for p in payloads if ran_out_of_memory(p)])
+        if out.unkillable:
+            # Nothing the job holds may be reused while its processes live: the
+            # cgroup, address, scratch and entry stay for `starter gc`.
+            report.update(unkillable=out.unkillable, kill_reason=out.reason)
+            undo.keep_only(self.child.close)
+            stuck = ", ".join(f"{u['pid']} ({u['state']}, wchan {u['wchan']})" for u in out.unkillable)
+            # run() keeps the entry "reclaiming" with this as what is still held.
+            undo.failed.append(f"cgroup: {len(out.unkillable)} unkillable processes: {stuck}")
+            sys.stderr.write(f"starter: job {spec.id}: unkillable processes survived the kill for "
+                             f"{spec.kill_timeout:g}s: {stuck}; `starter gc` reclaims the job once they are gone\n")
+            return code
+        # The entry says "exited" while a teardown that can take a while runs
+        # (netd's answer, removing a scratch directory).  Where only the cgroup
+        # and the entry are left (well under a millisecond), the entry goes
+        # without this write, which costs 0.4 ms where the state directory is
+        # on a disk: a third of a killed job's teardown.
+        if undo.holds("net", "scratch"):
+            self.job_state.update(state="exited")
         return code
-    # The entry says "exited" while a teardown that can take a while runs
-    # (netd's answer, removing a scratch directory).  Where only the cgroup
-    # and the entry are left (well under a millisecond), the entry goes
-    # without this write, which costs 0.4 ms where the state directory is
-    # on a disk: a third of a killed job's teardown.
-    if undo.holds("net", "scratch"):
-        job_state.update(state="exited")
-    return code
+
+    def _net_teardown(self):
+        """The network's end: nothing where no setup was tried, else the
+        teardown netd began (or one now); its counters into the report.
+        The netns fd kept for a capped job is closed here."""
+        try:
+            if not self.net_end:
+                return
+            from starter import net
+
+            end = self.net_end[0]
+            counters = end() if end is not None else net.teardown(self.spec.id, self.netcfg)
+            if counters:
+                self.report["network"] = counters
+        finally:
+            for fd in self.net_fd:
+                os.close(fd)
+
+
+def _reclaim_for_start(state_dir, job_id, st):
+    """JobState.create found a dead entry of this job's id: reclaim it."""
+    from starter.admin import gc as reclaim
+
+    return reclaim.reclaim_for_start(state_dir, job_id, st)
 
 
 def _checkpointer(spec, job_state, cg):
@@ -590,12 +731,6 @@ def _end_transient(*args):
     escapes.end_transient(*args)
 
 
-def _end_named(*args, **kw):
-    from starter.job import strays as escapes
-
-    escapes.end_named(*args, **kw)
-
-
 def default_cwds(spec):
     """The job's working directory without --cwd (and without a scratch,
     which is then the cwd): the caller's, if the job's user can reach it in
@@ -620,20 +755,3 @@ def _release_scratch(sc, report):
         # (measured before its unmount: the removal saw only the directory under it).
         disk = report.get("disk") or {}
         report["scratch_bytes"] = removed.bytes + (disk.get("backend") == "image" and disk.get("used_bytes") or 0)
-
-
-def _net_teardown(job_id, cfg, report, net_end, net_fd=()):
-    """net_end: [] (no setup was tried: nothing to do), [None] (tear down
-    now) or [a callable from net.teardown_begin]; net_fd: the job's netns
-    fd kept for it, closed here."""
-    try:
-        if not net_end:
-            return
-        from starter import net
-
-        counters = net_end[0]() if net_end[0] is not None else net.teardown(job_id, cfg)
-        if counters:
-            report["network"] = counters
-    finally:
-        for fd in net_fd:
-            os.close(fd)

@@ -191,9 +191,9 @@ def end_transient(state_dir, uid, job_id, action, report):
 def end_named(uid, since, action, report, relay=None):
     """A named user's processes started during the job, outside every job's
     cgroup: escaped (a same-uid host daemon started them for the job)."""
-    if since[0] is None:
+    if since is None:
         return              # the job never ran
-    found = find(uid, since=since[0], skip_jobs=True, relay=relay)
+    found = find(uid, since=since, skip_jobs=True, relay=relay)
     report["escaped"] = found
     if found:
         _say(report.get("job_id"), found, action)
