@@ -14,7 +14,7 @@ import os
 from starter.callers.policy import (FLAG_KEYS, LIMIT_KEYS, PATH, ROOT_ONLY, PolicyError, has_scratch, is_under,
                                     norm_path, show_list)
 from starter.errors import SpecError
-from starter.spec import values as V
+from starter.spec import registry, values as V
 
 # (what a caller may not do, [callers] key, where it is refused): "where" is
 # module:function, or native/FILE.c:function for the launcher's C side.
@@ -180,6 +180,14 @@ def _check_rlimit(pol, item):
                           f"({'unlimited' if limit == O.RLIM_INFINITY else limit})",
                           "a caller that is not root may only lower resource limits")
 
+# How a capped value and its maximum compare: by the kind of check the
+# option's value gets (spec/registry.py).
+CAP_KINDS = registry.cap_kinds()
+CAP_VALUES = {"size": V.size, "duration": lambda opt, x: V.duration(opt, x, 0.001, 1e9),
+              "cpus": lambda opt, x: V.number(opt, x, 0, 1 << 62),
+              "count": lambda opt, x: V.number(opt, x, 0, 1 << 62)}
+
+
 def cap(pol, raw, asked_rate=None):
     """A caller's limits never exceed the maxima; a job that asks for none
     gets the maximum (the node's default where it is lower)."""
@@ -200,16 +208,14 @@ def cap(pol, raw, asked_rate=None):
         raw["net-rate"] = O.format_net_rate(zones)
     for opt, key in LIMIT_KEYS.items():
         cap = pol.callers[key]
-        if cap is None:
+        if cap is None or opt == "net-rate":    # a rate is capped per zone, above
             continue
         v = raw.get(opt)
         if v is None:
             if opt != "disk" or has_scratch(raw):
                 raw[opt] = cap
             continue
-        parse = {"memory": lambda x: V.size(opt, x), "disk": lambda x: V.size(opt, x),
-                 "wall-time": lambda x: V.duration(opt, x, 0.001, 1e9)}.get(
-            opt, lambda x: V.number(opt, x, 0, 1 << 62))
-        if parse(v) > parse(cap):
+        parse = CAP_VALUES[CAP_KINDS[key]]
+        if parse(opt, v) > parse(opt, cap):
             raise PolicyError(f"--{opt} {V.show(str(v))}: above the maximum {cap} of {pol.where('callers.' + key)}",
                               f"ask for at most {cap}")

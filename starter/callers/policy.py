@@ -54,13 +54,12 @@ CALLER_KEYS = {
     "mount_destinations": ("dirs", ()),
     "execute_dirs": ("dirs", ()),
     "seccomp": ("profiles", ("default",)),
-    "max_memory": ("size", None), "max_cpus": ("cpus", None), "max_pids": ("count", None),
-    "max_wall_time": ("duration", None), "max_disk": ("size", None),
     "userns_root": ("bool", False), "allow_userns": ("bool", False),
     "delegate": ("bool", False), "init": ("bool", False),
     "max_jobs": ("count", DEFAULT_MAX_JOBS),
     "devices": ("globs", ()), "gpus": ("bool", False),
-    "max_net_rate": ("netrate", None),
+    # the maxima: max_memory, max_cpus, ..., checked as the option's value is
+    **{key: (kind, None) for key, kind in registry.cap_kinds().items()},
 }
 # Options that only root sets (where jobs' state and cgroups live, the
 # network's shape, a checkpoint's directory: written as root), a caller's

@@ -109,7 +109,7 @@ OPTIONS = (
            "IFACE  interface jobs are NATed out of (repeatable: each destination leaves by the host's routing)"),
     Option("allow-host-port", "multi", "network.allow_host_ports", ("allow_host_ports", "ports"), None, "nat",
            "PROTO:PORT  let jobs reach this port on the host"),
-    Option("net-rate", "value", "network.rate", ("net_rate", "netrate"), None, "any",
+    Option("net-rate", "value", "network.rate", ("net_rate", "netrate"), "max_net_rate", "any",
            "RATE|SCOPE=RATE,..  bandwidth caps, shaped by the kernel; SCOPE all, in, out, lan, wan, lan-in, lan-out, wan-in, wan-out (e.g. 100mbit, out=50mbit,lan=1gbit)"),
     Option("resolver", "value", "network.resolver", ("resolver", "ip"), None, "nat",
            "IP  name server (IPv4 or IPv6) written to the job's /etc/resolv.conf"),
@@ -165,6 +165,12 @@ def policy_defaults():
 def caller_caps():
     """{option: [callers] max_* key} for the value options a caller's policy caps."""
     return {o.name: o.caller for o in OPTIONS if o.caller and o.kind != "flag"}
+
+
+def cap_kinds():
+    """{[callers] max_* key: the check its value gets}: the capped option's
+    own [defaults] check (a maximum is a value of the option)."""
+    return {o.caller: o.default[1] for o in OPTIONS if o.caller and o.kind != "flag"}
 
 
 def caller_flags():
