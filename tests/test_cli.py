@@ -252,7 +252,7 @@ def test_admin_commands_as_non_root(cmd, state_dir):
 @pytest.fixture(autouse=True)
 def no_setup_watchdog(monkeypatch):
     """`starter run` in this process (cli.main): no setup watchdog.
-    deadline.start() blocks the ending signals in the calling thread, and
+    watchdog.start() blocks the ending signals in the calling thread, and
     every process pytest starts afterwards would inherit that (a netd that
     never sees its SIGTERM; the leak check looks)."""
     import starter.job.watchdog

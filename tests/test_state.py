@@ -17,7 +17,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from conftest import SLOWDOWN, STARTER  # noqa: E402
 from starter import cgroups
-from starter.admin import gc as reclaim  # noqa: E402
+from starter.admin import gc as admin_gc  # noqa: E402
 from starter.state import store as S  # noqa: E402
 
 
@@ -274,14 +274,14 @@ def test_gc_quick_never_waits_for_a_cgroup_to_empty(state_dir):
         _plant(state_dir, "quick1", cgroup=be.job_paths("quick1"), cgroup_parents=dict(be.parents),
                cgroup_parent=None)
         t0 = time.monotonic()
-        reclaim.reclaim_found(state_dir, S.find_dead(state_dir))     # as every run does
+        admin_gc.reclaim_found(state_dir, S.find_dead(state_dir))     # as every run does
         assert time.monotonic() - t0 < 1.0      # the full gc would wait up to 5 s
         st = S.load(state_dir, "quick1")
         assert st["state"] == "reclaiming", st
     finally:
         sleeper.kill()
         sleeper.wait()
-    lines, ok = reclaim.gc(state_dir)
+    lines, ok = admin_gc.gc(state_dir)
     assert ok and "job quick1: cgroup removed" in lines and "job quick1: state entry removed" in lines, lines
     assert not cg.exists()
 
@@ -371,7 +371,7 @@ def test_gc_removes_temp_files_of_writers_killed_mid_write(state_dir):
     _plant(state_dir, "tmp1")
     with open(os.path.join(state_dir, "tmp1.resolv.conf.tmp"), "w") as f:
         f.write("nameserver")
-    lines, ok = reclaim.gc(state_dir)
+    lines, ok = admin_gc.gc(state_dir)
     assert ok, lines
     assert "network: temp file table.json.tmp" in lines and "job tmp1: state entry removed" in lines, lines
     left = [os.path.join(r, f) for r, _, fs in os.walk(state_dir) for f in fs] if os.path.isdir(state_dir) else []

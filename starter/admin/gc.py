@@ -93,7 +93,7 @@ def _reclaim_uids(state_dir):
     leases are the node's): killed what is left of the uid (unless the
     job's entry says its escapes are only reported), then the lease given
     back.  -> (lines, held)."""
-    from starter.job import strays as escapes
+    from starter.job import strays
     from starter.callers import uids
 
     lines, held = [], False
@@ -105,13 +105,13 @@ def _reclaim_uids(state_dir):
             lines.append(f"uid {uid} (job {job_id}): its job's entry still holds something; still held")
             continue
         try:
-            if escapes.any_process(uid):
+            if strays.any_process(uid):
                 if S.load(sd, job_id).get("escape") == "report":
                     held = held or sd == os.path.abspath(state_dir)
                     lines.append(f"uid {uid} (job {job_id}): processes of it still run (escapes are only "
                                  "reported on this node); still held")
                     continue
-                if escapes.kill_all(uid):
+                if strays.kill_all(uid):
                     held = True
                     lines.append(f"uid {uid} (job {job_id}): processes of it survived the kill; still held")
                     continue

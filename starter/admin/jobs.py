@@ -111,7 +111,7 @@ def _escaped(st, job_id):
     uid = st.get("uid")
     if not isinstance(uid, int) or uid <= 0:
         return None
-    from starter.job import strays as escapes
+    from starter.job import strays
 
     since = None
     if not st.get("transient"):
@@ -122,7 +122,7 @@ def _escaped(st, job_id):
         own = set(job_cgroup(st, job_id).pids())
     except (StarterError, OSError):
         own = set()
-    return [p for p in escapes.find(uid, since=since, skip_jobs=True) if p["pid"] not in own]
+    return [p for p in strays.find(uid, since=since, skip_jobs=True) if p["pid"] not in own]
 
 
 def top(state_dir, job_id, interval=None, once=False, as_json=False):

@@ -24,7 +24,7 @@ What it means here:
   * the job's cgroups nest in the caller's own, which must be root's all the
     way up (cgroups: Backend.check_trusted_parents);
   * the relay is a process of the caller's uid that started before the job:
-    the escape check at a job's end (escapes.find) counts it as known, so
+    the escape check at a job's end (strays.find) counts it as known, so
     a caller whose uid has no other process pays no /proc walk.
 """
 

@@ -204,9 +204,9 @@ def cmd_gc(argv):
     table = {"--state-dir": ("state-dir", "value", "DIR  state directory")}
     values, _, _ = parse(argv, table, command_after=False, usage="starter gc [--state-dir DIR]")
     need_root("starter gc")
-    from starter.admin import gc as reclaim
+    from starter.admin.gc import gc
 
-    lines, ok = reclaim.gc(_state_dir(values))
+    lines, ok = gc(_state_dir(values))
     for line in lines:
         print(line)
     return 0 if ok else 1     # 1: something is still held (each line says what and why)

@@ -76,13 +76,13 @@ def cmd_run(argv):
             from starter.callers.caller import from_environ
 
             caller = from_environ()
-    from starter.job import watchdog as deadline
-    from starter.spec import jobspec as S
+    from starter.job import watchdog
+    from starter.spec import jobspec
 
     need_root("starter run")
     from starter.callers import policy
 
-    deadline.start()   # setup's deadline and signals, from here until the job runs
+    watchdog.start()   # setup's deadline and signals, from here until the job runs
     if caller is not None and caller.fd is not None:
         from starter.callers.caller import relay
 
@@ -98,23 +98,23 @@ def cmd_run(argv):
             if command:
                 raise UsageError("--restore takes no command: the job goes on with its own")
             image = checkpoint_dir.load(values["restore"], caller,
-                                        S.state_dir(values.get("state-dir") or pol.defaults.get("state-dir")))
+                                        jobspec.state_dir(values.get("state-dir") or pol.defaults.get("state-dir")))
             values = checkpoint.restore_values(image, values)
             command = values.pop("command", None)
         if caller is None:
-            job_file = S.load_job_file(values.pop("job")) if "job" in values else None
+            job_file = jobspec.load_job_file(values.pop("job")) if "job" in values else None
             if command:
                 values["command"] = command
-            js = S.build(values, job_file, pol)
+            js = jobspec.build(values, job_file, pol)
         else:
             # Every path the caller names is looked at with its rights, not root's.
             with caller.rights():
-                job_file = S.load_job_file(values.pop("job")) if "job" in values else None
+                job_file = jobspec.load_job_file(values.pop("job")) if "job" in values else None
                 if command:
                     values["command"] = command
-                js = S.build(values, job_file, pol, caller)
+                js = jobspec.build(values, job_file, pol, caller)
     except BaseException:
-        deadline.claim()   # this failure is the one said (the watchdog stays out)
+        watchdog.claim()   # this failure is the one said (the watchdog stays out)
         if image is not None:
             image.close()
         raise

@@ -24,7 +24,7 @@ import os
 import sys
 import time
 
-from starter.job import watchdog as deadline, trace
+from starter.job import trace, watchdog
 from starter.errors import EXIT_STARTER_FAILED, StarterError, from_oserror, one_line
 from starter.fileio import unlink_quiet
 from starter.state.store import JobState, fault, find_dead, write_atomic
@@ -127,7 +127,7 @@ class Job:
         self.cg = self.child = None
 
     def run(self):
-        deadline.on_takeover(self._taken_over)
+        watchdog.on_takeover(self._taken_over)
         try:
             self.load_filter()
             self.open_destinations()
@@ -158,14 +158,14 @@ class Job:
             self.report.update(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
             code = EXIT_STARTER_FAILED
         finally:
-            deadline.claim()    # the watchdog stays out: this thread unwinds
+            watchdog.claim()    # the watchdog stays out: this thread unwinds
             self.end()
         return code
 
     def start_and_supervise(self):
         """From the entry on: what runs the job and measures it."""
         self.make_scratch()
-        deadline.check()
+        watchdog.check()
         self.plan_mounts()
         self.make_cgroup()
         self.add_resolv_conf()
@@ -251,9 +251,9 @@ class Job:
     def reclaim_dead(self):
         dead = find_dead(self.spec.state_dir)     # reclaim's code loads only for one
         if dead is not None:
-            from starter.admin import gc as reclaim
+            from starter.admin.gc import reclaim_found
 
-            reclaim.reclaim_found(self.spec.state_dir, dead)
+            reclaim_found(self.spec.state_dir, dead)
 
     def open_cgroups(self):
         """The backend, and what it must allow this job; the job's cgroup
@@ -308,9 +308,9 @@ class Job:
         self.report["uid"] = spec.uid
 
     def _end_named(self, relay):
-        from starter.job import strays as escapes
+        from starter.job import strays
 
-        escapes.end_named(self.spec.uid, self.since, self.spec.escape, self.report, relay)
+        strays.end_named(self.spec.uid, self.since, self.spec.escape, self.report, relay)
 
     def make_entry(self):
         spec, backend, image, caller = self.spec, self.backend, self.image, self.caller
@@ -327,7 +327,7 @@ class Job:
         if self.count_lock is not None:      # the entry counts from here on
             os.close(self.count_lock)
         fault("state-entry")
-        deadline.check()
+        watchdog.check()
         self.events.emit("starting", argv=spec.argv, user=spec.uid)
         trace.mark("state")
 
@@ -561,7 +561,7 @@ class Job:
     def release(self):
         """Let the child exec, and wait until it has (or has failed to)."""
         child, cg = self.child, self.cg
-        deadline.check()    # the last moment a start can fail without the job running
+        watchdog.check()    # the last moment a start can fail without the job running
         child.release()
         fault("release")
         # While the job execs: the files its end reads, opened now (not after it).
@@ -571,7 +571,7 @@ class Job:
             # The child's chdir and exec may wait on a path too.  A signal that
             # comes once it has exec'd (the job may run, and print, before we
             # see it) is the job's: a vacate, not a failed start (the probe).
-            with deadline.region(f"the job's working directory {self.cwd or '(default)'} or command "
+            with watchdog.region(f"the job's working directory {self.cwd or '(default)'} or command "
                                  f"{self.argv[0]}", probe, child.pid):
                 child.wait_started()
         except StarterError as e:
@@ -580,7 +580,7 @@ class Job:
         finally:
             if probe is not None:
                 probe.close()
-        deadline.finish(self.signals.w)   # the job runs: signals are the supervisor's now
+        watchdog.finish(self.signals.w)   # the job runs: signals are the supervisor's now
         trace.mark("exec")
 
     def mark_running(self):
@@ -702,9 +702,9 @@ class Job:
 
 def _reclaim_for_start(state_dir, job_id, st):
     """JobState.create found a dead entry of this job's id: reclaim it."""
-    from starter.admin import gc as reclaim
+    from starter.admin.gc import reclaim_for_start
 
-    return reclaim.reclaim_for_start(state_dir, job_id, st)
+    return reclaim_for_start(state_dir, job_id, st)
 
 
 def _checkpointer(spec, job_state, cg):
@@ -724,11 +724,11 @@ def _checkpointer(spec, job_state, cg):
 
 
 def _end_transient(*args):
-    """The transient uid's escapes at the job's end (escapes.end_transient),
+    """The transient uid's escapes at the job's end (strays.end_transient),
     imported only then."""
-    from starter.job import strays as escapes
+    from starter.job import strays
 
-    escapes.end_transient(*args)
+    strays.end_transient(*args)
 
 
 def default_cwds(spec):

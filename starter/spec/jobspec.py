@@ -269,9 +269,9 @@ def _make(raw, caller=None, asked=None):
         v = raw.get(key)
         if v is None:
             return None
-        from starter.job import watchdog as deadline
+        from starter.job import watchdog
 
-        with deadline.region(f"--{key} {v}"):   # a stat, maybe on a hung mount
+        with watchdog.region(f"--{key} {v}"):   # a stat, maybe on a hung mount
             return V.host_path(key, v, must_exist)
 
     def dest(key):

@@ -520,7 +520,7 @@ def stray_names(state_dir):
 
 
 def find_dead(state_dir):
-    """The scan at the start of every run (then reclaim.reclaim_found): a dead
+    """The scan at the start of every run (then admin.gc.reclaim_found): a dead
     starter's entry that does not wait for `starter gc`, found within
     QUICK_BUDGET_S, with its lock held -> (job_id, fd, entry), fd ours to
     close; None when there is none.  A listdir and one flock per entry;

@@ -30,7 +30,7 @@ import hmac
 import os
 import stat
 
-from starter.job import watchdog as deadline
+from starter.job import watchdog
 from starter.spec import values
 from starter.errors import SpecError, StagingError
 from starter.fileio import NoRoom, TooLarge, copy_hashing, read_limited, sized_to_fit, unlink_best_effort, unlink_quiet
@@ -145,7 +145,7 @@ def verify_and_stage(sigfile, trusted_digest, src_dir, dest_dir, uid, gid):
 
 def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
     try:
-        with deadline.region(f"manifest: input {name} in {src_dir}"):
+        with watchdog.region(f"manifest: input {name} in {src_dir}"):
             fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=sfd)
     except OSError as e:
         why = "is a symlink (not followed)" if e.errno == errno.ELOOP else e.strerror
@@ -163,7 +163,7 @@ def _stage_one(sfd, dfd, name, digest, executable, uid, gid, src_dir):
                                hint="free space there, or check the input") from None
         out = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600, dir_fd=dfd)
         try:
-            with deadline.region(f"manifest: input {name} in {src_dir}"):
+            with watchdog.region(f"manifest: input {name} in {src_dir}"):
                 got = copy_hashing(fd, out, ("sha256",), limit=size)["sha256"]
         except OSError as e:
             raise StagingError(f"manifest: {name}: {e.strerror} (in {src_dir})") from None

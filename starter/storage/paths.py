@@ -14,7 +14,7 @@ refuses it).
 A plain walk works on every kernel; openat2(RESOLVE_NO_SYMLINKS) would do the
 same in one call but is 5.6+ and not in Python's os module.
 
-Each open is a deadline.region: a path on a hung NFS or FUSE mount waits in
+Each open is a watchdog.region: a path on a hung NFS or FUSE mount waits in
 the kernel, and setup's watchdog acts for the waiting starter.
 """
 
@@ -22,7 +22,7 @@ import errno
 import os
 import stat
 
-from starter.job import watchdog as deadline
+from starter.job import watchdog
 from starter.errors import StarterError
 
 _PATH_FLAGS = os.O_PATH | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -68,7 +68,7 @@ def open_dir(path, what="path", create=None, full=None, readable=False):
     component resolved without following links.  `create` (a mode) makes a
     missing last component.  `full`: the path to name in messages (a file in
     this directory)."""
-    with deadline.region(f"{what} {full or path}"):
+    with watchdog.region(f"{what} {full or path}"):
         return _open_dir(path, what, create, full, readable)
 
 
@@ -135,7 +135,7 @@ def open_beneath(dir_fd, name, flags, what, path, mode=0o644):
 def open_path(path, what="path"):
     """An O_PATH fd of `path` (any type but a link), every component resolved
     without following links; -> (fd, stat)."""
-    with deadline.region(f"{what} {path}"):
+    with watchdog.region(f"{what} {path}"):
         return _open_path(path, what)
 
 
@@ -164,7 +164,7 @@ def _open_path(path, what):
 def open_file(path, what="file"):
     """A regular file for reading (O_RDONLY, not O_PATH), resolved without
     links; a FIFO or device there is refused without blocking."""
-    with deadline.region(f"{what} {path}"):
+    with watchdog.region(f"{what} {path}"):
         return _open_file(path, what)
 
 
