@@ -370,12 +370,11 @@ def segments(report, before):
     now["ended_at"] = now["ended_at"] or round(time.time(), 6)
     now["node"] = os.uname().nodename
     segs = list(before) + [now]
-    report["segments"] = segs
-    report["total"] = {k: round(sum(s.get(k) or 0 for s in segs), 6)
-                       for k in ("wall_s", "cpu_user_s", "cpu_system_s")}
+    total = {k: round(sum(s.get(k) or 0 for s in segs), 6) for k in ("wall_s", "cpu_user_s", "cpu_system_s")}
+    report.set(segments=segs, total=total)
     if any("network" in s for s in before):
         now["network"] = _zones(report.get("network") or {})
-        report["total"]["network"] = {
+        total["network"] = {
             z: {k: sum(((s.get("network") or {}).get(z) or {}).get(k, 0) for s in segs) for k in ("bytes", "packets")}
             for z in NET_TOTALS}
 

@@ -90,12 +90,12 @@ def run(spec, caller=None, policy=None):
 
 
 class Job:
-    """One `starter run`: what the phases share.  The report is the dict
-    written at the end (docs/reference.md, "The report"); each phase adds
-    its own fields."""
+    """One `starter run`: what the phases share.  The report (a typed
+    observe.report.Report, written at the end) gets its fields from the
+    phases that know them, and from the teardown steps that measure."""
 
     def __init__(self, spec, caller, policy):
-        from starter.observe.report import Events
+        from starter.observe.report import Events, Report
         from starter.job.supervisor import Signals
 
         self.spec, self.caller, self.policy = spec, caller, policy
@@ -108,8 +108,8 @@ class Job:
         # must not kill the starter before it reports (Signals.close).
         self.signals = Signals(spec.on_signal)
         self.events = Events(None, spec.id)
-        self.report = {"job_id": spec.id, "reason": "starter_error", "exit_code": EXIT_STARTER_FAILED,
-                       "signal": None, "started_at": round(self.t0, 6)}
+        self.report = Report(job_id=spec.id, reason="starter_error", exit_code=EXIT_STARTER_FAILED,
+                             signal=None, started_at=round(self.t0, 6))
         self.report_dest = None
         self.job_state = None
         self.image = spec.restore     # a checkpoint to restore (starter/checkpoint/criu.py), or None
@@ -139,13 +139,13 @@ class Job:
             code = self.start_and_supervise()
         except StarterError as e:
             sys.stderr.write(f"starter: {one_line(e)}\n")
-            self.report.update(error=str(e), exit_code=e.exit_code)
+            self.report.set(error=str(e), exit_code=e.exit_code)
             code = e.exit_code
         except OSError as e:
             # An errno nothing above turned into a precise message.
             e = from_oserror(e)
             sys.stderr.write(f"starter: {one_line(e)}\n")
-            self.report.update(error=str(e), exit_code=EXIT_STARTER_FAILED)
+            self.report.set(error=str(e), exit_code=EXIT_STARTER_FAILED)
             code = EXIT_STARTER_FAILED
         except Exception as e:
             # A bug or an unexpected kernel answer: still fail closed, unwind, report;
@@ -155,7 +155,7 @@ class Job:
 
                 traceback.print_exc()
             sys.stderr.write(f"starter: internal error: {one_line(repr(e))} (STARTER_DEBUG=1 shows where)\n")
-            self.report.update(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
+            self.report.set(error=f"internal error: {e!r}", exit_code=EXIT_STARTER_FAILED)
             code = EXIT_STARTER_FAILED
         finally:
             watchdog.claim()    # the watchdog stays out: this thread unwinds
@@ -196,9 +196,9 @@ class Job:
                 self.job_state.keep([f"state entry: {e}"])
                 err = err or e
         if err is not None and report.get("reason") != "starter_error":
-            report["teardown_error"] = str(err)
+            report.teardown_error = str(err)
         trace.mark("teardown")
-        report["ended_at"] = round(time.time(), 6)
+        report.ended_at = round(time.time(), 6)
         if self.report_dest is not None:
             try:
                 with self.rights():      # the caller's file, made with its rights
@@ -207,7 +207,7 @@ class Job:
                 sys.stderr.write(f"starter: cannot write report {self.spec.report}: "
                                  f"{getattr(e, 'strerror', None) or one_line(e)}\n")
             self.report_dest.close()
-        self.events.emit("exited", report=report)
+        self.events.emit("exited", report=report.as_dict())
         self.events.close()
         if in_main:
             self.signals.close()
@@ -218,7 +218,7 @@ class Job:
         # Setup's watchdog (job/watchdog.py), while this thread waits in the
         # kernel on a path: the same end, then the watchdog exits 125.
         sys.stderr.write(f"starter: {one_line(msg)}\n")
-        self.report.update(error=msg, exit_code=EXIT_STARTER_FAILED)
+        self.report.set(error=msg, exit_code=EXIT_STARTER_FAILED)
         self.end(in_main=False)
 
     # -- before the entry ----------------------------------------------------
@@ -305,7 +305,7 @@ class Job:
             # The caller's relay is a process of the job's uid (its own): known, not an escape.
             relay = caller.relay if caller is not None and caller.uid == spec.uid else None
             self.undo.push(self._end_named, relay, label="escapes")
-        self.report["uid"] = spec.uid
+        self.report.uid = spec.uid
 
     def _end_named(self, relay):
         from starter.job import strays
@@ -383,8 +383,7 @@ class Job:
             # The scratch becomes a file system of its own size (starter/storage/disk.py).
             from starter.storage import disk
 
-            stage_fd = disk.setup(sc, spec.id, spec.limits.disk, spec.limits.disk_inodes, spec.uid, spec.gid,
-                                  job_state, self.undo, fault, self.report, spec.seccomp, spec.state_dir).root_fd
+            stage_fd = disk.setup(sc, spec, job_state, self.undo, self.report).root_fd
             trace.mark("disk")
         if self.image is not None:   # the dumped scratch's files, before CRIU restores fds naming them
             from starter.checkpoint import criu as checkpoint
@@ -452,7 +451,7 @@ class Job:
         self.undo.push(cg.destroy, label="cgroup")
         fault("cgroup-create")
         # What the kernel lets the job open, by any path: before anything runs.
-        self.report["device_rules"] = cg.set_devices(M.dev_rules(spec.devices))
+        self.report.device_rules = cg.set_devices(M.dev_rules(spec.devices))
         self.oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None
         trace.mark("cgroup")
 
@@ -575,7 +574,7 @@ class Job:
                                  f"{self.argv[0]}", probe, child.pid):
                 child.wait_started()
         except StarterError as e:
-            self.report.update(error=str(e), exit_code=e.exit_code)
+            self.report.set(error=str(e), exit_code=e.exit_code)
             raise
         finally:
             if probe is not None:
@@ -621,7 +620,7 @@ class Job:
         out = sup.run()
         self.supervised_since = sup.started
         if gpu_usage is not None:
-            self.report.update(gpu_usage.stop())
+            self.report.set(**gpu_usage.stop())
         trace.mark("job")
         if self.lease is not None and not out.unkillable:
             # The job is gone: its counters are final.  netd tears down while we measure.
@@ -648,24 +647,24 @@ class Job:
         reason, code, sig = classify(out, oom, spec.oom_policy)
         if stats.get("oom_kills"):
             self.events.emit("oom", oom_kills=stats.get("oom_kills"))
-        report.update(reason=reason, exit_code=code, signal=sig,
+        report.set(reason=reason, exit_code=code, signal=sig,
                       wall_s=round(time.monotonic() - self.supervised_since, 6),
                       cgroup=self.backend.kind, **stats)
-        report.update(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
+        report.set(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
         if out.checkpoint_error:
-            report["checkpoint_error"] = out.checkpoint_error
+            report.checkpoint_error = out.checkpoint_error
         elif reason == "checkpointed" and spec.on_vacate:
-            report["checkpoint"] = spec.on_vacate
+            report.checkpoint = spec.on_vacate
         if spec.delegate:
             from starter.cgroups.subtree import ran_out_of_memory
 
             payloads, left_out = cg.payload_stats()
-            report.update(delegated=True, payloads=payloads, payloads_truncated=left_out,
+            report.set(delegated=True, payloads=payloads, payloads_truncated=left_out,
                           payloads_oom=[p["name"] for p in payloads if ran_out_of_memory(p)])
         if out.unkillable:
             # Nothing the job holds may be reused while its processes live: the
             # cgroup, address, scratch and entry stay for `starter gc`.
-            report.update(unkillable=out.unkillable, kill_reason=out.reason)
+            report.set(unkillable=out.unkillable, kill_reason=out.reason)
             undo.keep_only(self.child.close)
             stuck = ", ".join(f"{u['pid']} ({u['state']}, wchan {u['wchan']})" for u in out.unkillable)
             # run() keeps the entry "reclaiming" with this as what is still held.
@@ -694,7 +693,7 @@ class Job:
             end = self.net_end[0]
             counters = end() if end is not None else net.teardown(self.spec.id, self.netcfg)
             if counters:
-                self.report["network"] = counters
+                self.report.network = counters
         finally:
             for fd in self.net_fd:
                 os.close(fd)
@@ -754,4 +753,4 @@ def _release_scratch(sc, report):
         # What the job left there (HTCondor's DiskUsage), and what a --disk image held
         # (measured before its unmount: the removal saw only the directory under it).
         disk = report.get("disk") or {}
-        report["scratch_bytes"] = removed.bytes + (disk.get("backend") == "image" and disk.get("used_bytes") or 0)
+        report.scratch_bytes = removed.bytes + (disk.get("backend") == "image" and disk.get("used_bytes") or 0)

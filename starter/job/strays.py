@@ -176,10 +176,10 @@ def end_transient(state_dir, uid, job_id, action, report):
     from starter.callers import uids
 
     found = find(uid)
-    report["escaped"] = found
+    report.escaped = found
     if found:
         _say(job_id, found, action)
-        report["escaped_action"] = "killed" if action == "kill" else "reported"
+        report.escaped_action = "killed" if action == "kill" else "reported"
         if action != "kill":
             return          # the lease stays until they are gone (`starter gc`)
         if kill_all(uid):
@@ -194,10 +194,10 @@ def end_named(uid, since, action, report, relay=None):
     if since is None:
         return              # the job never ran
     found = find(uid, since=since, skip_jobs=True, relay=relay)
-    report["escaped"] = found
+    report.escaped = found
     if found:
         _say(report.get("job_id"), found, action)
-        report["escaped_action"] = "killed" if action == "kill" else "reported"
+        report.escaped_action = "killed" if action == "kill" else "reported"
         if action == "kill":
             kill_found(found)
 

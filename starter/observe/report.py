@@ -20,6 +20,43 @@ EVENTS_VERSION = 1
 REASONS = ("exited", "signaled", "oom", "timeout", "vacated", "killed", "unkillable", "starter_error")
 
 
+class Report:
+    """A job's final report, typed: one attribute per field of
+    docs/reference.md's "The report" (FIELDS, in the document's order).  A
+    field is in the document once set, None included (`signal` is null
+    there); setting a name not in FIELDS is a bug and fails at once
+    (AttributeError), never a key that appears in reports unannounced.
+    Each phase of job/run.py sets its own fields; a teardown step that
+    measures (the disk, the network, escapes) sets the field it measures."""
+
+    FIELDS = (
+        "job_id", "reason", "exit_code", "signal", "error", "teardown_error", "started_at", "ended_at",
+        "wall_s", "cpu_user_s", "cpu_system_s", "memory_peak_bytes", "memory_current_bytes",
+        "memory_shmem_bytes", "pids_peak", "pids_current", "io_read_bytes", "io_write_bytes", "oom_kills",
+        "device_rules", "oom", "oom_policy", "psi", "cgroup", "network", "delegated", "payloads",
+        "payloads_truncated", "payloads_oom", "unkillable", "kill_reason", "scratch_bytes", "disk", "uid",
+        "escaped", "escaped_action", "gpu", "gpu_error", "checkpoint", "checkpoint_error", "segments", "total",
+    )
+    __slots__ = FIELDS
+
+    def __init__(self, **fields):
+        self.set(**fields)
+
+    def set(self, **fields):
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    def get(self, name, default=None):
+        return getattr(self, name, default)
+
+    def __contains__(self, name):
+        return hasattr(self, name)
+
+    def as_dict(self):
+        """The fields set, in FIELDS' order: what the JSON document holds."""
+        return {name: getattr(self, name) for name in self.FIELDS if hasattr(self, name)}
+
+
 # Paths that are links by nature, taken as the starter's own fds instead.
 STD_PATHS = {"/dev/stdout": 1, "/dev/stderr": 2}
 
@@ -166,6 +203,8 @@ def write_report(dest, report, fmt="json"):
     own = not isinstance(dest, Dest)
     if own:
         dest = Dest(dest, "report")
+    if isinstance(report, Report):
+        report = report.as_dict()
     if fmt == "classad":
         from starter.observe.classad import render
 

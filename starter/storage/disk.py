@@ -39,6 +39,7 @@ import struct
 
 from starter.errors import StagingError
 from starter.fileio import libc_handle
+from starter.state.store import fault
 
 IMAGES = ".starter-images"
 # "full": less than this (or 1% of the limit) left at the end.  ext4 refuses
@@ -101,18 +102,20 @@ class Image:
         self.base = (0, 0)      # (bytes, inodes) the empty file system uses
 
 
-def setup(sc, job_id, size, inodes, uid, gid, job_state, undo, fault, report, seccomp, state_dir):
-    """The scratch `sc` (scratch.Scratch, just made) limited to `size`: a
-    project quota where its file system enforces them and the job cannot
-    step out (starter/storage/quota.py), else the job's image, attached and mounted
-    on it.  -> quota.Project or Image (root_fd: the scratch as the job will
-    see it).  Each step recorded in `job_state` before it is made, its
-    teardown pushed on `undo` right after; `fault(step)`: STARTER_FAULT;
-    `report`: the job's report, which gets the `disk` object at the end."""
+def setup(sc, spec, job_state, undo, report):
+    """The scratch `sc` (scratch.Scratch, just made) limited to the job's
+    --disk (spec.limits.disk): a project quota where its file system
+    enforces them and the job cannot step out (starter/storage/quota.py),
+    else the job's image, attached and mounted on it.  -> quota.Project or
+    Image (root_fd: the scratch as the job will see it).  Each step recorded
+    in `job_state` before it is made, its teardown pushed on `undo` right
+    after; `report` (observe.report.Report) gets the `disk` object at the
+    end."""
     from starter.storage import quota
 
-    if quota.why_not(sc.fd, seccomp) is None:
-        return quota.setup(sc.fd, job_id, state_dir, size, inodes, job_state, undo, fault, report)
+    if quota.why_not(sc.fd, spec.seccomp) is None:
+        return quota.setup(sc.fd, spec, job_state, undo, report)
+    job_id, size = spec.id, spec.limits.disk
     mkfs = mkfs_path()
     if not os.access(mkfs, os.X_OK):
         raise StagingError(f"--disk: {mkfs} not found: the job's disk image cannot be made",
@@ -134,7 +137,7 @@ def setup(sc, job_id, size, inodes, uid, gid, job_state, undo, fault, report, se
         try:
             job_state.update(disk_image_id=list(img.id))
             fault("disk-image")
-            _mkfs(mkfs, fd, img, uid, gid, inodes)
+            _mkfs(mkfs, fd, img, spec.uid, spec.gid, spec.limits.disk_inodes)
             lfd = _attach(ctl, fd, img, job_state)
         finally:
             os.close(fd)
@@ -341,7 +344,7 @@ def unmount(img, report=None):
         try:
             got = measure(img)
             if report is not None and got is not None:
-                report["disk"] = got
+                report.disk = got
         finally:
             os.close(img.root_fd)
             img.root_fd = None

@@ -38,6 +38,7 @@ import struct
 from starter.callers import uids
 from starter.errors import StagingError
 from starter.fileio import libc_handle
+from starter.state.store import fault
 
 PROJECTS = "/run/starter-projects"
 FIRST, COUNT = uids.DEFAULT_FIRST, uids.DEFAULT_COUNT     # the transient uids' numbers, leased apart
@@ -132,9 +133,11 @@ def why_not(fd, seccomp):
     return None
 
 
-def setup(fd, job_id, state_dir, size, inodes, job_state, undo, fault, report):
-    """The scratch `fd` (just made, empty) as the job's project; -> Project.
-    Each step recorded before it is made, its undo pushed right after."""
+def setup(fd, spec, job_state, undo, report):
+    """The scratch `fd` (just made, empty) as the job's project, limited to
+    its --disk and --disk-inodes; -> Project.  Each step recorded before it
+    is made, its undo pushed right after."""
+    job_id, state_dir, size, inodes = spec.id, spec.state_dir, spec.limits.disk, spec.limits.disk_inodes
     p = Project(fd, job_id, state_dir, size)
     p.inodes = inodes or max(size // INODE_BYTES, 16)
 
@@ -191,7 +194,7 @@ def end(p, report=None):
     blocks."""
     try:
         if report is not None and p.tagged:
-            report["disk"] = measure(p)
+            report.disk = measure(p)
     finally:
         try:
             set_limits(p.fd, p.id, 0, 0)
