@@ -124,8 +124,12 @@ class NetLease:
 
 def config_for(spec):
     """NetConfig from a JobSpec (its `network` section and state_dir)."""
-    n = spec.network
-    return NetConfig(state_dir=spec.state_dir, pool=getattr(n, "pool", None) or DEFAULT_POOL,
+    return config_of(spec.network, spec.state_dir)
+
+
+def config_of(n, state_dir):
+    """NetConfig from a spec's Network and a state directory."""
+    return NetConfig(state_dir=state_dir, pool=getattr(n, "pool", None) or DEFAULT_POOL,
                      lan=getattr(n, "lan", ()) or (), uplink=getattr(n, "uplink", ()),
                      allow_host_ports=getattr(n, "allow_host_ports", ()) or (),
                      resolver=getattr(n, "resolver", None),

@@ -389,15 +389,16 @@ def node_config(state_dir):
     as a job served here would get them -> NetConfig, or None: no policy,
     no NAT defaults in it, or its jobs use another state directory."""
     from starter.callers import policy
-    from starter.spec import jobspec as spec
-    from starter.net import NetConfig, config_for
+    from starter.spec import jobspec
+    from starter.net import config_of
 
     pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
     if not any(k in pol.defaults for k in policy.NET_OPTIONS):
         return None
-    s = spec.build({"command": ["true"], "net": "nat", "user": "root"}, policy=pol)
-    cfg = config_for(s)
-    return NetConfig.from_dict(dict(cfg.as_dict(), state_dir=state_dir)) if s.state_dir == state_dir else None
+    raw = pol.apply({"net": "nat"})
+    if jobspec.state_dir(raw.get("state-dir")) != state_dir:
+        return None
+    return config_of(jobspec.network_from(raw), state_dir)
 
 
 def _pin_policy_table(wiring, state_dir):

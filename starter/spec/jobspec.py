@@ -156,6 +156,34 @@ def _list(field, v):
     return v
 
 
+def network_from(raw):
+    """The job's Network from the run options in `raw` (also how netd reads
+    the node policy's NAT defaults: net/netd.py, node_config)."""
+    mode = V.string("net", raw.get("net", "none"))
+    if mode not in NET_MODES:
+        raise SpecError("net", f"{V.show(mode)} is not one of {', '.join(NET_MODES)}")
+    if mode != "nat":
+        for k in ("lan", "pool", "uplink", "allow-host-port", "resolver", "ipv6", "pool6", "net-rate"):
+            if raw.get(k):
+                raise SpecError(k, "only applies with --net nat")
+    # Several uplinks: the host's routing picks one per destination; each is
+    # masqueraded and counted.  Order does not matter; repeats are dropped.
+    uplink = tuple(dict.fromkeys(V.ifname("uplink", u) for u in _list("uplink", raw.get("uplink") or [])))
+    resolver = raw.get("resolver")
+    if resolver is not None:
+        resolver = V.ip_address("resolver", resolver)
+    return Network(
+        mode=mode, ipv6=ipv6_mode("ipv6", raw.get("ipv6") or "auto"),
+        pool6=V.cidr("pool6", raw["pool6"]) if raw.get("pool6") else None,
+        lan=tuple(V.cidr("lan", c) for c in _list("lan", raw.get("lan", []))),
+        pool=V.cidr("pool", raw["pool"]) if raw.get("pool") else None,
+        uplink=uplink,
+        allow_host_ports=tuple(parse_host_port("allow-host-port", p) for p in _list("allow-host-port", raw.get("allow-host-port", []))),
+        resolver=resolver,
+        rate=parse_net_rate("net-rate", raw["net-rate"]) if raw.get("net-rate") else None,
+    )
+
+
 def _make(raw, caller=None, asked=None):
     argv = raw.get("command") or []
     if not argv:
@@ -240,30 +268,7 @@ def _make(raw, caller=None, asked=None):
         env.update(dict.fromkeys(THREAD_VARS, str(threads)))
     env.update(given_env)           # the job's own word wins
 
-    mode = V.string("net", raw.get("net", "none"))
-    if mode not in NET_MODES:
-        raise SpecError("net", f"{V.show(mode)} is not one of {', '.join(NET_MODES)}")
-    if mode != "nat":
-        for k in ("lan", "pool", "uplink", "allow-host-port", "resolver", "ipv6", "pool6", "net-rate"):
-            if raw.get(k):
-                raise SpecError(k, "only applies with --net nat")
-    # Several uplinks: the host's routing picks one per destination; each is
-    # masqueraded and counted.  Order does not matter; repeats are dropped.
-    uplink = tuple(dict.fromkeys(V.ifname("uplink", u) for u in _list("uplink", raw.get("uplink") or [])))
-    resolver = raw.get("resolver")
-    if resolver is not None:
-        resolver = V.ip_address("resolver", resolver)
-    ipv6 = ipv6_mode("ipv6", raw.get("ipv6") or "auto")
-    network = Network(
-        mode=mode, ipv6=ipv6,
-        pool6=V.cidr("pool6", raw["pool6"]) if raw.get("pool6") else None,
-        lan=tuple(V.cidr("lan", c) for c in _list("lan", raw.get("lan", []))),
-        pool=V.cidr("pool", raw["pool"]) if raw.get("pool") else None,
-        uplink=uplink,
-        allow_host_ports=tuple(parse_host_port("allow-host-port", p) for p in _list("allow-host-port", raw.get("allow-host-port", []))),
-        resolver=resolver,
-        rate=parse_net_rate("net-rate", raw["net-rate"]) if raw.get("net-rate") else None,
-    )
+    network = network_from(raw)
 
     def opt_path(key, must_exist=False):
         v = raw.get(key)
