@@ -1,7 +1,7 @@
 /* shim_harness.c — the shim's pure parts under AddressSanitizer and
  * UndefinedBehaviorSanitizer, with no privileges.
  *
- * Built with the shim's own files and run by tests/test_shim_harness.py:
+ * Built with the shim's own files and run by tests/unit/test_shim_harness.py:
  *
  *   cc -fsanitize=address,undefined -fno-sanitize-recover=all -g -O1 \
  *      -Wall -Wextra -Werror -Inative native/shim_*.c -o harness && ./harness

@@ -32,11 +32,12 @@ def starter_in_python(*python_flags):
 PYTHON = os.path.join(REPO, ".venv", "bin", "python")
 
 
-# The fast tier: tests marked `fast` (a whole file: `pytestmark = pytest.mark.fast`)
-# are pure (parsers, validators, renderers, codecs on fixture text), need no
-# root and make nothing on the node.  `scripts/test --fast` runs them as
-# nobody; the full `scripts/test` runs them first, as nobody, then the rest
-# as root with `--tier root`, which leaves them out (docs/testing.md).
+# The fast tier: tests marked `fast`, each file of tests/unit/ as a whole
+# (`pytestmark = pytest.mark.fast`), are pure (parsers, validators, renderers,
+# codecs on fixture text), need no root and make nothing on the node.
+# `scripts/test --fast` runs them as nobody; the full `scripts/test` runs them
+# first, as nobody, then the rest as root with `--tier root`, which leaves
+# them out (docs/testing.md).
 def pytest_addoption(parser):
     parser.addoption("--tier", choices=("all", "fast", "root"), default="all",
                      help="fast: only the tests marked fast; root: all but those; all (default): both")
@@ -48,6 +49,12 @@ def _fast(item):
 
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(config, items):
+    # The marker and the directory agree: a fast test lives in tests/unit/,
+    # and every test there is fast.
+    misfiled = [i.nodeid for i in items if _fast(i) != (i.path.parent.name == "unit")]
+    if misfiled:
+        raise pytest.UsageError(f"{len(misfiled)} tests are in the other tier's directory (e.g. {misfiled[0]}): "
+                                "fast tests go in tests/unit/ (pytestmark = pytest.mark.fast), the rest in tests/")
     tier = config.getoption("--tier")
     if tier != "all":
         drop = [i for i in items if _fast(i) != (tier == "fast")]

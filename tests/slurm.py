@@ -74,7 +74,7 @@ _SLURM_CGROUP = re.compile(r"^(uid_\d+|job_\d+|step_(\d+|batch|extern|interactiv
 from slurmhost import (CGROUP_ROOT, SLOWDOWN, SYSTEM_SLICE, SlurmError, _cgroup_v1_controllers,  # noqa: E402,F401
                        _free_ports, _which, cgroup_layout, cgroup_plugin, missing_binaries,
                        skip_reason)
-from slurmparse import parse_exit_code, parse_scontrol_record  # noqa: E402,F401 (re-exported)
+from slurmparse import parse_exit_code, parse_scontrol_record  # noqa: E402
 
 
 class SlurmCluster:

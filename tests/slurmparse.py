@@ -1,5 +1,5 @@
-"""Slurm's text, parsed (pure: the fast tier tests it): scontrol's one-line
-records and ExitCode values.  tests/slurm.py re-exports both."""
+"""Slurm's text, parsed (pure: tests/unit/test_slurm_records.py tests it):
+scontrol's one-line records and ExitCode values, which tests/slurm.py reads."""
 
 import re
 

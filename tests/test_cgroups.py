@@ -1,5 +1,5 @@
 """starter.cgroups against the real kernel (its parsers on fixture text:
-tests/test_cgroup_parsers.py).
+tests/unit/test_cgroup_parsers.py).
 
 The behavioural tests run once per backend this host can drive:
   - a hybrid host (this one): "hybrid", and "v1" too (its v1 hierarchies,
@@ -11,7 +11,6 @@ with add_pid() while they wait, then released: nothing runs before it is in
 its cgroup, and the pytest process itself is never attached to a job.
 """
 
-import errno
 import itertools
 import os
 import select
@@ -318,25 +317,6 @@ def test_kept_files_serve_the_end_of_a_job(backend, jobs):
     cg.destroy(prune=False)
     assert _open_fds() == before
     assert cg.is_empty() and cg.stats()["cpu_user_s"] is None
-
-
-@pytest.mark.fast
-def test_kept_reads_again_and_says_absent(tmp_path):
-    f = tmp_path / "value"
-    f.write_text("1\n")
-    kept = files.Kept()
-    assert kept.text(str(f)) == "1\n" and kept.fds == {}   # not kept until told
-    kept.keep = True
-    assert kept.text(str(f)) == "1\n"
-    with open(f, "r+") as w:                     # the same file, new content
-        w.write("22\n")
-    assert kept.text(str(f)) == "22\n"
-    assert kept.text(str(tmp_path / "missing")) is None
-    with pytest.raises(CgroupError) as e:
-        kept.write(str(tmp_path / "missing"), 1)
-    assert e.value.errno == errno.ENOENT
-    kept.close()
-    assert kept.fds == {} and not kept.keep
 
 
 def _is_zombie(pid):

@@ -1,8 +1,8 @@
 """IPv6 for NAT jobs (issue 14): a ULA address per job beside its IPv4 one,
 NAT66 out of the uplink, LAN/WAN accounting per family, the isolation rules
 for IPv6, conntrack cleanup, `--ipv6 off`, clean errors.  Its pure logic is
-in test_net_pure.py and test_nft.py; here, against a dual-stack test site in
-namespaces made here (nethosts.Site6):
+in tests/unit/test_net_pure.py and test_nft_render.py; here, against a
+dual-stack test site in namespaces made here (nethosts.Site6):
 
     host  st6<tag> 198.19.T.65/30   ---- 198.19.T.66/30   up0   site ns
                    2001:db8:H::1/64 ---- 2001:db8:H::2/64

@@ -1,6 +1,6 @@
 """Job networks against the real kernel (veths, nftables, namespaces) and a
 private test site (tests/nethosts.py).  Their pure logic is in
-test_net_pure.py and test_nft.py."""
+tests/unit/test_net_pure.py and test_nft_render.py."""
 
 import json
 import os

@@ -1,7 +1,7 @@
 """--net-rate: a NAT job's bandwidth caps, LAN and WAN, in and out, shaped by
 the kernel (starter/net/shaping.py), measured with iperf3 against the
 private test site of tests/nethosts.py.  Parsing and the node policy's
-keys are checked in test_net_pure.py."""
+keys are checked in tests/unit/test_net_pure.py."""
 
 import contextlib
 import json

@@ -72,27 +72,6 @@ def test_oom_policy_in_the_job_file_and_refused_values(starter, tmp_path):
     assert p.returncode == 125 and "STARTER_KILL_TIMEOUT" in p.stderr
 
 
-# ---------------------------------------------------------------- classify
-
-class _Out:
-    def __init__(self, status=0, reason=None, unkillable=()):
-        self.status, self.reason, self.unkillable, self.job_status = status, reason, list(unkillable), None
-
-
-@pytest.mark.fast
-def test_classify():
-    from starter.job.supervisor import classify
-
-    killed = 9  # raw wait status of a SIGKILLed process
-    assert classify(_Out(killed), 1) == ("oom", 137, 9)
-    assert classify(_Out(killed), 1, "continue") == ("oom", 137, 9)
-    assert classify(_Out(0), 1) == ("oom", 0, None)          # a helper was the victim
-    assert classify(_Out(0), 1, "continue") == ("exited", 0, None)
-    assert classify(_Out(killed), 0) == ("signaled", 137, 9)
-    assert classify(_Out(killed, "timeout"), 1) == ("timeout", 137, 9)
-    assert classify(_Out(None, "timeout", [{"pid": 5}]), 0) == ("unkillable", 125, None)
-
-
 # ---------------------------------------------------------------- unkillable
 
 def _v1_freezer():

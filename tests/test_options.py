@@ -1,19 +1,16 @@
 """The option registry (starter/spec/registry.py): one table that the command
 line, the job file and the node policy read.  A bad value gets the same
-message from all three (only where it was given differs), and the
-reference's table of where each option is set is the registry's.
+message from all three (only where it was given differs).  The registry
+against the policy, the reference's table and the caller gate, on their
+own: tests/unit/test_registry.py.
 """
 
 import json
-import os
 import re
 
 import pytest
 
-from starter.callers import policy as P
 from starter.spec import registry as R
-
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # One value per policy check that each of the three refuses.
 BAD = {
@@ -76,42 +73,3 @@ def test_a_bad_value_gets_the_same_message_from_the_cli_the_job_file_and_the_pol
     if opt.caller and opt.kind != "flag":        # a caller's cap is checked as its option is
         pol.write_text(f"[callers]\n{opt.caller} = {_toml(bad)}\n")
         assert _message(starter("config", "check", str(pol)).stderr, "callers." + opt.caller) == said
-
-
-@pytest.mark.fast
-def test_the_policy_checks_a_cap_as_its_option_and_a_flag_as_a_switch():
-    for o in R.OPTIONS:
-        if not o.caller:
-            continue
-        kind, _ = P.CALLER_KEYS[o.caller]
-        assert kind == ("bool" if o.kind == "flag" else o.default[1]), (o.name, o.caller, kind)
-
-
-@pytest.mark.fast
-def test_the_references_table_of_where_options_are_set_is_the_registrys():
-    with open(os.path.join(REPO, "docs", "reference.md")) as f:
-        reference = f.read()
-    assert R.markdown_table() in reference, "docs/reference.md: rerun `python -m starter.spec.registry`"
-
-
-@pytest.mark.fast
-def test_every_callers_key_has_a_rule_in_the_gate_and_every_rule_names_code_that_is_there():
-    """The caller gate (starter/callers/gate.py) is the one list a reviewer
-    reads: each [callers] key of the policy has its rule there, no rule
-    names a key the policy lacks, and every function a rule names (Python,
-    or the launcher's C) exists."""
-    import importlib
-
-    from starter.callers import gate
-
-    keys = {key for _what, key, _where in gate.RULES if key}
-    assert keys == set(P.CALLER_KEYS), (sorted(set(P.CALLER_KEYS) - keys), sorted(keys - set(P.CALLER_KEYS)))
-    for what, _key, where in gate.RULES:
-        module, _, name = where.partition(":")
-        if module.startswith("native/"):
-            with open(os.path.join(REPO, module)) as f:
-                assert re.search(r"^\w[\w *]*\b%s\(" % re.escape(name), f.read(), re.M), (what, where)
-            continue
-        obj = importlib.import_module(module)
-        for part in name.split("."):
-            obj = getattr(obj, part)            # AttributeError names what is gone

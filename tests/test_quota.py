@@ -192,34 +192,6 @@ def test_the_default_filter_refuses_setting_a_files_project_attributes(starter, 
     assert p.stdout.splitlines() == said, (p.stdout, p.stderr)
 
 
-@pytest.mark.fast
-def test_the_default_profile_names_every_guarded_ioctl():
-    from starter.isolate.seccomp import profile as P
-
-    prof = P.parse(open(os.path.join(os.path.dirname(quota.__file__), "..", "isolate", "seccomp", "default.json"), "rb").read(),
-                   "default")
-    guarded = {r.args[0][3] for r in prof.rules if any(n == "ioctl" for n, _ in r.names)
-               if r.action == P.ACT_ERRNO | 1 and len(r.args) == 1
-               and r.args[0][:3] == (1, P.OPS["SCMP_CMP_MASKED_EQ"], 0xFFFFFFFF)}
-    assert guarded == set(quota.GUARDED_IOCTLS)
-
-
-MOUNTINFO = """\
-22 1 8:1 / / rw,relatime shared:1 - ext4 /dev/sda1 rw,errors=remount-ro
-40 22 7:0 / /var/lib/x/mnt rw,relatime shared:20 - ext4 /dev/loop0 rw,prjquota
-41 22 7:1 / /srv/a rw,relatime - xfs /dev/loop1 rw,attr2,inode64,logbufs=8,prjquota
-42 22 7:2 / /srv/b rw,relatime - xfs /dev/loop2 rw,attr2,inode64,pqnoenforce
-43 22 7:3 / /srv/c rw,relatime master:3 shared:9 - ext4 /dev/loop3 rw,quota,usrquota
-"""
-
-
-@pytest.mark.fast
-@pytest.mark.parametrize("dev, yes", [((8, 1), False), ((7, 0), True), ((7, 1), True), ((7, 2), False),
-                                      ((7, 3), False), ((9, 9), False)])
-def test_project_quotas_enforced_from_mountinfo(dev, yes):
-    assert quota.enforced(quota.mount_options(os.makedev(*dev), MOUNTINFO)) is yes
-
-
 def test_gc_gives_back_a_project_lease_no_entry_recorded(starter, state_dir):
     """A starter killed between leasing a project id and recording it: no
     limit was set; gc gives the lease back (a recorded one is its entry's)."""

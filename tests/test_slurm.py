@@ -96,7 +96,7 @@ import pytest
 from conftest import GID, SHARED_NODE, SLOWDOWN, UID
 from test_checkpoint import CRIU, key  # noqa: F401 (key: the node's checkpoint key, a fixture)
 from test_devices import OPEN          # the open of each path: "PATH ok" or "PATH ERRNO"
-from slurm import FINAL_STATES, SlurmCluster, parse_exit_code, parse_scontrol_record, skip_reason
+from slurm import FINAL_STATES, SlurmCluster, skip_reason
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STARTER = os.path.join(REPO, ".venv", "bin", "starter")
@@ -342,35 +342,6 @@ def assert_suspends_and_resumes(slurm, jobid):
     slurm.wait_state(jobid, "RUNNING", timeout=10)
     wait_for(lambda: counter_lines(slurm, jobid) > frozen + 2,
              "the resumed job to count on", 10, slurm, jobid)
-
-
-# ---------------------------------------------------------------- parsers (no Slurm)
-
-SCONTROL_JOB = (
-    "JobId=1 JobName=exit seven UserId=root(0) GroupId=root(0) MCS_label=N/A "
-    "JobState=FAILED Reason=NonZeroExitCode Dependency=(null) ExitCode=7:0 "
-    "RunTime=00:00:00 AllocNode:Sid=localhost:6689 ReqB:S:C:T=0:0:*:* "
-    "TRES=cpu=1,node=1,billing=1 CPUs/Task=1 Command=/tmp/a dir/job.sh Power= \n")
-
-
-@pytest.mark.fast
-def test_parse_scontrol_record():
-    rec = parse_scontrol_record(SCONTROL_JOB)
-    assert rec["JobState"] == "FAILED"
-    assert rec["ExitCode"] == "7:0"
-    assert rec["JobName"] == "exit seven"
-    assert rec["AllocNode:Sid"] == "localhost:6689"
-    assert rec["TRES"] == "cpu=1,node=1,billing=1"
-    assert rec["CPUs/Task"] == "1"
-    assert rec["Command"] == "/tmp/a dir/job.sh"
-    assert rec["Power"] == ""
-
-
-@pytest.mark.fast
-def test_parse_exit_code():
-    assert parse_exit_code("7:0") == (7, 0)
-    assert parse_exit_code("0:15") == (0, 15)
-    assert parse_exit_code("3") == (3, 0)
 
 
 # ---------------------------------------------------------------- the harness itself

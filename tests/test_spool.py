@@ -1,5 +1,5 @@
 """Shared executables in the spool: refcounts by hard link, gc, link fallback (the
-names' escaping: test_spoolname.py)."""
+names' escaping: tests/unit/test_spoolname.py)."""
 
 import hashlib
 import logging

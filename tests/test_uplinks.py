@@ -139,26 +139,6 @@ def _payload(c):
     return c["bytes"] - 52 * c["packets"]
 
 
-@pytest.mark.fast
-def test_uplink_option_and_job_file_key():
-    """--uplink repeats; the job file's network.uplink is a name or a list;
-    flags add to the file's, repeats are dropped; hostile names refused."""
-    from starter.spec import jobspec as spec
-    from starter.errors import SpecError
-
-    job = {"network": {"mode": "nat", "uplink": ["ib0", "eth0"]}, "command": ["x"]}
-    s = spec.build({"command": ["true"], "user": "nobody", "uplink": ["eth0", "eth1"]}, job)
-    assert s.network.uplink == ("ib0", "eth0", "eth1")
-    s = spec.build({"command": ["true"], "user": "nobody"}, {"network": {"mode": "nat", "uplink": "eth0"}, "command": ["x"]})
-    assert s.network.uplink == ("eth0",)
-    assert spec.build({"command": ["true"], "user": "nobody"}).network.uplink == ()
-    for bad in ("a/b", "x" * 16, "$(id)"):
-        with pytest.raises(SpecError, match="uplink"):
-            spec.build({"command": ["true"], "user": "nobody", "net": "nat", "uplink": ["eth0", bad]})
-    with pytest.raises(SpecError, match="only applies with --net nat"):
-        spec.build({"command": ["true"], "user": "nobody", "uplink": ["eth0"]})
-
-
 @pytest.mark.net
 def test_two_uplinks_each_destination_leaves_by_its_route(uplinks, cfg):
     job = nethosts.Netns()

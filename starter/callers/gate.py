@@ -5,7 +5,7 @@ the [callers] key of the node policy that allows or caps it (None: there is
 no key, the answer is always no) and the function that enforces it.  The
 checks of the [callers] table are here (apply: check, the node's defaults,
 cap; spec.build calls it for such a caller); the others happen where they
-must (a path is checked as it is opened) and RULES names them.  tests/test_options.py checks that every
+must (a path is checked as it is opened) and RULES names them.  tests/unit/test_registry.py checks that every
 [callers] key has a rule and that every function named exists.
 """
 

@@ -2,26 +2,23 @@
 pools and their slots, job keys, interface names, the configuration and
 its spec keys, leases, resolv.conf, uplinks, conntrack's messages, the
 ClassAd's IPv6 share, and what importing the facade loads.  The nft table's
-pure logic is in test_nft.py; the kernel side in test_net.py and test_ipv6.py."""
+pure logic is in test_nft_render.py; the kernel side in tests/test_net.py
+and tests/test_ipv6.py."""
 
 import json
 import os
 import socket
 import struct
 import subprocess
-import sys
 
 import pytest
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-
-from starter import net  # noqa: E402
-from starter.errors import NetworkError  # noqa: E402
-from starter.net import conntrack, ipam, netlink, nft, table  # noqa: E402
+from conftest import PYTHON as PY
+from starter import net
+from starter.errors import NetworkError
+from starter.net import conntrack, ipam, netlink, nft, table
 
 pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
-
-PY = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".venv", "bin", "python")
 
 
 # ---------------------------------------------------------------- IPv4, and both
@@ -158,6 +155,25 @@ def test_uplinks_config():
     assert fp(one)["uplink"] == "up0" and fp(net.NetConfig(state_dir="x"))["uplink"] is None
     with pytest.raises(NetworkError, match="uplink"):
         table.validate(net.NetConfig(state_dir="x", uplink=("up0", "bad/name")))
+
+
+def test_uplink_option_and_job_file_key():
+    """--uplink repeats; the job file's network.uplink is a name or a list;
+    flags add to the file's, repeats are dropped; hostile names refused."""
+    from starter.spec import jobspec as spec
+    from starter.errors import SpecError
+
+    job = {"network": {"mode": "nat", "uplink": ["ib0", "eth0"]}, "command": ["x"]}
+    s = spec.build({"command": ["true"], "user": "nobody", "uplink": ["eth0", "eth1"]}, job)
+    assert s.network.uplink == ("ib0", "eth0", "eth1")
+    s = spec.build({"command": ["true"], "user": "nobody"}, {"network": {"mode": "nat", "uplink": "eth0"}, "command": ["x"]})
+    assert s.network.uplink == ("eth0",)
+    assert spec.build({"command": ["true"], "user": "nobody"}).network.uplink == ()
+    for bad in ("a/b", "x" * 16, "$(id)"):
+        with pytest.raises(SpecError, match="uplink"):
+            spec.build({"command": ["true"], "user": "nobody", "net": "nat", "uplink": ["eth0", bad]})
+    with pytest.raises(SpecError, match="only applies with --net nat"):
+        spec.build({"command": ["true"], "user": "nobody", "uplink": ["eth0"]})
 
 
 def test_conntrack_messages():

@@ -8,8 +8,8 @@ in-process).
   - every relative link in README.md and docs/*.md names a file that exists,
     and a #fragment names a heading of that file;
   - every file in starter/, native/ and scripts/ is named in the README's
-    Layout, and every file the Layout names exists; every tests/*.py is named
-    in docs/testing.md.
+    Layout, and every file the Layout names exists; every tests/*.py and
+    tests/unit/*.py is named in docs/testing.md.
 """
 
 import os
@@ -213,7 +213,7 @@ def test_every_file_the_layout_names_exists():
 
 def test_every_test_file_is_in_testing_md():
     testing = read(os.path.join(DOCS, "testing.md"))
-    files = [n for n in os.listdir(os.path.join(REPO, "tests")) if n.endswith(".py")]
+    files = [n for d in ("tests", "tests/unit") for n in os.listdir(os.path.join(REPO, d)) if n.endswith(".py")]
     missing = sorted(n for n in files if not mentions(testing, n))
     assert not missing, f"test files not described in docs/testing.md: {missing}"
 
@@ -241,13 +241,12 @@ def test_the_readmes_table_is_the_newest_benchmark_runs():
     assert not missing, f"README rows not in the run of {stamp} in docs/benchmarks.md: {missing}"
 
 
-@pytest.mark.fast
 def test_every_script_answers_help():
     """Every command in scripts/ answers --help with its usage (its header
     comment) and exit 0, doing nothing else."""
     import subprocess
 
-    top = os.path.join(os.path.dirname(__file__), "..", "scripts")
+    top = os.path.join(REPO, "scripts")
     for name in sorted(os.listdir(top)):
         path = os.path.join(top, name)
         if not os.path.isfile(path) or not os.access(path, os.X_OK) or name.endswith(".py"):

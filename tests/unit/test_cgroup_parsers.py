@@ -1,20 +1,23 @@
 """starter.cgroups' pure parts on fixture text (the fast tier: no root, no
 kernel): layout detection, the cgroup files' parsers, limit conversions,
-job id checks, and the backend interface's hook check.  The behaviour on
-the real kernel is tests/test_cgroups.py."""
+job id checks, the backend interface's hook check, and the kept-open file
+reader on plain files.  The behaviour on the real kernel is
+tests/test_cgroups.py."""
 
+import errno
 import os
 
 import pytest
 
+from conftest import REPO
 from starter import cgroups
-from starter.cgroups import base, hierarchy, limits, parsers, Limits
+from starter.cgroups import base, files, hierarchy, limits, parsers, Limits
 from starter.cgroups.backend import Backend
 from starter.errors import CgroupError, SpecError
 
 pytestmark = pytest.mark.fast
 
-FIX = os.path.join(os.path.dirname(__file__), "fixtures", "cgroup")
+FIX = os.path.join(REPO, "tests", "fixtures", "cgroup")
 
 
 def fixture(name):
@@ -26,7 +29,6 @@ def fixture(name):
 # pure logic on fixture text
 
 
-@pytest.mark.fast
 def test_detect_hybrid():
     lay = hierarchy.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
     assert lay.kind == "hybrid"
@@ -44,7 +46,6 @@ def test_detect_hybrid():
     assert be.job_paths("x1")["cpu"] == "/sys/fs/cgroup/cpu/starter/job-x1"
 
 
-@pytest.mark.fast
 def test_detect_v2_goes_beside_slurms_task():
     """Slurm's cgroup/v2 signals the pids in task_T only: jobs go beside it,
     in the step's user/ (cgroups/v2.py, "Under Slurm")."""
@@ -71,7 +72,6 @@ def test_detect_v2_goes_beside_slurms_task():
         assert cgroups.backend_for(lay2).parents["unified"].endswith(parent), own
 
 
-@pytest.mark.fast
 def test_detect_v1_combined_hierarchies():
     lay = hierarchy.detect_layout(fixture("mountinfo.v1"), fixture("proc_cgroup.v1"))
     assert lay.kind == "v1"
@@ -86,7 +86,6 @@ def test_detect_v1_combined_hierarchies():
     assert len(job.dirs()) == len(set(job.paths.values())) == 5
 
 
-@pytest.mark.fast
 def test_detect_container_mount_root_and_escapes():
     lay = hierarchy.detect_layout(fixture("mountinfo.container"), fixture("proc_cgroup.container"))
     assert lay.kind == "v2"
@@ -97,13 +96,11 @@ def test_detect_container_mount_root_and_escapes():
     assert mounts[1].mount_point == "/mnt/my cgroup"
 
 
-@pytest.mark.fast
 def test_detect_nothing_mounted():
     with pytest.raises(CgroupError, match="no cgroup hierarchy"):
         hierarchy.detect_layout(fixture("mountinfo.none"), "1:name=systemd:/\n")
 
 
-@pytest.mark.fast
 def test_explicit_parent():
     lay = hierarchy.detect_layout(fixture("mountinfo.hybrid"), fixture("proc_cgroup.hybrid"))
     be = cgroups.backend_for(lay, parent="/htcondor//starter/")
@@ -117,7 +114,6 @@ def test_explicit_parent():
             cgroups.backend_for(lay, parent=bad)
 
 
-@pytest.mark.fast
 def test_proc_cgroup():
     lines = hierarchy.parse_proc_cgroup(fixture("proc_cgroup.v1"))
     assert lines[0].controllers == ("net_cls", "net_prio")
@@ -125,7 +121,6 @@ def test_proc_cgroup():
     assert hierarchy.parse_proc_cgroup("0::/a:b\n")[0].path == "/a:b"
 
 
-@pytest.mark.fast
 def test_flat_keyed_files():
     cpu = parsers.parse_flat_keyed(fixture("cpu.stat"))
     assert cpu["user_usec"] == 1990000 and cpu["system_usec"] == 13456
@@ -137,7 +132,6 @@ def test_flat_keyed_files():
     assert parsers.parse_flat_keyed(None) == {}
 
 
-@pytest.mark.fast
 def test_io_totals():
     assert parsers.io_stat_totals(fixture("io.stat")) == (1459200 + 90430464, 314773504 + 299008000)
     assert parsers.io_stat_totals("") == (0, 0)
@@ -148,7 +142,6 @@ def test_io_totals():
     assert parsers.blkio_totals("Total 0\n") == (0, 0)
 
 
-@pytest.mark.fast
 def test_pressure():
     assert parsers.pressure_totals(fixture("cpu.pressure")) == {"some": 76445, "full": 75144}
     assert parsers.pressure_totals(fixture("cpu.pressure.old")) == {"some": 12}
@@ -158,7 +151,6 @@ def test_pressure():
     assert nested["some"]["avg10"] == 1.53
 
 
-@pytest.mark.fast
 def test_cpu_weight_to_shares_is_runc_inverse():
     assert limits.weight_to_shares(100) == 1024
     assert limits.weight_to_shares(1) == 2
@@ -172,7 +164,6 @@ def test_cpu_weight_to_shares_is_runc_inverse():
         prev = s
 
 
-@pytest.mark.fast
 def test_limits_validation_names_the_field():
     Limits(memory_bytes=1 << 30, cpus=1.5, cpu_weight=100, pids=10).validate()
     for kw, field in [
@@ -192,7 +183,6 @@ def test_limits_validation_names_the_field():
 
 
 @pytest.mark.parametrize("bad", ["", "..", ".", "a/b", "-x", "a..b", "x" * 65, "a b", None])
-@pytest.mark.fast
 def test_job_id_refused(bad):
     with pytest.raises(SpecError):
         base.check_job_id(bad)
@@ -205,7 +195,6 @@ JOB_HOOKS = {"is_empty": "V1Tracking", "freeze": "V1Tracking", "thaw": "V1Tracki
 BACKEND_HOOKS = {"roles", "supports_memory_peak", "supports_pids_peak"}
 
 
-@pytest.mark.fast
 def test_the_interface_declares_every_hook_and_the_backends_provide_them():
     from starter.cgroups import hybrid, unified, v1, v2
 
@@ -219,7 +208,6 @@ def test_the_interface_declares_every_hook_and_the_backends_provide_them():
     assert not hooks(unified.UnifiedTracking)   # a mixin: it only provides
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("hook", sorted(JOB_HOOKS))
 def test_a_job_class_missing_a_hook_is_refused_when_defined(hook):
     from starter.cgroups import v1
@@ -233,7 +221,6 @@ def test_a_job_class_missing_a_hook_is_refused_when_defined(hook):
     type("Later", (base.JobCgroup,), {}, abstract=True)                               # put off: fine
 
 
-@pytest.mark.fast
 @pytest.mark.parametrize("hook", sorted(BACKEND_HOOKS) + ["kind", "job_class"])
 def test_a_backend_missing_a_hook_is_refused_when_defined(hook):
     from starter.cgroups import v2
@@ -241,3 +228,25 @@ def test_a_backend_missing_a_hook_is_refused_when_defined(hook):
     body = {k: v for k, v in vars(v2.V2Backend).items() if k not in (hook, "__dict__", "__weakref__")}
     with pytest.raises(TypeError, match=rf"lacks the Backend hook {hook}:"):
         type("Partial", (Backend,), body)
+
+
+# ==========================================================================
+# files kept open (files.Kept), on plain files
+
+
+def test_kept_reads_again_and_says_absent(tmp_path):
+    f = tmp_path / "value"
+    f.write_text("1\n")
+    kept = files.Kept()
+    assert kept.text(str(f)) == "1\n" and kept.fds == {}   # not kept until told
+    kept.keep = True
+    assert kept.text(str(f)) == "1\n"
+    with open(f, "r+") as w:                     # the same file, new content
+        w.write("22\n")
+    assert kept.text(str(f)) == "22\n"
+    assert kept.text(str(tmp_path / "missing")) is None
+    with pytest.raises(CgroupError) as e:
+        kept.write(str(tmp_path / "missing"), 1)
+    assert e.value.errno == errno.ENOENT
+    kept.close()
+    assert kept.fds == {} and not kept.keep
