@@ -122,8 +122,9 @@ class Job:
         self.sc = None                  # the scratch directory
         self.cwd, self.argv, self.mounts = spec.cwd, list(spec.argv), []
         self.netcfg = self.lease = None
-        self.net_end = None             # None: no network; []: none set up yet; [None]: tear down; [begun]
-        self.net_fd = []                # a capped job's netns, kept open until its shaper is read
+        self.net_tried = False          # a network setup was tried: its teardown has work to do
+        self.net_end = None             # the teardown netd began (net.teardown_begin), once the job is gone
+        self.net_fd = None              # a capped job's netns, kept open until its shaper is read
         self.cg = self.child = None
 
     def run(self):
@@ -195,19 +196,20 @@ class Job:
                 sys.stderr.write(f"starter: teardown state entry failed: {one_line(e)}\n")
                 self.job_state.keep([f"state entry: {e}"])
                 err = err or e
-        if err is not None and report.get("reason") != "starter_error":
+        if err is not None and report.reason != "starter_error":
             report.teardown_error = str(err)
         trace.mark("teardown")
         report.ended_at = round(time.time(), 6)
+        doc = report.as_dict()
         if self.report_dest is not None:
             try:
                 with self.rights():      # the caller's file, made with its rights
-                    write_report(self.report_dest, report, self.spec.report_format)
+                    write_report(self.report_dest, doc, self.spec.report_format)
             except (OSError, StarterError) as e:
                 sys.stderr.write(f"starter: cannot write report {self.spec.report}: "
                                  f"{getattr(e, 'strerror', None) or one_line(e)}\n")
             self.report_dest.close()
-        self.events.emit("exited", report=report.as_dict())
+        self.events.emit("exited", report=doc)
         self.events.close()
         if in_main:
             self.signals.close()
@@ -435,7 +437,6 @@ class Job:
             # meantime, below) while we measure and remove the cgroup.  Also the
             # end of a failed start: it reads the counters into the report, then
             # removes the rules.
-            self.net_end = []
             self.undo.push(self._net_teardown, label="net")
 
     def make_cgroup(self):
@@ -511,9 +512,10 @@ class Job:
         # job with a user namespace of its own can later unshare its PID 1 into
         # namespaces of its own making; enter refuses those.
         self.job_namespaces = made_for(child.pid, child_spec)
-        from starter.state.store import process_start_time
+        if self.undo.holds("escapes"):      # what its escape check counts from
+            from starter.state.store import process_start_time
 
-        self.since = process_start_time(child.pid)
+            self.since = process_start_time(child.pid)
         trace.mark("clone")
 
     def attach(self):
@@ -542,7 +544,7 @@ class Job:
         """The job's network, in the namespace fd (_let_go() after)."""
         from starter import net
 
-        self.net_end.append(None)        # from here on, a teardown has work to do
+        self.net_tried = True
         lease = self.lease = net.setup(self.spec.id, fd, self.netcfg)
         fault("net-setup")
         self.job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
@@ -553,7 +555,7 @@ class Job:
     def _let_go(self, fd):
         """A capped job's namespace stays open for its teardown, which closes it."""
         if self.netcfg.rate:
-            self.net_fd.append(fd)
+            self.net_fd = fd
         else:
             os.close(fd)
 
@@ -627,7 +629,7 @@ class Job:
             from starter import net
 
             try:
-                self.net_end[0] = net.teardown_begin(spec.id, self.netcfg, self.net_fd[0] if self.net_fd else None)
+                self.net_end = net.teardown_begin(spec.id, self.netcfg, self.net_fd)
             except Exception:   # noqa: BLE001 - the teardown step tries again, and reports
                 pass
         return out
@@ -686,17 +688,16 @@ class Job:
         teardown netd began (or one now); its counters into the report.
         The netns fd kept for a capped job is closed here."""
         try:
-            if not self.net_end:
+            if not self.net_tried:
                 return
             from starter import net
 
-            end = self.net_end[0]
-            counters = end() if end is not None else net.teardown(self.spec.id, self.netcfg)
+            counters = self.net_end() if self.net_end is not None else net.teardown(self.spec.id, self.netcfg)
             if counters:
                 self.report.network = counters
         finally:
-            for fd in self.net_fd:
-                os.close(fd)
+            if self.net_fd is not None:
+                os.close(self.net_fd)
 
 
 def _reclaim_for_start(state_dir, job_id, st):

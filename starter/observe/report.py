@@ -196,15 +196,13 @@ def _write_all(fd, data):
 
 
 def write_report(dest, report, fmt="json"):
-    """Write the report (JSON, or ClassAd lines with fmt="classad") to a Dest
-    (or a destination string, resolved now)."""
+    """Write the report (Report.as_dict(): JSON, or ClassAd lines with
+    fmt="classad") to a Dest (or a destination string, resolved now)."""
     if dest is None:
         return
     own = not isinstance(dest, Dest)
     if own:
         dest = Dest(dest, "report")
-    if isinstance(report, Report):
-        report = report.as_dict()
     if fmt == "classad":
         from starter.observe.classad import render
 
