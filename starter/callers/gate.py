@@ -11,10 +11,10 @@ must (a path is checked as it is opened) and RULES names them.  tests/unit/test_
 
 import os
 
-from starter.callers.policy import (FLAG_KEYS, LIMIT_KEYS, PATH, ROOT_ONLY, PolicyError, has_scratch, is_under,
-                                    norm_path, show_list)
+from starter.callers.policy import (CALLER_KEYS, FLAG_KEYS, LIMIT_KEYS, PATH, ROOT_ONLY, PolicyError, has_scratch,
+                                    is_under, norm_path, show_list)
 from starter.errors import SpecError
-from starter.spec import registry, values as V
+from starter.spec import values as V
 
 # (what a caller may not do, [callers] key, where it is refused): "where" is
 # module:function, or native/FILE.c:function for the launcher's C side.
@@ -180,12 +180,14 @@ def _check_rlimit(pol, item):
                           f"({'unlimited' if limit == O.RLIM_INFINITY else limit})",
                           "a caller that is not root may only lower resource limits")
 
-# How a capped value and its maximum compare: by the kind of check the
-# option's value gets (spec/registry.py).
-CAP_KINDS = registry.cap_kinds()
+# How a capped value and its maximum compare: by the kind of check its
+# [callers] key gets (CALLER_KEYS: the capped option's own, spec/registry.py).
+def _number(opt, x):
+    return V.number(opt, x, 0, 1 << 62)
+
+
 CAP_VALUES = {"size": V.size, "duration": lambda opt, x: V.duration(opt, x, 0.001, 1e9),
-              "cpus": lambda opt, x: V.number(opt, x, 0, 1 << 62),
-              "count": lambda opt, x: V.number(opt, x, 0, 1 << 62)}
+              "cpus": _number, "count": _number}
 
 
 def cap(pol, raw, asked_rate=None):
@@ -215,7 +217,7 @@ def cap(pol, raw, asked_rate=None):
             if opt != "disk" or has_scratch(raw):
                 raw[opt] = cap
             continue
-        parse = CAP_VALUES[CAP_KINDS[key]]
+        parse = CAP_VALUES[CALLER_KEYS[key][0]]
         if parse(opt, v) > parse(opt, cap):
             raise PolicyError(f"--{opt} {V.show(str(v))}: above the maximum {cap} of {pol.where('callers.' + key)}",
                               f"ask for at most {cap}")

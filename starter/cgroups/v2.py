@@ -276,7 +276,7 @@ class V2Backend(Backend):
     job_class = V2Job
 
     def __init__(self, layout, parent=None):
-        super().__init__(_beside_slurm_task(_owner_of_leaf(layout, parent), parent), parent)
+        super().__init__(_own_for_jobs(layout, parent), parent)
         self._moved_self = None  # the supervisor leaf we moved into, if any
         self._enabled_above = []  # controllers we enabled in the parent's parent
         self._lock_fd, self._lock_depth = None, 0
@@ -512,42 +512,36 @@ def _leaves(p):
         return []
 
 
-def _owner_of_leaf(layout, parent):
-    """A starter started from a supervisor leaf (a batch script's second
-    `starter run`, after the first moved the script there) takes the leaf's
-    owner as its own cgroup: its jobs go beside the first one's, in the
-    same starter/, not in a starter/ below the leaf."""
-    own = layout.own.get("unified")
-    name = "starter" if parent is None else str(parent)
-    if own is None or name.startswith("/") or "/" in name:
-        return layout
-    parts = own.rsplit("/", 2)
-    if len(parts) != 3 or parts[1] != name or not parts[2].startswith(SUPERVISOR_PREFIX) \
-            or not parts[2][len(SUPERVISOR_PREFIX):].isdigit():
-        return layout
-    return hierarchy.Layout(kind=layout.kind, unified=layout.unified, v1=layout.v1,
-                        own={**layout.own, "unified": parts[0] or "/"})
-
-
-def _beside_slurm_task(layout, parent):
-    """In a Slurm step under its cgroup/v2 plugin (own cgroup
-    .../job_<J>/step_<S>/user/task_<T>), jobs go beside the task cgroup,
-    in .../step_<S>/user/starter: the starter and the batch script stay
-    in the task cgroup, where Slurm looks for the pids it signals (module
-    docstring, "Under Slurm")."""
+def _own_for_jobs(layout, parent):
+    """The cgroup a relative parent goes below, where it is not the
+    starter's own (then `layout` as it is):
+    - a starter started from a supervisor leaf (a batch script's second
+      `starter run`, after the first moved the script there) takes the
+      leaf's owner: its jobs go beside the first one's, in the same
+      starter/, not in a starter/ below the leaf;
+    - in a Slurm step under its cgroup/v2 plugin (own cgroup
+      .../job_<J>/step_<S>/user/task_<T>), jobs go beside the task cgroup,
+      in .../step_<S>/user/starter: the starter and the batch script stay in
+      the task cgroup, where Slurm looks for the pids it signals (module
+      docstring, "Under Slurm")."""
     own = layout.own.get("unified")
     name = "starter" if parent is None else str(parent)
     if own is None or name.startswith("/"):
         return layout
     parts = own.rstrip("/").split("/")
-    if len(parts) < 5 or parts[-2] != "user" or not _slurm_id(parts[-1], "task_", "special") \
-            or not parts[-3].startswith("step_") or not _slurm_id(parts[-4], "job_"):
+    if "/" not in name and len(parts) >= 3 and parts[-2] == name and _slurm_id(parts[-1], SUPERVISOR_PREFIX):
+        owner = "/".join(parts[:-2]) or "/"
+    elif len(parts) >= 5 and parts[-2] == "user" and _slurm_id(parts[-1], "task_", "special") \
+            and parts[-3].startswith("step_") and _slurm_id(parts[-4], "job_"):
+        owner = "/".join(parts[:-1])
+    else:
         return layout
     return hierarchy.Layout(kind=layout.kind, unified=layout.unified, v1=layout.v1,
-                            own={**layout.own, "unified": "/".join(parts[:-1])})
+                            own={**layout.own, "unified": owner})
 
 
 def _slurm_id(name, prefix, *words):
+    """`name` is `prefix` followed by a number or one of `words`."""
     rest = name[len(prefix):] if name.startswith(prefix) else ""
     return rest.isdigit() or rest in words
 

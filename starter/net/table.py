@@ -104,15 +104,16 @@ class NodeTable:
         `removed`)."""
         table = nftrules.Table(cfg.table)
         key = (cfg.state_dir, cfg.table)
-        if self._pinned.get(key) == cfg_fingerprint(cfg) and store.table_record() is not None:
+        recorded = store.table_record() is not None
+        if recorded and self._pinned.get(key) == cfg_fingerprint(cfg):
             self._idle[key] = (cfg, PINNED)
             return
-        if self._linger is not None and store.table_record() is not None:
+        if recorded and self._linger is not None:
             import time
 
             self._idle[key] = (cfg, time.monotonic())
             return
-        if store.table_record() is not None or self.nft.table_exists(table):
+        if recorded or self.nft.table_exists(table):
             self._delete_table(store, table)
             if removed is not None:
                 removed.append(f"table {nftrules.FAMILY} {cfg.table}")
