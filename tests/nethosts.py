@@ -368,3 +368,87 @@ if __name__ == "__main__":  # manual check: build the site, print it, tear down
         j = s.job()
         print(run("ip", "route").stdout, file=sys.stderr)
     print(socket.gethostname(), "clean")
+
+
+class Fabric:
+    """Nodes of a cluster on one machine, for --net job (test_multinode):
+
+        fabric ns: bridge br0 ---- node i ns: fab0 10.250.T.i/24   (i = 1..n)
+
+    Each node is a network namespace of its own; a starter runs "on" node
+    i when it runs in that namespace (nsenter), with a state directory of
+    its own (state_dirs[i]).  Everything goes with the ExitStack."""
+
+    def __init__(self, stack, n, state_root):
+        os.makedirs(state_root, exist_ok=True)
+        self._stack = stack
+        t = secrets.randbelow(250) + 1
+        self.fabric = self._ns()
+        self.fabric.ip("link", "add", "br0", "type", "bridge")
+        self.fabric.ip("link", "set", "br0", "up")
+        self.nodes, self.addrs, self.state_dirs = [], [], []
+        for i in range(1, n + 1):
+            node = self._ns()
+            run("ip", "link", "add", "fab0", "netns", str(node.pid), "type", "veth", "peer", "name", f"fab{i}",
+                "netns", str(self.fabric.pid))
+            self.fabric.ip("link", "set", f"fab{i}", "master", "br0", "up")
+            addr = f"10.250.{t}.{i}"
+            node.ip("addr", "add", f"{addr}/24", "dev", "fab0")
+            node.ip("link", "set", "fab0", "up")
+            node.ip("link", "set", "lo", "up")
+            self.nodes.append(node)
+            self.addrs.append(addr)
+            self.state_dirs.append(os.path.join(state_root, f"node{i}"))
+        self.cidr = f"10.250.{t}.0/24"
+        self.peers = ",".join(f"n{i + 1}={a}" for i, a in enumerate(self.addrs))
+        self.procs = []         # started on the nodes: killed first, on exit
+        stack.callback(self._end_procs)
+
+    def popen(self, i, *cmd):
+        """cmd on node i, its output piped (text); ended with the fabric."""
+        p = subprocess.Popen(self.argv(i, *cmd), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                             stdin=subprocess.DEVNULL, text=True)
+        self.procs.append(p)
+        return p
+
+    def _end_procs(self):
+        """TERM (a starter then ends its job and tidies), KILL after 20 s."""
+        for p in self.procs:
+            if p.poll() is None:
+                p.terminate()
+        for p in self.procs:
+            try:
+                p.communicate(timeout=20)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.communicate()
+
+    def _ns(self):
+        ns = Netns()
+        self._stack.callback(ns.close)
+        return ns
+
+    def argv(self, i, *cmd):
+        """cmd on node i (1-based)."""
+        return self.nodes[i - 1].argv(*cmd)
+
+
+@contextlib.contextmanager
+def fabric(n, state_root):
+    """-> Fabric of n nodes.  Removes its namespaces (and with them every
+    link in them) and processes on exit."""
+    with contextlib.ExitStack() as stack:
+        yield Fabric(stack, n, state_root)
+
+
+def fabric_leftovers(fab):
+    """What the nodes hold beyond the harness's own: links other than lo and
+    fab0, and nft tables, per node ({} when clean)."""
+    out = {}
+    for i, node in enumerate(fab.nodes, 1):
+        links = [l.split()[0].split("@")[0] for l in node.ip("-br", "link").stdout.splitlines() if l.strip()]
+        tables = [l for l in run(*node.argv("nft", "list", "tables")).stdout.splitlines() if l.strip()]
+        extra = [l for l in links if l not in ("lo", "fab0")] + tables
+        if extra:
+            out[f"n{i}"] = extra
+    return out

@@ -16,6 +16,7 @@ import os
 
 from starter.admin.live import job_cgroup
 from starter.state import store as S
+from starter.spec.options import NAT_MODES
 from starter.errors import StarterError
 
 
@@ -179,7 +180,7 @@ def _reclaim_locked(state_dir, job_id, st, quick=False):
                 done.append("cgroup removed")
         except (StarterError, OSError) as e:
             held.append(f"cgroup: {e}")
-    if st.get("net") == "nat":
+    if st.get("net") in NAT_MODES:
         if quick:
             held.append("network: left for `starter gc`")
         else:

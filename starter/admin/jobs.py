@@ -8,6 +8,7 @@ import os
 import time
 
 from starter.state import store as S
+from starter.spec.options import NAT_MODES
 from starter.errors import StarterError
 from starter.admin.live import entry, job_cgroup
 
@@ -39,7 +40,7 @@ def _usage(state_dir, st):
             out["payloads"], out["payloads_truncated"] = cg.payload_stats()
     except (StarterError, OSError):
         pass
-    if st.get("net") == "nat":
+    if st.get("net") in NAT_MODES:
         try:
             from starter import net
 

@@ -24,6 +24,7 @@ import os
 import stat
 
 from starter.spec import registry, values as V
+from starter.spec.options import NAT_MODES
 from starter.errors import SpecError, StarterError
 
 PATH = "/etc/starter/starter.toml"
@@ -98,7 +99,7 @@ class Policy:
         the command line and the job file).  For a caller that is not root,
         gate.apply() checks first and caps after."""
         for opt, value in self.defaults.items():
-            if opt in NAT_DEFAULTS and raw.get("net") != "nat":
+            if opt in NAT_DEFAULTS and raw.get("net") not in NAT_MODES:
                 continue
             if opt == "net-rate":               # per zone: the job's own win
                 from starter.spec import options as O

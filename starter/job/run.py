@@ -27,6 +27,7 @@ import time
 from starter.job import trace, watchdog
 from starter.errors import EXIT_STARTER_FAILED, StarterError, from_oserror, one_line
 from starter.fileio import unlink_quiet
+from starter.spec.options import NAT_MODES
 from starter.state.store import JobState, fault, find_dead, write_atomic
 
 
@@ -428,7 +429,7 @@ class Job:
         self.last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
         self.rlimits = rlimit_table(spec.rlimits)
         self.cwd_fallbacks = () if self.cwd else default_cwds(spec)
-        if spec.network.mode == "nat":
+        if spec.network.mode in NAT_MODES:
             from starter import net
 
             self.netcfg = net.config_for(spec)
@@ -467,6 +468,13 @@ class Job:
             write_atomic(resolv, net.resolv_conf_text(self.netcfg), 0o644)
             self.undo.push(unlink_quiet, resolv, label="resolv")
             self.mounts += M.resolv_conf(resolv, self.private_run)
+            if self.netcfg.overlay:
+                from starter.net import overlay
+
+                hosts = os.path.join(spec.state_dir, spec.id + ".hosts")
+                write_atomic(hosts, overlay.Plan.of(self.netcfg.overlay).hosts_text(overlay.has_ipv6()), 0o644)
+                self.undo.push(unlink_quiet, hosts, label="hosts")
+                self.mounts.append(M.Mount("ro-bind", "/etc/hosts", hosts))
         elif spec.network.mode == "host":
             self.mounts += M.resolv_conf(None, self.private_run)     # the host's, where it lies in /run
 
@@ -553,8 +561,10 @@ class Job:
         trace.mark("net")
 
     def _let_go(self, fd):
-        """A capped job's namespace stays open for its teardown, which closes it."""
-        if self.netcfg.rate:
+        """A capped job's namespace, or a --net job job's, stays open for its
+        teardown (its shaper's and its job network's figures are read
+        there), which closes it."""
+        if self.netcfg.rate or self.netcfg.overlay:
             self.net_fd = fd
         else:
             os.close(fd)

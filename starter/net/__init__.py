@@ -50,14 +50,17 @@ class NetConfig:
     table             the nft table (inet family); always starter*
     rate              ((zone, bits/s), ...) the job's bandwidth caps
                       (net/shaping.py); per job, not part of the table
+    overlay           --net job: (vni, node, ((name, fabric address), ...)),
+                      the job's network across its nodes (net/overlay.py);
+                      per job, not part of the table; None: none
     """
 
     __slots__ = ("state_dir", "pool", "lan", "uplink", "allow_host_ports", "resolver", "table",
-                 "pool6", "ipv6", "rate")
+                 "pool6", "ipv6", "rate", "overlay")
 
     def __init__(self, state_dir, pool=DEFAULT_POOL, lan=(), uplink=None,
                  allow_host_ports=(), resolver=None, table="starter", pool6=DEFAULT_POOL6, ipv6="auto",
-                 rate=()):
+                 rate=(), overlay=None):
         s = object.__setattr__
         s(self, "state_dir", state_dir)
         s(self, "pool", pool)
@@ -69,6 +72,8 @@ class NetConfig:
         s(self, "resolver", resolver)
         s(self, "table", table)
         s(self, "rate", tuple((z, b) for z, b in rate or ()))
+        s(self, "overlay", None if not overlay else
+          (int(overlay[0]), str(overlay[1]), tuple((str(n), str(a)) for n, a in overlay[2])))
 
     def __setattr__(self, name, value):
         raise AttributeError("NetConfig is immutable")
@@ -101,19 +106,22 @@ def _names(v):
 
 class NetLease:
     """What the job got: its address, the gateway (host end) and the veth;
-    address6/gateway6 None when the job has no IPv6."""
+    address6/gateway6 None when the job has no IPv6; overlay: its part of
+    a --net job network (a dict), else None."""
 
-    __slots__ = ("job_id", "address", "gateway", "prefixlen", "host_ifname", "address6", "gateway6")
+    __slots__ = ("job_id", "address", "gateway", "prefixlen", "host_ifname", "address6", "gateway6", "overlay")
 
-    def __init__(self, job_id, address, gateway, prefixlen, host_ifname, address6=None, gateway6=None):
+    def __init__(self, job_id, address, gateway, prefixlen, host_ifname, address6=None, gateway6=None,
+                 overlay=None):
         self.job_id, self.address, self.gateway = job_id, address, gateway
         self.prefixlen, self.host_ifname = prefixlen, host_ifname
         self.address6, self.gateway6 = address6, gateway6
+        self.overlay = overlay      # --net job: overlay.setup()'s record
 
     @classmethod
     def from_record(cls, rec):
         return cls(rec["job_id"], rec["address"], rec["gateway"], rec["prefixlen"], rec["host_ifname"],
-                   rec.get("address6"), rec.get("gateway6"))
+                   rec.get("address6"), rec.get("gateway6"), rec.get("overlay"))
 
     def __eq__(self, other):
         return isinstance(other, NetLease) and all(getattr(self, k) == getattr(other, k) for k in self.__slots__)
@@ -134,7 +142,12 @@ def config_of(n, state_dir):
                      allow_host_ports=getattr(n, "allow_host_ports", ()) or (),
                      resolver=getattr(n, "resolver", None),
                      pool6=getattr(n, "pool6", None) or DEFAULT_POOL6, ipv6=getattr(n, "ipv6", None) or "auto",
-                     rate=getattr(n, "rate", None) or ())
+                     rate=getattr(n, "rate", None) or (), overlay=_overlay(getattr(n, "overlay", None)))
+
+
+def _overlay(o):
+    """A spec's Overlay -> NetConfig.overlay."""
+    return None if o is None else (o.vni, o.node, o.peers)
 
 
 def socket_path(cfg):
@@ -153,6 +166,12 @@ def setup(job_id, netns_fd, cfg):
                         fds=[netns_fd])
     except netd.Unavailable:
         rec = _local().setup(job_id, netns_fd, cfg, os.getpid())
+    if cfg.overlay and not rec.get("overlay"):
+        from starter.errors import NetworkError
+
+        teardown(job_id, cfg)
+        raise NetworkError("netd did not make the job's network across its nodes (it predates --net job)",
+                           "restart `starter netd` with this version")
     if cfg.rate and not rec.get("rate"):
         # A netd older than --net-rate ignores the caps: never a job without them.
         from starter.errors import NetworkError

@@ -45,6 +45,9 @@ ROUTER_MSGS = ["nd-router-solicit", "nd-router-advert", "nd-redirect"]
 # the job kernel's own multicast listener reports: dropped, not counted
 MLD = ["mld-listener-query", "mld-listener-report", "mld-listener-done", "mld2-listener-report"]
 UPLINK_DIRECTIONS = ("in", "out")
+# The job networks' VXLAN port (IANA's): no job sends to it, on any node,
+# so none can put frames into another job's network (net/overlay.py).
+VXLAN_PORT = 4789
 
 
 
@@ -191,6 +194,7 @@ class Table:
             self._chain("job_in"),
             self._chain("job_in_count"),
             self._chain("job_in_count6"),
+            self._chain("output", "output"),
             self._chain("postrouting", "postrouting", type_="nat", prio=100),
             self._chain("nat_input", "input", type_="nat", prio=100),
         ]
@@ -234,6 +238,8 @@ class Table:
             self._rule("forward", _match(nfproto, "ipv4"), _match(iif, "@guard_ifs"), {"counter": "dropped"}, DROP),
             self._rule("forward", _match(nfproto, "ipv6"), _match(iif, "@guard6_ifs"), {"counter": "dropped"}, DROP),
             self._rule("job_out", _match(oif, "@uplinks", "!="), *drop_job),
+            self._rule("job_out", _match(_meta("l4proto"), IPPROTO["udp"]), _match(_payload("th", "dport"), VXLAN_PORT),
+                       *drop_job),
             self._rule("job_out", *too_many_flows),
             self._rule("job_out", _ctr_map(oif, "ctr_uplink_out")),
             self._rule("job_out", _match(nfproto, "ipv6"), {"goto": {"target": "job_out6"}}),
@@ -242,6 +248,11 @@ class Table:
             self._rule("job_out6", _icmpv6(ND + ROUTER_MSGS), *drop_job),
             self._rule("job_out6", _match(_payload("ip6", "daddr"), "@lan6"), _ctr_map(iif, "ctr_lan_out6"), ACCEPT),
             self._rule("job_out6", _ctr_map(iif, "ctr_wan_out6"), ACCEPT),
+            # Only the kernel's own tunnel sockets (no owner) and root send to
+            # the VXLAN port from the node: no user's process puts frames
+            # into a job's network, here or on another node.
+            self._rule("output", _match(_meta("l4proto"), IPPROTO["udp"]), _match(_payload("th", "dport"), VXLAN_PORT),
+                       _match(_meta("skuid"), 0, "!="), {"counter": "dropped"}, DROP),
             self._rule("job_in", _match({"ct": {"key": "state"}}, ["established", "related"], "in"),
                        {"goto": {"target": "job_in_count"}}),
             self._rule("job_in", {"counter": "dropped"}, DROP),
@@ -341,3 +352,40 @@ class Addr(str):
 
 class Mark(int):
     """A map element's data that is a conntrack mark (not a counter's name)."""
+
+
+# -- a multi-node job's own counters, in its network namespace ---------------
+OVERLAY_TABLE = "starter_overlay"
+
+
+def overlay_counter(index, direction):
+    """The counter of what the job sent to (out) or got from (in) the peer
+    node at this index of its peer list."""
+    return f"p{index}_{direction}"
+
+
+def overlay_table(ifname, peers):
+    """The job's own table in its network namespace: what crosses its
+    overlay device, per peer node and direction, by the peer's address in
+    the job network.  peers: [(index, address, address6 or None)], this
+    node left out.  Pure: JSON commands for libnftables."""
+    t = {"family": FAMILY, "table": OVERLAY_TABLE}
+    obj = lambda **kw: dict(t, **kw)  # noqa: E731
+    cmds = [{"add": {"table": {"family": FAMILY, "name": OVERLAY_TABLE}}}]
+    for i, _a, _a6 in peers:
+        cmds += [{"add": {"counter": obj(name=overlay_counter(i, d))}} for d in UPLINK_DIRECTIONS]
+    for fam, typ, pos in (("4", "ipv4_addr", 1), ("6", "ipv6_addr", 2)):
+        for d in UPLINK_DIRECTIONS:
+            elem = [[p[pos], overlay_counter(p[0], d)] for p in peers if p[pos]]
+            m = obj(name=f"{d}{fam}", type=typ, map="counter")
+            if elem:
+                m["elem"] = elem
+            cmds.append({"add": {"map": m}})
+    hooks = (("out", "output", "oifname", "daddr"), ("in", "input", "iifname", "saddr"))
+    for d, hook, dev, field in hooks:
+        cmds.append({"add": {"chain": obj(name=d, type="filter", hook=hook, prio=0, policy="accept")}})
+        for fam, proto in (("4", "ip"), ("6", "ip6")):
+            cmds.append({"add": {"rule": obj(chain=d, expr=[
+                _match(_meta(dev), ifname), _match(_meta("nfproto"), "ipv4" if fam == "4" else "ipv6"),
+                _ctr_map(_payload(proto, field), d + fam)])}})
+    return cmds

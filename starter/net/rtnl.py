@@ -28,8 +28,12 @@ NETLINK_ROUTE = 0
 RTM_NEWLINK, RTM_DELLINK, RTM_GETLINK = 16, 17, 18
 RTM_NEWADDR, RTM_GETADDR = 20, 22
 RTM_NEWROUTE = 24
+RTM_NEWNEIGH = 28
 
-IFLA_IFNAME, IFLA_LINK, IFLA_LINKINFO, IFLA_NET_NS_FD = 3, 5, 18, 28
+IFLA_ADDRESS, IFLA_IFNAME, IFLA_MTU, IFLA_LINK, IFLA_LINKINFO, IFLA_NET_NS_FD = 1, 3, 4, 5, 18, 28
+IFLA_VXLAN_ID, IFLA_VXLAN_LOCAL, IFLA_VXLAN_LEARNING, IFLA_VXLAN_PORT, IFLA_VXLAN_LOCAL6 = 1, 4, 7, 15, 17
+NDA_DST, NDA_LLADDR = 1, 2
+NUD_PERMANENT, NTF_SELF, AF_BRIDGE, NLM_F_APPEND = 0x80, 0x02, 7, 0x800
 IFLA_INFO_KIND, IFLA_INFO_DATA = 1, 2
 VETH_INFO_PEER = 1
 IFA_ADDRESS, IFA_LOCAL, IFA_FLAGS = 1, 2, 8
@@ -41,6 +45,7 @@ RT_TABLE_MAIN, RTPROT_BOOT, RT_SCOPE_UNIVERSE, RTN_UNICAST = 254, 3, 0, 1
 _IFINFO = "=BxHiII"     # struct ifinfomsg: family, type, index, flags, change
 _IFADDR = "=BBBBi"      # struct ifaddrmsg: family, prefixlen, flags, scope, index
 _RTMSG = "=BBBBBBBBI"   # struct rtmsg
+_NDMSG = "=BBHiHBB"     # struct ndmsg: family, pads, index, state, flags, type
 
 
 class RtnlError(OSError):
@@ -77,6 +82,36 @@ def new_veth(name, peer_name, peer_netns_fd):
             + netlink.attr(IFLA_INFO_DATA | NLA_F_NESTED, netlink.attr(VETH_INFO_PEER | NLA_F_NESTED, peer)))
     body = _ifinfo() + _name(IFLA_IFNAME, name) + netlink.attr(IFLA_LINKINFO | NLA_F_NESTED, info)
     return RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body
+
+
+def new_vxlan(name, vni, local, port, netns_fd, mtu, mac):
+    """A VXLAN device born in the namespace behind netns_fd, down, with no
+    learning (its forwarding entries are all static: add_fdb); its UDP
+    socket, bound to `local`:port, stays in the namespace of the socket
+    that sends this, where the fabric is."""
+    local_attr = IFLA_VXLAN_LOCAL6 if ":" in local else IFLA_VXLAN_LOCAL
+    data = (netlink.attr(IFLA_VXLAN_ID, struct.pack("=I", vni)) + netlink.attr(local_attr, _packed(local))
+            + netlink.attr(IFLA_VXLAN_LEARNING, b"\0") + netlink.attr(IFLA_VXLAN_PORT, struct.pack("!H", port)))
+    info = netlink.attr(IFLA_INFO_KIND, b"vxlan") + netlink.attr(IFLA_INFO_DATA | NLA_F_NESTED, data)
+    body = (_ifinfo() + _name(IFLA_IFNAME, name) + netlink.attr(IFLA_NET_NS_FD, struct.pack("=I", netns_fd))
+            + netlink.attr(IFLA_MTU, struct.pack("=I", mtu)) + netlink.attr(IFLA_ADDRESS, mac)
+            + netlink.attr(IFLA_LINKINFO | NLA_F_NESTED, info))
+    return RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body
+
+
+def add_neigh(index, address, mac):
+    """A permanent neighbour entry: address is at mac on link index."""
+    body = (struct.pack(_NDMSG, _family(address), 0, 0, index, NUD_PERMANENT, 0, 0)
+            + netlink.attr(NDA_DST, _packed(address)) + netlink.attr(NDA_LLADDR, mac))
+    return RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_EXCL, body
+
+
+def add_fdb(index, mac, remote):
+    """A VXLAN device's forwarding entry: frames for mac go to the fabric
+    address remote (appended: the all-zero mac may have several)."""
+    body = (struct.pack(_NDMSG, AF_BRIDGE, 0, 0, index, NUD_PERMANENT, NTF_SELF, 0)
+            + netlink.attr(NDA_LLADDR, mac) + netlink.attr(NDA_DST, _packed(remote)))
+    return RTM_NEWNEIGH, NLM_F_CREATE | NLM_F_APPEND, body
 
 
 def get_link(name):
@@ -123,6 +158,14 @@ def link_info(body):
         elif kind == IFLA_LINK:
             link = struct.unpack_from("=i", val)[0]
     return index, name, link
+
+
+def link_mtu(body):
+    """An RTM_NEWLINK message's body -> its MTU (0 if absent)."""
+    for kind, val, _raw in netlink.attrs(body[16:]):
+        if kind == IFLA_MTU:
+            return struct.unpack_from("=I", val)[0]
+    return 0
 
 
 def address_info(body):
@@ -187,11 +230,15 @@ class Rtnl:
 
     def link_names(self):
         """{ifindex: name} of this namespace's links."""
-        names = {}
+        return {index: name for index, name, _mtu in self.links()}
+
+    def links(self):
+        """[(ifindex, name, mtu)] of this namespace's links."""
+        out = []
         for _t, body in self.dump(RTM_GETLINK, _ifinfo()):
             index, name, _link = link_info(body)
-            names[index] = name
-        return names
+            out.append((index, name, link_mtu(body)))
+        return out
 
     def addresses(self, family):
         """[("address/prefixlen", ifindex)] of one family's addresses."""
@@ -203,5 +250,5 @@ class Rtnl:
         return out
 
 
-__all__ = ["Rtnl", "RtnlError", "new_veth", "get_link", "del_link", "set_up", "add_address",
-           "add_default_route", "link_info", "address_info"]
+__all__ = ["Rtnl", "RtnlError", "new_veth", "new_vxlan", "add_neigh", "add_fdb", "get_link", "del_link",
+           "set_up", "add_address", "add_default_route", "link_info", "link_mtu", "address_info"]

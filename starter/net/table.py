@@ -78,7 +78,17 @@ def checked_pools(cfg):
 
 
 def if_exists(ifname):
-    return os.path.exists(f"/sys/class/net/{ipam.check_ifname('ifname', ifname)}")
+    """Is there a link of this name in our network namespace?  Asked of the
+    kernel (SIOCGIFINDEX), not of /sys/class/net, which shows the namespace
+    of whoever mounted /sys: a starter run in a namespace of its own (the
+    multi-node harness, a container's netd) would see the host's links."""
+    import _socket
+
+    try:
+        _socket.if_nametoindex(ipam.check_ifname("ifname", ifname))
+    except OSError:
+        return False
+    return True
 
 
 PINNED = float("inf")   # an idle table's "since": never expires (Wiring.pin)

@@ -7,8 +7,8 @@ named eth0 there: creating it on the host and moving it costs 16-34 ms.
 The job-side address, link state and default route need a netlink socket
 INSIDE the job's namespace.  A socket stays in the namespace it was created
 in, so a short-lived thread setns()es into the job's netns, creates the
-socket, and setns()es back; setns(CLONE_NEWNET) changes only the calling
-thread.  Because the peer is named eth0, exactly like the host's uplink, the
+socket, and setns()es back (in_netns()); setns(CLONE_NEWNET) changes only
+the calling thread.  Because the peer is named eth0, exactly like the host's uplink, the
 socket's namespace is verified (SIOCGSKNS) before anything is sent through it.
 
 A job's network is three batches of requests (rtnl.Rtnl.run): make the pair
@@ -36,33 +36,19 @@ LOOPBACK_IFINDEX = 1  # the kernel gives lo index 1 in every netns
 IFA_F_NODAD = 0x02
 
 
-def netlink_socket_in(netns_fd, sysctls=()):
-    """A NETLINK_ROUTE socket living in the namespace behind netns_fd.
-
-    sysctls: ((ifname, key, value, required), ...) IPv6 settings of the
-    job's own interfaces (a missing one is an error only if required),
-    written from the same thread while it is in the job's
-    namespace: /proc/sys/net shows the namespace of the thread that opens
-    it, and the job's interface is named eth0 like the host's, so the
-    thread's namespace is checked first (a write must never reach the host's
-    eth0)."""
+def in_netns(netns_fd, work):
+    """work() run by a short-lived thread inside the namespace behind
+    netns_fd -> its result (its exception raised here).  setns(CLONE_NEWNET)
+    changes only the calling thread, which returns home before it ends; a
+    socket it made stays in the job's namespace."""
     box = {}
-    want = os.fstat(netns_fd).st_ino
 
-    def work():
+    def run():
         home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
             setns(netns_fd, CLONE_NEWNET)
             try:
-                box["sock"] = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC,
-                                             rtnl.NETLINK_ROUTE)
-                if sysctls:
-                    if os.stat("/proc/thread-self/ns/net").st_ino != want:  # pragma: no cover
-                        raise NetworkError("the sysctl writer is not in the job's network namespace")
-                    for ifname, key, value, required in sysctls:
-                        if not write_sysctl(ipv6_path(ifname, key), value) and required:
-                            raise NetworkError(f"the job's net.ipv6.conf.{ifname}.{key} is missing",
-                                               "is IPv6 disabled on this kernel (ipv6.disable=1)?")
+                box["value"] = work()
             finally:
                 try:
                     setns(home, CLONE_NEWNET)
@@ -74,14 +60,42 @@ def netlink_socket_in(netns_fd, sysctls=()):
         finally:
             os.close(home)
 
-    t = threading.Thread(target=work, name="netns-socket")
+    t = threading.Thread(target=run, name="in-netns")
     t.start()
     t.join()
     if "error" in box:
-        if "sock" in box:
-            box["sock"].close()
         raise box["error"]
-    sock = box["sock"]
+    return box["value"]
+
+
+def netlink_socket_in(netns_fd, sysctls=()):
+    """A NETLINK_ROUTE socket living in the namespace behind netns_fd.
+
+    sysctls: ((ifname, key, value, required), ...) IPv6 settings of the
+    job's own interfaces (a missing one is an error only if required),
+    written from the same thread while it is in the job's
+    namespace: /proc/sys/net shows the namespace of the thread that opens
+    it, and the job's interface is named eth0 like the host's, so the
+    thread's namespace is checked first (a write must never reach the host's
+    eth0)."""
+    want = os.fstat(netns_fd).st_ino
+
+    def work():
+        sock = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC, rtnl.NETLINK_ROUTE)
+        try:
+            if sysctls:
+                if os.stat("/proc/thread-self/ns/net").st_ino != want:  # pragma: no cover
+                    raise NetworkError("the sysctl writer is not in the job's network namespace")
+                for ifname, key, value, required in sysctls:
+                    if not write_sysctl(ipv6_path(ifname, key), value) and required:
+                        raise NetworkError(f"the job's net.ipv6.conf.{ifname}.{key} is missing",
+                                           "is IPv6 disabled on this kernel (ipv6.disable=1)?")
+        except BaseException:
+            sock.close()
+            raise
+        return sock
+
+    sock = in_netns(netns_fd, work)
     try:
         nsfd = fcntl.ioctl(sock.fileno(), SIOCGSKNS)
         try:

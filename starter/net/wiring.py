@@ -61,6 +61,19 @@ def _marks(items):
     return out
 
 
+def _overlay_report(cfg, netns_fd):
+    """A --net job job's part of its network for the report: where it was
+    and, read in its namespace (kept open by its starter), the bytes per
+    peer node ("peers": None where the namespace was not given or is gone)."""
+    from starter.net import overlay
+
+    plan = overlay.Plan.of(cfg.overlay)
+    out = {"vni": plan.vni, "node": plan.node, "address": plan.address(plan.index)}
+    got = overlay.read(netns_fd, plan) if netns_fd is not None else None
+    out.update(got or {"peers": None})
+    return out
+
+
 class Wiring(NodeTable):
     """Holds the handles (rtnetlink, libnftables) for its lifetime; the
     node's table is NodeTable's (table.py)."""
@@ -132,6 +145,13 @@ class Wiring(NodeTable):
                 fault("net-veth")
                 self._add_job(store, cfg, table, key, lease["address"], lease.get("address6"))
                 fault("net-nft")
+                if cfg.overlay:
+                    # (in the job's namespace only: it goes with the namespace)
+                    from starter.net import overlay
+
+                    lease = dict(lease, overlay=overlay.setup(self.links.rt, netns_fd, overlay.Plan.of(cfg.overlay),
+                                                              nftrules.VXLAN_PORT))
+                    fault("net-overlay")
                 undo.pop_all()
             except BaseException:
                 undo.close()
@@ -229,6 +249,8 @@ class Wiring(NodeTable):
             from starter.net import shaping
 
             counters["shaping"] = shaping.report(lease["rate"], self.links.shaping_stats(key, netns_fd))
+        if counters is not None and cfg.overlay:
+            counters["overlay"] = _overlay_report(cfg, netns_fd)
         # The IPv6 objects: by the lease, or (no lease: gc) by the counters found.
         address6 = lease.get("address6") if lease else None
         has6 = bool(address6) or bool(counters and "ipv6" in counters)

@@ -21,6 +21,7 @@ import os
 import sys
 
 from starter.state import store as S
+from starter.spec.options import NAT_MODES
 from starter.errors import StarterError, one_line
 from starter.fileio import unlink_quiet, write_all
 
@@ -178,7 +179,7 @@ def collect(state_dir):
                 usage = job_cgroup(entry, job_id, backends).stats()
         except (StarterError, OSError, ValueError):
             errors += 1
-        if entry.get("net") == "nat" and live:
+        if entry.get("net") in NAT_MODES and live:
             try:
                 network = _nat_counters(job_id, entry.get("host_ifname"))
                 if network is not None and entry.get("net_rate"):

@@ -16,7 +16,7 @@ from starter.isolate import mounts as M
 from starter.spec import values as V
 from starter.errors import SpecError
 # The option parsers; policy, admin, job, cli and tests name some as spec.X.
-from starter.spec.options import IPV6_MODES, MAX_CPUS, MAX_DISK_INODES, MAX_PIDS, MAX_WALL, NET_MODES  # noqa: F401
+from starter.spec.options import IPV6_MODES, MAX_CPUS, MAX_DISK_INODES, MAX_PIDS, MAX_WALL, NAT_MODES, NET_MODES  # noqa: F401
 from starter.spec.options import ipv6_mode, seccomp_choice
 from starter.spec.options import DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS, caller_user, check_cwd, parse_env, parse_host_port, parse_io_max, parse_net_rate, parse_mount, parse_on_signal, parse_rlimit, resolve_group, resolve_user, rlimit_table, own_cpus, state_dir, thread_count
 
@@ -81,8 +81,20 @@ class Network(Spec):
     IPv4 one (starter.net.NetConfig); rate: ((zone, bits/s), ...) bandwidth
     caps (--net-rate, starter/net/shaping.py), None: uncapped."""
 
-    __slots__ = ("mode", "lan", "pool", "uplink", "allow_host_ports", "resolver", "ipv6", "pool6", "rate")
-    DEFAULTS = {"mode": "none", "lan": (), "uplink": (), "allow_host_ports": (), "ipv6": "auto", "rate": None}
+    __slots__ = ("mode", "lan", "pool", "uplink", "allow_host_ports", "resolver", "ipv6", "pool6", "rate",
+                 "overlay")
+    DEFAULTS = {"mode": "none", "lan": (), "uplink": (), "allow_host_ports": (), "ipv6": "auto", "rate": None,
+                "overlay": None}
+
+
+class Overlay(Spec):
+    """mode job: the job's network across its nodes (starter/net/overlay.py).
+    net_id: the same on every node; vni: its VXLAN id; node: this node's
+    name; peers: ((name, fabric address), ...) in the order every node
+    expands them (this node among them)."""
+
+    __slots__ = ("net_id", "vni", "node", "peers")
+    DEFAULTS = {}
 
 
 class JobSpec(Spec):
@@ -156,16 +168,21 @@ def _list(field, v):
     return v
 
 
-def network_from(raw):
+def network_from(raw, environ=os.environ):
     """The job's Network from the run options in `raw` (also how netd reads
-    the node policy's NAT defaults: net/netd.py, node_config)."""
+    the node policy's NAT defaults: net/netd.py, node_config); environ: the
+    starter's, where --net job finds what Slurm gives it."""
     mode = V.string("net", raw.get("net", "none"))
     if mode not in NET_MODES:
         raise SpecError("net", f"{V.show(mode)} is not one of {', '.join(NET_MODES)}")
-    if mode != "nat":
+    if mode not in NAT_MODES:
         for k in ("lan", "pool", "uplink", "allow-host-port", "resolver", "ipv6", "pool6", "net-rate"):
             if raw.get(k):
-                raise SpecError(k, "only applies with --net nat")
+                raise SpecError(k, "only applies with --net nat or job")
+    if mode != "job":
+        for k in ("peers", "net-id", "node"):
+            if raw.get(k):
+                raise SpecError(k, "only applies with --net job")
     # Several uplinks: the host's routing picks one per destination; each is
     # masqueraded and counted.  Order does not matter; repeats are dropped.
     uplink = tuple(dict.fromkeys(V.ifname("uplink", u) for u in _list("uplink", raw.get("uplink") or [])))
@@ -181,7 +198,31 @@ def network_from(raw):
         allow_host_ports=tuple(parse_host_port("allow-host-port", p) for p in _list("allow-host-port", raw.get("allow-host-port", []))),
         resolver=resolver,
         rate=parse_net_rate("net-rate", raw["net-rate"]) if raw.get("net-rate") else None,
+        overlay=overlay_from(raw, environ) if mode == "job" else None,
     )
+
+
+def overlay_from(raw, environ):
+    """--net job's Overlay from --peers, --net-id and --node, each by default
+    what Slurm gives the job's processes (SLURM_JOB_NODELIST, SLURM_JOB_ID,
+    SLURMD_NODENAME; the host's name for the node)."""
+    from starter.spec import peers as P
+
+    def given(opt, var, what):
+        v = raw.get(opt) or environ.get(var)
+        if not v:
+            raise SpecError(opt, f"--net job needs {what}", f"give --{opt}, or run it under Slurm (${var})")
+        return v
+
+    net_id = V.string("net-id", given("net-id", "SLURM_JOB_ID", "the job network's id"))
+    vni = P.vni_of("net-id", net_id)
+    peers = P.parse("peers", given("peers", "SLURM_JOB_NODELIST", "the job's nodes"), P.resolve)
+    node = raw.get("node") or environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
+    node = V.hostname("node", node)
+    if node not in dict(peers):
+        raise SpecError("node", f"this node, {node}, is not one of the job's nodes in --peers",
+                        "give this node's name there with --node")
+    return Overlay(net_id=net_id, vni=vni, node=node, peers=peers)
 
 
 def _make(raw, caller=None, asked=None):

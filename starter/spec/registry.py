@@ -17,7 +17,7 @@ class Option:
     default: ([defaults] key, the policy's check of its value), or None.
     caller: the [callers] key that caps its value (max_*) or allows the flag.
     who: any caller; root (only root sets it); nat (root only, and only
-    meaningful for a NAT job).  help: `starter run --help`'s line."""
+    meaningful for a NAT job); job (root only, --net job only).  help: `starter run --help`'s line."""
 
     __slots__ = ("name", "kind", "file", "default", "caller", "who", "help")
 
@@ -113,6 +113,12 @@ OPTIONS = (
            "RATE|SCOPE=RATE,..  bandwidth caps, shaped by the kernel; SCOPE all, in, out, lan, wan, lan-in, lan-out, wan-in, wan-out (e.g. 100mbit, out=50mbit,lan=1gbit)"),
     Option("resolver", "value", "network.resolver", ("resolver", "ip"), None, "nat",
            "IP  name server (IPv4 or IPv6) written to the job's /etc/resolv.conf"),
+    Option("peers", "value", "network.peers", None, None, "job",
+           "HOSTLIST  --net job: the job's nodes, NAME or NAME=ADDRESS, Slurm's [] ranges (default $SLURM_JOB_NODELIST)"),
+    Option("net-id", "value", "network.net_id", None, None, "job",
+           "ID  --net job: the job network's id, the same on every node (default $SLURM_JOB_ID)"),
+    Option("node", "value", "network.node", None, None, "job",
+           "NAME  --net job: this node's name in --peers (default $SLURMD_NODENAME, else the host name)"),
     Option("scratch", "value", "scratch", None, None, "any",
            "DIR  fresh private working directory, removed at the end"),
     Option("execute-dir", "value", "execute_dir", ("execute_dir", "dir"), None, "any",
@@ -179,7 +185,7 @@ def caller_flags():
 
 
 def root_only():
-    return tuple(o.name for o in OPTIONS if o.who in ("root", "nat"))
+    return tuple(o.name for o in OPTIONS if o.who in ("root", "nat", "job"))
 
 
 def nat_only():
@@ -191,7 +197,7 @@ def markdown_table():
     def code(x):
         return f"`{x}`" if x else "-"
 
-    who = {"any": "any caller", "root": "root", "nat": "root (NAT jobs)"}
+    who = {"any": "any caller", "root": "root", "nat": "root (NAT jobs)", "job": "root (--net job)"}
     lines = ["| option | job file | [defaults] | [callers] | who |", "| --- | --- | --- | --- | --- |"]
     for o in OPTIONS:
         lines.append(f"| `--{o.name}` | {code(o.file)} | {code(o.default and o.default[0])} | "

@@ -255,7 +255,7 @@ def ensure_dir(state_dir):
 
 
 # Every name an entry may have, <id> + suffix; removed in this order (lock last).
-ENTRY_SUFFIXES = (".json.tmp", ".json", ".resolv.conf.tmp", ".resolv.conf", ".lock")
+ENTRY_SUFFIXES = (".json.tmp", ".json", ".resolv.conf.tmp", ".resolv.conf", ".hosts.tmp", ".hosts", ".lock")
 
 
 def _lock_path(state_dir, job_id):

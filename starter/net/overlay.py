@@ -1,0 +1,191 @@
+"""A multi-node job's own network (--net job): one VXLAN segment per job,
+across its nodes, beside its NAT network.
+
+A node's part of the job is one device in the job's network namespace:
+
+    vx0   VXLAN, id = the job's VNI (spec/peers.py: from the job network's
+          id, the same on every node), made from the host's namespace with
+          IFLA_NET_NS_FD: the device is born in the job's namespace, its UDP
+          socket (this node's fabric address, port 4789) stays in the host's;
+          MTU: the fabric link's, less the encapsulation
+          address  10.214.0.0/16 and fd70:7639:1865::/64, host number = the
+          node's index in the peer list + 1: the same plan on every node
+          neighbours  one permanent entry per peer (its fixed MAC: 02, the
+          VNI, the index) and one forwarding entry (that MAC -> the peer's
+          fabric address): no flooding, no learning, no ARP on the fabric
+
+Jobs do not see each other's segments: each job has its own VNI and its own
+namespace, so the same addresses serve every job.  Nothing of it lives on
+the host: the device, its entries and the job's counters (an nft table in
+the job's namespace, per peer node and direction: nftrules.overlay_table)
+die with the namespace, so a crashed starter leaves nothing of it for gc.
+The host's table drops job traffic to the VXLAN port (nftrules.VXLAN_PORT):
+no job writes frames into another job's segment, here or on another node.
+"""
+
+import os
+
+from starter.errors import NetworkError
+
+NET4 = "10.214.0.0/16"
+NET6 = "fd70:7639:1865::/64"
+IFNAME = "vx0"
+# outer IP + UDP + VXLAN + inner Ethernet headers
+OVERHEAD = {4: 20 + 8 + 8 + 14, 6: 40 + 8 + 8 + 14}
+
+
+class Plan:
+    """The job network as every node computes it (pure).
+
+    vni, node (this node's name), peers ((name, fabric address), ...),
+    index (this node's place in peers), local (its fabric address)."""
+
+    def __init__(self, vni, node, peers):
+        self.vni, self.node = int(vni), node
+        self.peers = tuple((str(n), str(a)) for n, a in peers)
+        names = [n for n, _a in self.peers]
+        self.index = names.index(node)
+        self.local = self.peers[self.index][1]
+
+    @classmethod
+    def of(cls, overlay):
+        """From NetConfig.overlay: (vni, node, peers)."""
+        return cls(*overlay)
+
+    def address(self, i, family=4):
+        """Node i's address in the job network."""
+        import ipaddress
+
+        net = ipaddress.ip_network(NET4 if family == 4 else NET6)
+        return str(net.network_address + i + 1)
+
+    def mac(self, i):
+        """Node i's MAC in the job network: locally administered, unicast."""
+        return bytes([0x02]) + self.vni.to_bytes(3, "big") + (i + 1).to_bytes(2, "big")
+
+    def others(self):
+        """[(index, name, fabric address)] of the other nodes."""
+        return [(i, n, a) for i, (n, a) in enumerate(self.peers) if i != self.index]
+
+    def hosts_text(self, v6=True):
+        """The job's /etc/hosts: every node of the job by its name, at its
+        address in the job network (MPI and PMIx find ranks by name)."""
+        lines = ["# written by starter: the job's nodes in its network", "127.0.0.1\tlocalhost",
+                 "::1\tlocalhost ip6-localhost ip6-loopback"]
+        for i, (name, _a) in enumerate(self.peers):
+            lines.append(f"{self.address(i)}\t{name}")
+        if v6:
+            lines += [f"{self.address(i, 6)}\t{name}" for i, (name, _a) in enumerate(self.peers)]
+        return "\n".join(lines) + "\n"
+
+
+def has_ipv6():
+    return os.path.isdir("/proc/sys/net/ipv6")
+
+
+def setup(rt, netns_fd, plan, port):
+    """Make the job's part of its network in the namespace behind netns_fd.
+    rt: an rtnl.Rtnl in the host's namespace (where the fabric is).
+    -> the record the report keeps.  On error: NetworkError; what was made
+    lies in the job's namespace, which the failed start removes."""
+    from starter.net import rtnl, veth
+    from starter.net.rtnl import RtnlError
+
+    family = 6 if ":" in plan.local else 4
+    mtu = _fabric_mtu(rt, plan.local, family) - OVERHEAD[family]
+    try:
+        rt.run([rtnl.new_vxlan(IFNAME, plan.vni, plan.local, port, netns_fd, mtu, plan.mac(plan.index))])
+    except RtnlError as e:
+        raise _error(e, plan) from None
+    v6 = has_ipv6()
+    sysctls = ((IFNAME, "addr_gen_mode", "1", True), (IFNAME, "accept_dad", "0", True),
+               (IFNAME, "accept_ra", "0", True)) if v6 else ()
+    job = rtnl.Rtnl(veth.netlink_socket_in(netns_fd, sysctls))
+    try:
+        (got,) = job.run([rtnl.get_link(IFNAME)])
+        idx = rtnl.link_info(got[0][1])[0]
+        reqs = [rtnl.add_address(idx, plan.address(plan.index), 16)]
+        if v6:
+            reqs.append(rtnl.add_address(idx, plan.address(plan.index, 6), 64, nodad=True))
+        for i, _name, fabric in plan.others():
+            reqs += [rtnl.add_neigh(idx, plan.address(i), plan.mac(i)), rtnl.add_fdb(idx, plan.mac(i), fabric)]
+            if v6:
+                reqs.append(rtnl.add_neigh(idx, plan.address(i, 6), plan.mac(i)))
+        reqs.append(rtnl.set_up(idx))
+        job.run(reqs)
+    except RtnlError as e:
+        raise NetworkError(f"configuring the job network's {IFNAME} failed: {os.strerror(e.code)}") from None
+    finally:
+        job.close()
+    _in_job(netns_fd, lambda nft: nft.run(_counter_table(plan, v6), "the job network's counters"))
+    return {"vni": plan.vni, "node": plan.node, "address": plan.address(plan.index),
+            "address6": plan.address(plan.index, 6) if v6 else None, "mtu": mtu}
+
+
+def _counter_table(plan, v6):
+    from starter.net import nftrules
+
+    return nftrules.overlay_table(IFNAME, [(i, plan.address(i), plan.address(i, 6) if v6 else None)
+                                           for i, _n, _a in plan.others()])
+
+
+def read(netns_fd, plan):
+    """The job's bytes in its network, per peer node: {name: {"in": {bytes,
+    packets}, "out": ...}} plus "in" and "out" totals; None where its
+    namespace or table is gone."""
+    from starter.net import nftrules
+    from starter.net.nft import NftError
+
+    try:
+        docs = _in_job(netns_fd, lambda nft: nft.run(
+            [{"list": {"counters": {"family": nftrules.FAMILY, "table": nftrules.OVERLAY_TABLE}}}],
+            "read the job network's counters"))
+    except (NftError, OSError):
+        return None
+    found = {item["counter"]["name"]: item["counter"] for d in docs for item in d.get("nftables", ())
+             if "counter" in item}
+    peers, total = {}, {d: {"bytes": 0, "packets": 0} for d in nftrules.UPLINK_DIRECTIONS}
+    for i, name, _a in plan.others():
+        row = {}
+        for d in nftrules.UPLINK_DIRECTIONS:
+            c = found.get(nftrules.overlay_counter(i, d)) or {}
+            row[d] = {"bytes": int(c.get("bytes", 0)), "packets": int(c.get("packets", 0))}
+            for k in ("bytes", "packets"):
+                total[d][k] += row[d][k]
+        peers[name] = row
+    return {"peers": peers, **total}
+
+
+def _in_job(netns_fd, work):
+    """work(nft) with a libnftables context made inside the job's namespace
+    (its netlink socket lives where it was opened)."""
+    from starter.net import nft, veth
+
+    return veth.in_netns(netns_fd, lambda: work(nft.Nft()))
+
+
+def _fabric_mtu(rt, local, family):
+    """The MTU of the host link holding this node's fabric address; an
+    error where the host has no such address (the wrong --node, or a peer
+    list that gives this node another address)."""
+    import _socket
+
+    fam = _socket.AF_INET6 if family == 6 else _socket.AF_INET
+    for cidr, index in rt.addresses(fam):
+        if cidr.split("/")[0] == local:
+            for idx, _name, mtu in rt.links():
+                if idx == index:
+                    return mtu
+    raise NetworkError(f"this node's fabric address {local} is not an address of this host",
+                       "give this node's name with --node, or its own address in --peers")
+
+
+def _error(e, plan):
+    import errno
+
+    if e.code == errno.EEXIST:
+        return NetworkError(f"the job network {plan.vni} (VXLAN id) already has a part on this node",
+                            "one part per node: another job with the same --net-id runs here")
+    if e.code == errno.EOPNOTSUPP:
+        return NetworkError("the kernel lacks VXLAN support", "modprobe vxlan")
+    return NetworkError(f"creating the job network's {IFNAME} failed: {os.strerror(e.code)}")

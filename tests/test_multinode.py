@@ -1,0 +1,220 @@
+"""--net job: one job's network across its nodes (starter/net/overlay.py), on
+a cluster of network namespaces (nethosts.Fabric): each "node" has its own
+fabric address, state directory and nft table; a starter runs on a node by
+running in its namespace.  Real VXLAN devices, real nft counters.
+"""
+
+import json
+import os
+import socket
+import struct
+import subprocess
+import sys
+import time
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import nethosts  # noqa: E402
+from conftest import STARTER, SLOWDOWN, process_alive, wait_running  # noqa: E402
+
+# A TCP server in the job: one connection, prints the bytes it got.
+SERVER = r"""
+import socket, sys
+fam = socket.AF_INET6 if sys.argv[1] == "6" else socket.AF_INET
+s = socket.socket(fam); s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+s.bind(("::" if fam == socket.AF_INET6 else "", int(sys.argv[2]))); s.listen()
+s.settimeout(float(sys.argv[3]) if len(sys.argv) > 3 else 60)
+try:
+    c, peer = s.accept()
+except socket.timeout:
+    print("got none", flush=True); sys.exit(0)
+n = 0
+while True:
+    b = c.recv(1 << 16)
+    if not b:
+        break
+    n += len(b)
+print("got", n, flush=True)
+"""
+
+# The client: for each NAME:FAMILY:BYTES, connect by the node's name (its
+# /etc/hosts) and send; then exit with argv[1].
+CLIENT = r"""
+import socket, sys, time
+for item in sys.argv[3:]:
+    name, fam, n = item.split(":")
+    fam = socket.AF_INET6 if fam == "6" else socket.AF_INET
+    addr = socket.getaddrinfo(name, int(sys.argv[2]), fam, socket.SOCK_STREAM)[0][4]
+    for _ in range(200):
+        try:
+            s = socket.socket(fam); s.connect(addr); break
+        except OSError:
+            s.close(); time.sleep(0.05)
+    s.sendall(b"x" * int(n)); s.close()
+    print("sent", name, addr[0], n, flush=True)
+sys.exit(int(sys.argv[1]))
+"""
+
+
+def start(fab, i, net_id, cmd, report, *extra):
+    """A starter on node i, in job network net_id -> Popen."""
+    return fab.popen(i, STARTER, "run", "--net", "job", "--peers", fab.peers, "--node", f"n{i}",
+                     "--net-id", str(net_id), "--state-dir", fab.state_dirs[i - 1], "--report", str(report),
+                     *extra, "--", *cmd)
+
+
+def finish(p, timeout=60):
+    out, err = p.communicate(timeout=timeout * SLOWDOWN)
+    return p.returncode, out, err
+
+
+def overlay(report):
+    with open(report) as f:
+        return json.load(f)["network"]["overlay"]
+
+
+def test_ranks_on_three_nodes_reach_each_other_by_name_and_are_counted_per_peer(tmp_path):
+    with nethosts.fabric(3, tmp_path / "nodes") as fab:
+        r = {i: tmp_path / f"r{i}.json" for i in (1, 2, 3)}
+        s2 = start(fab, 2, 4242, ["python3", "-c", SERVER, "4", "5000"], r[2])
+        s3 = start(fab, 3, 4242, ["python3", "-c", SERVER, "6", "5000"], r[3])
+        c1 = start(fab, 1, 4242, ["python3", "-c", CLIENT, "3", "5000", "n2:4:1000000", "n3:6:2000000"], r[1])
+        rc, out, err = finish(c1)
+        # The job's exit code is the starter's; both families, by name.
+        assert rc == 3, (out, err)
+        assert "sent n2 10.214.0.2 1000000" in out and "sent n3 fd70:7639:1865::3 2000000" in out, out
+        for p, n in ((s2, 1000000), (s3, 2000000)):
+            rc, out, err = finish(p)
+            assert rc == 0 and f"got {n}" in out, (rc, out, err)
+        m1, m2, m3 = overlay(r[1]), overlay(r[2]), overlay(r[3])
+        assert (m1["vni"], m1["node"], m1["address"]) == (4242, "n1", "10.214.0.1")
+        # What each end counted of one flow agrees (but for connection
+        # attempts made before the peer's part was up), and is the bytes
+        # sent plus their IP and TCP headers.
+        for sent, mine, theirs in ((1000000, m1["peers"]["n2"], m2["peers"]["n1"]),
+                                   (2000000, m1["peers"]["n3"], m3["peers"]["n1"])):
+            assert 0 <= mine["out"]["bytes"] - theirs["in"]["bytes"] < sent * 0.001, (mine, theirs)
+            assert sent < mine["out"]["bytes"] < sent * 1.05 + 20000, mine
+            assert 0 < mine["in"]["bytes"] < sent * 0.05, mine         # the acks
+        assert m2["peers"]["n3"]["out"]["bytes"] == 0 and m3["peers"]["n2"]["in"]["bytes"] == 0
+        assert m1["out"]["bytes"] == m1["peers"]["n2"]["out"]["bytes"] + m1["peers"]["n3"]["out"]["bytes"]
+        assert nethosts.fabric_leftovers(fab) == {}
+
+
+def vxlan_frame(vni, dst_mac, src_ip, dst_ip, port, payload=b"inject"):
+    """A VXLAN packet's UDP payload: the header with vni, and an inner
+    Ethernet/IPv4/UDP frame to dst_ip:port."""
+    udp = struct.pack("!HHHH", 40000, port, 8 + len(payload), 0) + payload
+    hdr = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(udp), 1, 0, 64, 17, 0,
+                      socket.inet_aton(src_ip), socket.inet_aton(dst_ip))
+    s = sum(struct.unpack("!10H", hdr))
+    s = (s & 0xFFFF) + (s >> 16)
+    hdr = hdr[:10] + struct.pack("!H", ~s & 0xFFFF) + hdr[12:]
+    eth = dst_mac + bytes.fromhex("020000000001") + b"\x08\x00"
+    return struct.pack("!II", 0x08000000, vni << 8) + eth + hdr + udp
+
+
+# Sends hex-encoded UDP payloads to HOST:PORT, each three times; prints the errors.
+INJECT = r"""
+import socket, sys
+host, port = sys.argv[1], int(sys.argv[2])
+u = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+for h in sys.argv[3:]:
+    for _ in range(3):
+        try:
+            u.sendto(bytes.fromhex(h), (host, port))
+        except OSError as e:
+            print("send", e.errno)
+try:
+    socket.create_connection(("10.214.0.2", 5000), timeout=2)
+    print("connected")
+except OSError as e:
+    print("connect", type(e).__name__)
+"""
+
+
+def test_another_job_a_user_on_the_node_and_a_crafted_vxlan_packet_reach_nothing(tmp_path):
+    with nethosts.fabric(2, tmp_path / "nodes") as fab:
+        ra, ra1, rb = tmp_path / "a.json", tmp_path / "a1.json", tmp_path / "b.json"
+        site = ("--uplink", "fab0", "--lan", fab.cidr)     # every job on a node: one table
+        a2 = start(fab, 2, 7001, ["python3", "-c", SERVER, "4", "5000", str(8 * SLOWDOWN)], ra, *site)
+        # Job A's part on n1 sends nothing: whatever n2 counts from n1 came in otherwise.
+        a1 = start(fab, 1, 7001, ["sleep", str(8 * SLOWDOWN)], ra1, *site)
+        time.sleep(0.5 * SLOWDOWN)
+        # Frames for job A's part on n2, as if from its part on n1 (VNI 7001).
+        mac = bytes([2]) + (7001).to_bytes(3, "big") + (2).to_bytes(2, "big")     # n2's in job 7001
+        frame = vxlan_frame(7001, mac, "10.214.0.1", "10.214.0.2", 5000).hex()
+        # Job B on n1, allowed out through the fabric (--uplink): its own
+        # network id, then A's VXLAN frames to n2's VXLAN port.
+        b1 = start(fab, 1, 7002, ["python3", "-c", INJECT, fab.addrs[1], "4789", frame], rb, *site)
+        rc, out, err = finish(b1)
+        assert rc == 0 and "connect" in out and "connected" not in out, (out, err)
+        # A user's process on n1 (not in a job): no route into a job
+        # network; its VXLAN frames are dropped at n1's table.
+        user = subprocess.run(fab.argv(1, "setpriv", "--reuid", "65534", "--regid", "65534", "--clear-groups",
+                                       nethosts.PY, "-c", INJECT, fab.addrs[1], "4789", frame),
+                              capture_output=True, text=True, timeout=30 * SLOWDOWN)
+        assert "connect" in user.stdout and "connected" not in user.stdout, user
+        rc, out, err = finish(a2)
+        assert rc == 0 and "got none" in out, (out, err)
+        assert finish(a1)[0] == 0
+        # The receiving side counted nothing from n1; B's attempts are its drops.
+        assert overlay(ra)["peers"]["n1"]["in"] == {"bytes": 0, "packets": 0}
+        with open(rb) as f:
+            assert json.load(f)["network"]["dropped"]["packets"] >= 3
+        assert nethosts.fabric_leftovers(fab) == {}
+        # The frame is a good one: root on a node (the fabric is trusted) gets
+        # it through, into a job network that listens.
+        a2 = start(fab, 2, 7001, ["python3", "-c", "import socket,sys; u=socket.socket(socket.AF_INET, "
+                                  "socket.SOCK_DGRAM); u.bind(('', 5000)); u.settimeout(float(sys.argv[1]));"
+                                  "print('got', u.recv(100))", str(8 * SLOWDOWN)], ra, *site)
+        time.sleep(0.5 * SLOWDOWN)
+        root = subprocess.run(fab.argv(1, nethosts.PY, "-c", INJECT, fab.addrs[1], "4789", frame),
+                              capture_output=True, text=True, timeout=30 * SLOWDOWN)
+        rc, out, err = finish(a2)
+        assert rc == 0 and "got b'inject'" in out, (out, err, root)
+
+
+def test_a_second_part_of_one_job_network_on_a_node_is_refused_and_leaves_nothing(tmp_path):
+    with nethosts.fabric(2, tmp_path / "nodes") as fab:
+        first = start(fab, 1, 99, ["sleep", "30"], tmp_path / "1.json", "--id", "first")
+        try:
+            wait_running(fab.state_dirs[0], "first", first)
+            second = start(fab, 1, 99, ["true"], tmp_path / "2.json")
+            rc, out, err = finish(second)
+            assert rc == 125, (out, err)
+            assert err.count("\n") == 1 and "already has a part on this node" in err, err
+        finally:
+            first.terminate()
+            finish(first)
+        assert nethosts.fabric_leftovers(fab) == {}
+
+
+def test_kill_9_of_a_starter_leaves_nothing_on_its_node_after_gc(tmp_path):
+    with nethosts.fabric(2, tmp_path / "nodes") as fab:
+        parts = [start(fab, i, 31337, ["sleep", "60"], tmp_path / f"{i}.json", "--id", f"part{i}")
+                 for i in (1, 2)]
+        try:
+            for i, p in enumerate(parts, 1):
+                wait_running(fab.state_dirs[i - 1], f"part{i}", p)
+            parts[0].kill()
+            parts[0].wait()
+            # Its job dies with it (parent-death signal), and the job's
+            # namespace with its overlay device.
+            gc = subprocess.run(fab.argv(1, STARTER, "gc", "--state-dir", fab.state_dirs[0]),
+                                capture_output=True, text=True, timeout=60 * SLOWDOWN)
+            assert gc.returncode == 0, gc
+            deadline = time.monotonic() + 10 * SLOWDOWN
+            while nethosts.fabric_leftovers(fab).get("n1") and time.monotonic() < deadline:
+                time.sleep(0.1)
+                subprocess.run(fab.argv(1, STARTER, "gc", "--state-dir", fab.state_dirs[0]), capture_output=True)
+            assert "n1" not in nethosts.fabric_leftovers(fab)
+            # The other node's part runs on, until its own end.
+            assert parts[1].poll() is None
+        finally:
+            for p in parts:
+                if p.poll() is None:
+                    p.terminate()
+                finish(p)
+        assert nethosts.fabric_leftovers(fab) == {}
+        assert not process_alive(parts[0].pid)
