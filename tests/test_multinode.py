@@ -218,3 +218,42 @@ def test_kill_9_of_a_starter_leaves_nothing_on_its_node_after_gc(tmp_path):
                 finish(p)
         assert nethosts.fabric_leftovers(fab) == {}
         assert not process_alive(parts[0].pid)
+
+
+def test_the_admin_guides_two_node_check_runs_as_written(tmp_path):
+    import shlex
+
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "docs",
+                           "admin-guide.md")) as f:
+        text = f.read()
+    block = text[text.index("<!-- multinode-check"):].split("\n")[1:3]
+    n2, n1 = (shlex.split(line.strip()) for line in block)
+    assert n2[:2] == n1[:2] == ["starter", "run"]
+    with nethosts.fabric(2, tmp_path / "nodes") as fab:
+        def on(i, argv):
+            # The guide's addresses are the fabric's here; the state dir is the node's.
+            argv = [a.replace("10.0.0.1", fab.addrs[0]).replace("10.0.0.2", fab.addrs[1]) for a in argv]
+            return fab.popen(i, STARTER, "run", "--state-dir", fab.state_dirs[i - 1], *argv[2:])
+
+        server = on(2, n2)
+        for _ in range(50):     # (until the server listens, as one would by hand)
+            rc, out, err = finish(on(1, n1))
+            if rc == 0 or server.poll() is not None:
+                break
+            time.sleep(0.2)
+        assert rc == 0, err
+        rc, out, err = finish(server)
+        assert (rc, out.strip()) == (0, "10.214.0.1"), err
+        assert nethosts.fabric_leftovers(fab) == {}
+
+
+def test_net_job_errors_are_one_line(starter, tmp_path):
+    for args, what in ((["--net", "job"], "needs the job network's id"),
+                       (["--net", "job", "--net-id", "5", "--peers", "a=10.1.1.1"], "is not one of the job's nodes"),
+                       (["--net", "job", "--net-id", "5", "--peers", "n[1-"], "without its ']'"),
+                       (["--net", "nat", "--peers", "n1"], "only applies with --net job"),
+                       (["--net", "job", "--net-id", "5", "--peers", "me=192.0.2.7", "--node", "me"],
+                        "is not an address of this host")):
+        env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
+        p = starter("run", *args, "--", "true", env=env)
+        assert p.returncode == 125 and p.stderr.count("\n") == 1 and what in p.stderr, (args, p.stderr)

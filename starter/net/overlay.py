@@ -53,11 +53,12 @@ class Plan:
         return cls(*overlay)
 
     def address(self, i, family=4):
-        """Node i's address in the job network."""
-        import ipaddress
+        """Node i's address in the job network: host number i + 1."""
+        import _socket
 
-        net = ipaddress.ip_network(NET4 if family == 4 else NET6)
-        return str(net.network_address + i + 1)
+        fam, size = (_socket.AF_INET, 4) if family == 4 else (_socket.AF_INET6, 16)
+        base = int.from_bytes(_socket.inet_pton(fam, (NET4 if family == 4 else NET6).split("/")[0]), "big")
+        return _socket.inet_ntop(fam, (base + i + 1).to_bytes(size, "big"))
 
     def mac(self, i):
         """Node i's MAC in the job network: locally administered, unicast."""

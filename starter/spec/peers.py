@@ -114,10 +114,10 @@ def parse(field, text, resolve):
 def resolve(name):
     """A node's fabric address by the host's resolver (first answer, IPv4
     before IPv6 as getaddrinfo orders them)."""
-    import socket
+    import _socket
 
     try:
-        infos = socket.getaddrinfo(name, None, type=socket.SOCK_DGRAM)
+        infos = _socket.getaddrinfo(name, None, 0, _socket.SOCK_DGRAM)
     except (OSError, UnicodeError) as e:
         raise SpecError("peers", f"node {name}: no address ({e})",
                         "give it as NAME=ADDRESS, or fix the node's name resolution") from None

@@ -71,7 +71,8 @@ def test_rule_rendering_table():
     hooks = {o["name"]: (o.get("hook"), o.get("prio")) for c in cmds for v in c.values()
              for k, o in v.items() if k == "chain" and "hook" in o}
     assert hooks == {"prerouting": ("prerouting", -300), "input": ("input", 0),
-                     "forward": ("forward", 0), "postrouting": ("postrouting", 100), "nat_input": ("input", 100)}
+                     "forward": ("forward", 0), "output": ("output", 0), "postrouting": ("postrouting", 100),
+                     "nat_input": ("input", 100)}
     rules = [o for c in cmds for v in c.values() for k, o in v.items() if k == "rule"]
     # every new connection of a job gets its mark, in the nat chains only
     # (their first packet), unless a site's rule marked it first

@@ -1,0 +1,84 @@
+"""--net job's pure parts: Slurm host lists, the peer list, the VNI, the
+job network's plan (addresses, MACs, /etc/hosts) and its counter table.
+The kernel side is tests/test_multinode.py."""
+
+import pytest
+
+from starter.errors import SpecError
+from starter.net import nftrules, overlay
+from starter.spec import jobspec, peers
+
+pytestmark = pytest.mark.fast    # the fast tier: pure, as any user (docs/testing.md)
+
+
+@pytest.mark.parametrize("text, names", [
+    ("n1", ["n1"]),
+    ("n[1-3]", ["n1", "n2", "n3"]),
+    ("n[1-2,7],gpu[08-10]", ["n1", "n2", "n7", "gpu08", "gpu09", "gpu10"]),
+    ("rack[1-2]-n[1-2]", ["rack1-n1", "rack1-n2", "rack2-n1", "rack2-n2"]),
+    ("a,b, a", ["a", "b"]),
+    ("x[001-002]y", ["x001y", "x002y"]),
+])
+def test_slurm_host_lists_expand_in_order(text, names):
+    assert peers.expand_hostlist("peers", text) == names
+
+
+@pytest.mark.parametrize("text", ["", "n[1-3", "n1-3]", "n[[1]]", "n[3-1]", "n[a-b]", "n[1-99999999999]",
+                                  "n[0-5000]", "$(id)", "../x", "a/b", "n[1-2]x[1-3000]", ","])
+def test_bad_host_lists_are_one_line_errors(text):
+    with pytest.raises(SpecError) as e:
+        peers.expand_hostlist("peers", text)
+    assert "\n" not in str(e.value)
+
+
+def test_peers_take_addresses_or_resolve_names_and_refuse_mixes():
+    got = peers.parse("peers", "n[1-2],n3=10.0.0.3", lambda n: {"n1": "10.0.0.1", "n2": "10.0.0.2"}[n])
+    assert got == (("n1", "10.0.0.1"), ("n2", "10.0.0.2"), ("n3", "10.0.0.3"))
+    for bad in ("n1=10.0.0.1,n1=10.0.0.2", "n1=10.0.0.1,n2=fd00::2", "n1=nope", "n1=", "=10.0.0.1"):
+        with pytest.raises(SpecError):
+            peers.parse("peers", bad, lambda n: "10.0.0.9")
+
+
+def test_the_vni_is_the_batch_job_id_or_a_hash_never_zero():
+    assert peers.vni_of("net-id", "4242") == 4242
+    assert peers.vni_of("net-id", str(peers.VNI_MAX)) == peers.VNI_MAX       # (0 is not a VNI)
+    assert peers.vni_of("net-id", str(peers.VNI_MAX + 5)) == 5
+    assert peers.vni_of("net-id", "job.a") == peers.vni_of("net-id", "job.a") != peers.vni_of("net-id", "job.b")
+    for bad in ("a/b", "../x", "", "$(id)"):
+        with pytest.raises(SpecError):
+            peers.vni_of("net-id", bad)
+
+
+def test_net_job_takes_what_slurm_gives_and_says_what_is_missing():
+    env = {"SLURM_JOB_ID": "77", "SLURM_JOB_NODELIST": "n[1-2]", "SLURMD_NODENAME": "n2"}
+    raw = {"net": "job", "peers": "n1=10.0.0.1,n2=10.0.0.2"}
+    n = jobspec.network_from(raw, env)
+    assert (n.mode, n.overlay.vni, n.overlay.node, n.overlay.peers) == \
+        ("job", 77, "n2", (("n1", "10.0.0.1"), ("n2", "10.0.0.2")))
+    with pytest.raises(SpecError, match="needs the job network's id"):
+        jobspec.network_from(raw, {})
+    with pytest.raises(SpecError, match="is not one of the job's nodes"):
+        jobspec.network_from(dict(raw, node="n9"), env)
+    with pytest.raises(SpecError, match="only applies with --net job"):
+        jobspec.network_from({"net": "nat", "peers": "n1"}, env)
+
+
+def test_the_plan_is_the_same_on_every_node():
+    ps = (("n1", "10.9.0.1"), ("n2", "10.9.0.2"), ("n3", "10.9.0.3"))
+    a, b = overlay.Plan(4242, "n1", ps), overlay.Plan(4242, "n3", ps)
+    assert (a.index, a.local, b.index, b.local) == (0, "10.9.0.1", 2, "10.9.0.3")
+    assert [a.address(i) for i in range(3)] == ["10.214.0.1", "10.214.0.2", "10.214.0.3"]
+    assert a.address(300) == "10.214.1.45" and a.address(2, 6) == "fd70:7639:1865::3"
+    assert a.mac(1) == b.mac(1) == bytes.fromhex("020010920002")
+    assert [i for i, _n, _a in a.others()] == [1, 2]
+    assert a.hosts_text() == b.hosts_text() and "10.214.0.3\tn3\n" in a.hosts_text()
+    assert "fd70" not in a.hosts_text(v6=False)
+
+
+def test_the_job_networks_counters_render_per_peer_and_family():
+    cmds = nftrules.overlay_table("vx0", [(1, "10.214.0.2", "fd70:7639:1865::2"), (2, "10.214.0.3", None)])
+    maps = {c["add"]["map"]["name"]: c["add"]["map"].get("elem", []) for c in cmds if "map" in c.get("add", {})}
+    assert maps["out4"] == [["10.214.0.2", "p1_out"], ["10.214.0.3", "p2_out"]]
+    assert maps["in6"] == [["fd70:7639:1865::2", "p1_in"]]
+    counters = [c["add"]["counter"]["name"] for c in cmds if "counter" in c.get("add", {})]
+    assert counters == ["p1_in", "p1_out", "p2_in", "p2_out"]
