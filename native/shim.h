@@ -127,7 +127,9 @@ struct shim_spec {
     int drop_privileges;      /* creds, no caps, NO_NEW_PRIVS */
     int cap_last_cap;         /* from /proc/sys/kernel/cap_last_cap */
     /* shim_enter: fds of the namespaces to join, indexed by SHIM_NS_*, -1
-     * for none; each one's SHIM_NEW* flag is in nsflags.  The caller opened
+     * for none; each one's SHIM_NEW* flag is in nsflags.  shim_spawn: only
+     * the net and ipc slots, the namespaces of a --net job part's owner,
+     * joined instead of made (their flags not in nsflags).  The caller opened
      * them and checked that they are the ones the starter made for the job
      * (starter/isolate/ns.py open_namespaces): what the job's PID 1 is in now is
      * never joined unchecked. */
@@ -170,6 +172,12 @@ int shim_spawn(const struct shim_spec *spec, struct shim_child *out);
 int shim_enter(const struct shim_spec *spec, struct shim_child *out);
 int shim_setns(int fd, int nstype);
 int shim_pidfd_open(int pid);
+/* native/shim_enter.c, for starter/net/part.py: a --net job part's /dev/shm
+ * on the host, a tmpfs (nosuid, nodev, `options`) at dir, made private (no
+ * propagation to the host's other mount namespaces); its lazy unmount,
+ * following no link at path (-EINVAL: not mounted there). */
+int shim_mount_tmpfs_private(const char *dir, const char *options);
+int shim_umount_lazy(const char *path);
 /* native/uidkill.c: is a process of `uid` alive (1) or not (0) beyond
  * `known` live ones, and with sig != 0 (known 0) kill(-1, sig) as that
  * uid; -errno on failure. */

@@ -146,6 +146,23 @@ void wait_release(const struct child_ctx *c)
         _exit(EXIT_STARTER); /* the starter is gone: run nothing */
 }
 
+/* A task joining its job's part on a node (--net job, starter/net/part.py):
+ * the owner's network and IPC namespaces, by the fds the starter opened and
+ * checked (enter_ns_fds' slots; the child was cloned without those two
+ * flags), before any mount: an mqueue mounted after shows the joined IPC
+ * namespace, a sysfs the joined network's devices. */
+static void join_part(const struct child_ctx *c)
+{
+    static const int slot[2] = {SHIM_NS_NET, SHIM_NS_IPC};
+    static const int type[2] = {CLONE_NEWNET, CLONE_NEWIPC};
+    static const char *const what[2] = {"the job part's net namespace", "the job part's ipc namespace"};
+    for (int i = 0; i < 2; i++) {
+        int fd = c->s->enter_ns_fds[slot[i]];
+        if (fd >= 0 && setns(fd, type[i]) < 0)
+            fail(c, "setns", what[i]);
+    }
+}
+
 /* The checklist of a spawned child, in order (nsjail's containProc): each
  * step is its file's. */
 static _Noreturn void child_main(const struct child_ctx *c)
@@ -154,6 +171,7 @@ static _Noreturn void child_main(const struct child_ctx *c)
     if (c->s->die_with_parent && prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0) < 0)
         fail(c, "PR_SET_PDEATHSIG", NULL);
     wait_release(c);
+    join_part(c);
     /* Only now: on v1/hybrid the starter attached this process to the job's
      * v1 cgroups by pid before the release byte, and a cgroup namespace is
      * rooted where the process is when it is made (a CLONE_NEWCGROUP at

@@ -6,8 +6,9 @@
  * entering process with CLONE_PARENT|CLONE_INTO_CGROUP, so its parent is the
  * starter and it is in the job's cgroup from its first instruction.  That
  * process joins the job's cgroup namespace from inside, then goes the
- * job's way (become_job) minus namespaces and mounts.  Also shim_setns and
- * shim_pidfd_open, the starter's own small calls.
+ * job's way (become_job) minus namespaces and mounts.  Also shim_setns,
+ * shim_pidfd_open and the two mount calls of a --net job part, the
+ * starter's own small calls.
  */
 #include "shim_internal.h"
 
@@ -151,4 +152,21 @@ int shim_pidfd_open(int pid)
 {
     int fd = (int)syscall(SYS_pidfd_open, pid, 0);
     return fd < 0 ? -errno : fd;
+}
+
+int shim_mount_tmpfs_private(const char *dir, const char *options)
+{
+    if (mount("tmpfs", dir, "tmpfs", MS_NOSUID | MS_NODEV, options) < 0)
+        return -errno;
+    if (mount(NULL, dir, NULL, MS_PRIVATE, NULL) < 0) {
+        int e = errno;
+        umount2(dir, MNT_DETACH | UMOUNT_NOFOLLOW);
+        return -e;
+    }
+    return 0;
+}
+
+int shim_umount_lazy(const char *path)
+{
+    return umount2(path, MNT_DETACH | UMOUNT_NOFOLLOW) < 0 ? -errno : 0;
 }

@@ -175,19 +175,46 @@ def test_another_job_a_user_on_the_node_and_a_crafted_vxlan_packet_reach_nothing
         assert rc == 0 and "got b'inject'" in out, (out, err, root)
 
 
-def test_a_second_part_of_one_job_network_on_a_node_is_refused_and_leaves_nothing(tmp_path):
+# A task: who it is, in which namespaces, what it sees in the shared /dev/shm.
+TASK = r"""
+import os, sys, time
+name = sys.argv[1]
+open("/dev/shm/from-" + name, "w").write(name)
+time.sleep(float(sys.argv[2]))
+print("pid", os.getpid(), "net", os.readlink("/proc/self/ns/net"), "ipc", os.readlink("/proc/self/ns/ipc"),
+      "pidns", os.readlink("/proc/self/ns/pid"), "shm", ",".join(sorted(os.listdir("/dev/shm"))), flush=True)
+"""
+
+
+def test_the_tasks_of_a_job_on_one_node_share_its_part(tmp_path):
+    """srun's tasks on a node: the first makes the node's part, the next
+    joins its network, IPC and /dev/shm, with a PID namespace, cgroup and
+    report of its own; the first waits for it before the network goes, and
+    its report counts the joiner's bytes too."""
     with nethosts.fabric(2, tmp_path / "nodes") as fab:
-        first = start(fab, 1, 99, ["sleep", "30"], tmp_path / "1.json", "--id", "first")
-        try:
-            wait_running(fab.state_dirs[0], "first", first)
-            second = start(fab, 1, 99, ["true"], tmp_path / "2.json")
-            rc, out, err = finish(second)
-            assert rc == 125, (out, err)
-            assert err.count("\n") == 1 and "already has a part on this node" in err, err
-        finally:
-            first.terminate()
-            finish(first)
+        r = {k: tmp_path / f"{k}.json" for k in ("a", "b", "s")}
+        a = start(fab, 1, 555, ["python3", "-c", TASK, "a", "0.5"], r["a"], "--id", "task-a")
+        wait_running(fab.state_dirs[0], "task-a", a)
+        b = start(fab, 1, 555, ["sh", "-c", 'python3 -c "$1" b 1.5 && python3 -c "$2" 0 5000 n2:4:300000',
+                                "sh", TASK, CLIENT], r["b"], "--id", "task-b")
+        srv = start(fab, 2, 555, ["python3", "-c", SERVER, "4", "5000"], r["s"])
+        (rca, outa, erra), (rcb, outb, errb) = finish(a), finish(b)
+        assert rca == 0 and rcb == 0, (outa, erra, outb, errb)
+        assert finish(srv)[0] == 0
+        ta, tb = (dict(zip(o.split()[0::2], o.split()[1::2])) for o in (outa.splitlines()[0], outb.splitlines()[0]))
+        assert ta["pid"] == "1" and tb["pid"] == "2" and ta["pidns"] != tb["pidns"]     # (b: under its sh)
+        assert (ta["net"], ta["ipc"]) == (tb["net"], tb["ipc"])
+        assert tb["shm"] == "from-a,from-b", tb
+        with open(r["a"]) as f:
+            ra = json.load(f)
+        with open(r["b"]) as f:
+            rb = json.load(f)
+        assert rb["network"]["overlay"]["part_of"] == "task-a" and "peers" not in rb["network"]["overlay"]
+        # The owner ended first but waited: the part's counters hold the joiner's bytes.
+        assert ra["network"]["overlay"]["peers"]["n2"]["out"]["bytes"] > 300000
+        assert rb["ended_at"] <= ra["ended_at"]
         assert nethosts.fabric_leftovers(fab) == {}
+        assert not os.path.exists(os.path.join(fab.state_dirs[0], "parts"))
 
 
 def test_kill_9_of_a_starter_leaves_nothing_on_its_node_after_gc(tmp_path):

@@ -68,6 +68,14 @@ def gc(state_dir, cgroup_parent=None):
     # it is made, removed after), so reclaiming dead entries reclaims every
     # cgroup a crashed starter left.  A job cgroup with no entry here belongs
     # to another state directory (or to something else): not ours to touch.
+    if os.path.isdir(os.path.join(state_dir, "parts")):
+        from starter.net import part
+
+        try:
+            lines += [f"network: {x}" for x in part.gc(state_dir)]
+        except StarterError as e:
+            ok = False
+            lines.append(f"network: still held: {e}")
     if _net_state_exists(state_dir):
         from starter import net
 

@@ -35,13 +35,13 @@ class ChildSpec:
     __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
                  "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
                  "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks", "seccomp",
-                 "userns_root", "reset_inherited", "rlimits", "cgroupns_at_clone")
+                 "userns_root", "reset_inherited", "rlimits", "cgroupns_at_clone", "join")
 
     def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
                  namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
                  keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
                  drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=(), seccomp=None,
-                 userns_root=False, reset_inherited=True, rlimits=None, cgroupns_at_clone=False):
+                 userns_root=False, reset_inherited=True, rlimits=None, cgroupns_at_clone=False, join=None):
         self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
         self.env = env                # dict[str, str]: exactly the job's environment
         self.cwd = cwd
@@ -66,6 +66,9 @@ class ChildSpec:
         # cgroup namespace made by clone3 itself, rooted at cgroup_fd's cgroup
         # (--delegate: the starter then moves the child into a leaf below it)
         self.cgroupns_at_clone = cgroupns_at_clone
+        # {"net": fd, "ipc": fd}: namespaces to join, not make (a --net job
+        # task joining its part on the node: starter/net/part.py)
+        self.join = join or {}
 
     def __repr__(self):
         fields = ", ".join(f"{n}={getattr(self, n)!r}" for n in self.__slots__)
@@ -161,6 +164,13 @@ def build(spec, keep, entering=False, src_fds=None):
     c.drop_privileges = 1 if spec.drop_privileges else 0
     c.cap_last_cap = cap_last_cap()
     c.enter_ns_fds = [-1] * lib.SHIM_NNS
+    if spec.join:
+        if entering or set(spec.join) - {"net", "ipc"} or set(spec.join) & set(names):
+            raise SpecError("join", "only the net and ipc namespaces, and not made as well")
+        for name, fd in spec.join.items():
+            if not isinstance(fd, int) or fd < 0:
+                raise SpecError("join", f"{name}: {fd!r} is not a fd")
+            c.enter_ns_fds[NS_SLOTS[name]] = fd
     if not spec.cwd and spec.cwd_fallbacks:
         c.cwd_fallbacks = _strv("cwd", list(spec.cwd_fallbacks), keep)
         c.ncwd_fallbacks = len(spec.cwd_fallbacks)

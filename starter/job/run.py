@@ -126,6 +126,8 @@ class Job:
         self.net_tried = False          # a network setup was tried: its teardown has work to do
         self.net_end = None             # the teardown netd began (net.teardown_begin), once the job is gone
         self.net_fd = None              # a capped job's netns, kept open until its shaper is read
+        self.part = None                # --net job: this task's hold on its part of the node (net/part.py)
+        self.part_ns = {}               # a joining task's: the owner's net and ipc namespaces (fds)
         self.cg = self.child = None
 
     def run(self):
@@ -175,6 +177,7 @@ class Job:
         self.attach()
         self.release()
         self.mark_running()
+        self.share_part()
         out = self.supervise()
         return self.measure(out)
 
@@ -439,6 +442,32 @@ class Job:
             # end of a failed start: it reads the counters into the report, then
             # removes the rules.
             self.undo.push(self._net_teardown, label="net")
+            if self.netcfg.overlay:
+                self._take_part()
+
+    def _take_part(self):
+        """--net job: the node's part of the job network, made by this task
+        (the first here: it holds the part's mutex until its job runs) or
+        joined (the owner's network and IPC namespaces); either way the
+        part's /dev/shm is the job's (net/part.py)."""
+        from starter.isolate import mounts as M
+        from starter.net import part as P
+
+        spec = self.spec
+        part = self.part = P.Part(spec.state_dir, self.netcfg.overlay[0])
+        # Pushed after the network's teardown, so it runs before it: the
+        # owner waits there for its joiners' jobs to end.
+        self.undo.push(part.close, label="part")
+        owner = part.begin()
+        if owner is not None:
+            self.part_ns = _owner_namespaces(spec.state_dir, owner)
+            self.undo.push(_close_all, self.part_ns, label="part namespaces")
+            part.join()
+        else:
+            part.make_shm(spec.limits.memory or M.SHM_SIZE_DEFAULT)
+        shm = os.path.realpath("/dev/shm")
+        self.first_mounts = [m for m in self.first_mounts if m.dst != shm] + [M.Mount("bind", shm, part.shm)]
+        trace.mark("part")
 
     def make_cgroup(self):
         """The cgroup, with its limits and device rules, before anything runs in it."""
@@ -489,6 +518,7 @@ class Job:
         namespaces = {"pid", "mnt", "ipc", "cgroup"}
         if spec.network.mode != "host":
             namespaces.add("net")
+        namespaces -= set(self.part_ns)     # a joining task's: the owner's
         if spec.hostname:
             namespaces.add("uts")
         child_spec = self.child_spec = ns.ChildSpec(
@@ -497,7 +527,8 @@ class Job:
             groups=tuple(spec.groups), namespaces=frozenset(namespaces), hostname=spec.hostname,
             mounts=tuple(self.first_mounts + self.mounts + self.last_mounts), init=spec.init,
             cgroup_fd=self.cg.clone_fd(), seccomp=self.sc_filter,
-            userns_root=spec.userns_root, rlimits=self.rlimits, cgroupns_at_clone=spec.delegate)
+            userns_root=spec.userns_root, rlimits=self.rlimits, cgroupns_at_clone=spec.delegate,
+            join={k: fd for k, fd in self.part_ns.items() if k in ("net", "ipc")})
         trace.mark("plan")
         if self.image is None:
             child = ns.spawn(child_spec)
@@ -520,6 +551,8 @@ class Job:
         # job with a user namespace of its own can later unshare its PID 1 into
         # namespaces of its own making; enter refuses those.
         self.job_namespaces = made_for(child.pid, child_spec)
+        if self.part_ns:        # joined at release: the owner's, as its starter recorded them
+            self.job_namespaces.update(self.part_ns["recorded"])
         if self.undo.holds("escapes"):      # what its escape check counts from
             from starter.state.store import process_start_time
 
@@ -541,7 +574,14 @@ class Job:
             cg.delegate(child.pid, spec.uid, spec.gid)
         fault("clone")
         trace.mark("attach")
-        if self.netcfg is not None and self.image is None:
+        if self.part_ns:
+            from starter.net import overlay
+
+            # The part's network is its owner's: its figures are in the owner's report.
+            plan = overlay.Plan.of(self.netcfg.overlay)
+            self.report.network = {"overlay": {"vni": plan.vni, "node": plan.node,
+                                               "address": plan.address(plan.index), "part_of": self.part.owner}}
+        elif self.netcfg is not None and self.image is None:
             fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 self._wire(fd)
@@ -615,6 +655,12 @@ class Job:
             gc.freeze()
             gc.enable()
 
+    def share_part(self):
+        """--net job, the part's owner: its job runs, so other tasks of the
+        job on this node may join it from now on."""
+        if self.part is not None and self.part.owner is None:
+            self.part.register(self.spec.id)
+
     def supervise(self):
         """Until the job's main process is gone and its cgroup is empty."""
         from starter.job.supervisor import Supervisor
@@ -635,8 +681,12 @@ class Job:
             self.report.set(**gpu_usage.stop())
         trace.mark("job")
         if self.lease is not None and not out.unkillable:
-            # The job is gone: its counters are final.  netd tears down while we measure.
+            # The job is gone: its counters are final (once the tasks that
+            # joined its part have ended).  netd tears down while we measure.
             from starter import net
+
+            if self.part is not None:
+                self.part.wait_members()
 
             try:
                 self.net_end = net.teardown_begin(spec.id, self.netcfg, self.net_fd)
@@ -765,3 +815,38 @@ def _release_scratch(sc, report):
         # (measured before its unmount: the removal saw only the directory under it).
         disk = report.get("disk") or {}
         report.scratch_bytes = removed.bytes + (disk.get("backend") == "image" and disk.get("used_bytes") or 0)
+
+
+def _owner_namespaces(state_dir, owner):
+    """A joining task's view of its part's owner: the network and IPC
+    namespaces the owner's starter made and recorded, opened from its job's
+    PID 1 and checked against that record (as `starter enter` does) -> {"net":
+    fd, "ipc": fd, "recorded": {...}}."""
+    from starter.errors import NetworkError
+    from starter.isolate import nsidentity
+    from starter.state import store as S
+
+    try:
+        st = S.load(state_dir, owner)
+        recorded = {k: st["namespaces"][k] for k in ("net", "ipc")}
+        pidfd = os.pidfd_open(st["pid"])
+    except (OSError, ValueError, KeyError, TypeError):
+        raise NetworkError(f"the job network's part on this node (job {owner}) is not running",
+                           "start the task again") from None
+    try:
+        fds = nsidentity.open_namespaces(pidfd, recorded)
+    except StarterError as e:
+        raise NetworkError(f"joining the job network's part on this node (job {owner}) failed: {e}") from None
+    finally:
+        os.close(pidfd)
+    fds["recorded"] = recorded
+    return fds
+
+
+def _close_all(fds):
+    for k, fd in fds.items():
+        if k != "recorded":
+            try:
+                os.close(fd)
+            except OSError:
+                pass

@@ -512,7 +512,7 @@ def stray_names(state_dir):
     ids = {n[:-5] for n in names if n.endswith(".lock")}
     out = []
     for n in names:
-        if n in ("net", "netd.sock") or n.endswith(".lock"):
+        if n in ("net", "netd.sock", "parts") or n.endswith(".lock"):
             continue
         if not any(n.endswith(s) and n[:-len(s)] in ids for s in ENTRY_SUFFIXES):
             out.append(n)
