@@ -284,3 +284,74 @@ def test_net_job_errors_are_one_line(starter, tmp_path):
         env = {k: v for k, v in os.environ.items() if not k.startswith("SLURM")}
         p = starter("run", *args, "--", "true", env=env)
         assert p.returncode == 125 and p.stderr.count("\n") == 1 and what in p.stderr, (args, p.stderr)
+
+
+# ---------------------------------------------------------------- under Slurm
+
+MPI_HELLO = r"""
+#include <mpi.h>
+#include <stdio.h>
+#include <string.h>
+#include <unistd.h>
+int main(int argc, char **argv) {
+    int rank, size, len; char node[MPI_MAX_PROCESSOR_NAME];
+    MPI_Init(&argc, &argv);
+    MPI_Comm_rank(MPI_COMM_WORLD, &rank); MPI_Comm_size(MPI_COMM_WORLD, &size);
+    MPI_Get_processor_name(node, &len);
+    /* who shares this node's memory with me: the ranks MPI found local */
+    MPI_Comm local; int nlocal;
+    MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, rank, MPI_INFO_NULL, &local);
+    MPI_Comm_size(local, &nlocal);
+    /* a ping-pong of 1 MiB between rank 0 and each other rank */
+    static char buf[1 << 20];
+    for (int peer = 1; peer < size; peer++) {
+        if (rank == 0) {
+            MPI_Send(buf, sizeof buf, MPI_CHAR, peer, 0, MPI_COMM_WORLD);
+            MPI_Recv(buf, sizeof buf, MPI_CHAR, peer, 1, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+        } else if (rank == peer) {
+            MPI_Recv(buf, sizeof buf, MPI_CHAR, 0, 0, MPI_COMM_WORLD, MPI_STATUS_IGNORE);
+            MPI_Send(buf, sizeof buf, MPI_CHAR, 0, 1, MPI_COMM_WORLD);
+        }
+    }
+    printf("rank %d of %d on %s, %d local, pingpong ok\n", rank, size, node, nlocal);
+    MPI_Finalize();
+    return rank == 0 ? 3 : 0;
+}
+"""
+
+
+def test_an_mpi_job_across_three_nodes_under_slurm(state_root, tmp_path):
+    """srun -N3 --ntasks-per-node=2 --mpi=pmix starter run --net job: every
+    rank reports, the two ranks of a node share its part (MPI finds them
+    local: shared memory), rank 0's exit code is the step's, and the job's
+    bytes between nodes are in the reports."""
+    import shutil
+
+    from slurm import skip_reason
+    import slurmnodes
+
+    if shutil.which("mpicc") is None:
+        import pytest
+
+        pytest.fail("mpicc is missing: scripts/setup --test installs openmpi-bin and libopenmpi-dev")
+    why = skip_reason("linuxproc")
+    assert not why, why
+    with nethosts.fabric(4, tmp_path / "nodes") as fab, slurmnodes.SlurmNodes(fab, state_root) as c:
+        hello = c.compile("mpi_hello", MPI_HELLO)
+        reports = os.path.join(c.sockdir, "out")
+        os.mkdir(reports)
+        os.chmod(reports, 0o777)
+        # MPI over the job network only (eth0 is every job's own NAT, the
+        # same address on every node); no single-copy between ranks (each
+        # task is PID 1 of a PID namespace of its own).
+        env = ["--export=ALL,OMPI_MCA_btl_tcp_if_include=vx0,OMPI_MCA_oob_tcp_if_include=vx0,"
+               "OMPI_MCA_btl_vader_single_copy_mechanism=none"]
+        task = (f"exec {STARTER} run --net job --user root --env-pass 'OMPI_*' "
+                f"--report {reports}/$SLURM_PROCID.json -- {hello}")
+        r = c.srun(["-N3", "--ntasks-per-node=2", "--mpi=pmix", *env, "sh", "-c", task], timeout=180)
+        lines = sorted(l for l in r.stdout.splitlines() if l.startswith("rank "))
+        assert len(lines) == 6, (r.returncode, r.stdout, r.stderr, c.logs())
+        assert all(l.endswith("2 local, pingpong ok") for l in lines), lines
+        assert r.returncode == 3, (r.returncode, r.stderr)
+        for i in range(1, 4):
+            assert nethosts.fabric_leftovers(fab).get(f"n{i}") is None

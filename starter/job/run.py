@@ -128,6 +128,7 @@ class Job:
         self.net_fd = None              # a capped job's netns, kept open until its shaper is read
         self.part = None                # --net job: this task's hold on its part of the node (net/part.py)
         self.part_ns = {}               # a joining task's: the owner's net and ipc namespaces (fds)
+        self.pmix_bridge = None         # --net job under PMIx: net/bridge.py
         self.cg = self.child = None
 
     def run(self):
@@ -441,9 +442,9 @@ class Job:
             # meantime, below) while we measure and remove the cgroup.  Also the
             # end of a failed start: it reads the counters into the report, then
             # removes the rules.
-            self.undo.push(self._net_teardown, label="net")
             if self.netcfg.overlay:
-                self._take_part()
+                self._take_part()       # (its end after the network's: pushed before it)
+            self.undo.push(self._net_teardown, label="net")
 
     def _take_part(self):
         """--net job: the node's part of the job network, made by this task
@@ -455,14 +456,13 @@ class Job:
 
         spec = self.spec
         part = self.part = P.Part(spec.state_dir, self.netcfg.overlay[0])
-        # Pushed after the network's teardown, so it runs before it: the
-        # owner waits there for its joiners' jobs to end.
+        # The owner's part ends after its network (its device deleted), so
+        # a task that finds the part gone makes it anew without a clash.
         self.undo.push(part.close, label="part")
-        owner = part.begin()
-        if owner is not None:
-            self.part_ns = _owner_namespaces(spec.state_dir, owner)
+        got = part.begin(lambda owner: _owner_namespaces(spec.state_dir, owner))
+        if got is not None:
+            self.part_ns = got
             self.undo.push(_close_all, self.part_ns, label="part namespaces")
-            part.join()
         else:
             part.make_shm(spec.limits.memory or M.SHM_SIZE_DEFAULT)
         shm = os.path.realpath("/dev/shm")
@@ -581,10 +581,13 @@ class Job:
             plan = overlay.Plan.of(self.netcfg.overlay)
             self.report.network = {"overlay": {"vni": plan.vni, "node": plan.node,
                                                "address": plan.address(plan.index), "part_of": self.part.owner}}
+            self._bridge(self.part_ns["net"])
         elif self.netcfg is not None and self.image is None:
             fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 self._wire(fd)
+                if self.netcfg.overlay:
+                    self._bridge(fd)
             finally:
                 self._let_go(fd)
 
@@ -599,6 +602,16 @@ class Job:
                               address6=lease.address6,
                               **({"net_rate": dict(self.netcfg.rate)} if self.netcfg.rate else {}))
         trace.mark("net")
+
+    def _bridge(self, fd):
+        """--net job under a PMIx launcher (Slurm's --mpi=pmix): its server,
+        on the node's loopback, reached from the job's (net/bridge.py)."""
+        from starter.net import bridge
+
+        eps = bridge.endpoints(self.spec.env)
+        if eps:
+            b = self.pmix_bridge = bridge.Bridge(fd, eps)
+            self.undo.push(b.close, label="pmix bridge")
 
     def _let_go(self, fd):
         """A capped job's namespace, or a --net job job's, stays open for its
@@ -687,6 +700,8 @@ class Job:
 
             if self.part is not None:
                 self.part.wait_members()
+                if self.pmix_bridge is not None:
+                    self.pmix_bridge.close()
 
             try:
                 self.net_end = net.teardown_begin(spec.id, self.netcfg, self.net_fd)
@@ -824,6 +839,7 @@ def _owner_namespaces(state_dir, owner):
     fd, "ipc": fd, "recorded": {...}}."""
     from starter.errors import NetworkError
     from starter.isolate import nsidentity
+    from starter.net.part import Gone
     from starter.state import store as S
 
     try:
@@ -831,12 +847,13 @@ def _owner_namespaces(state_dir, owner):
         recorded = {k: st["namespaces"][k] for k in ("net", "ipc")}
         pidfd = os.pidfd_open(st["pid"])
     except (OSError, ValueError, KeyError, TypeError):
-        raise NetworkError(f"the job network's part on this node (job {owner}) is not running",
-                           "start the task again") from None
+        raise Gone(owner) from None
     try:
         fds = nsidentity.open_namespaces(pidfd, recorded)
-    except StarterError as e:
+    except nsidentity.NamespacesChanged as e:
         raise NetworkError(f"joining the job network's part on this node (job {owner}) failed: {e}") from None
+    except StarterError:
+        raise Gone(owner) from None     # its PID 1 ended meanwhile
     finally:
         os.close(pidfd)
     fds["recorded"] = recorded

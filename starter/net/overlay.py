@@ -123,6 +123,23 @@ def setup(rt, netns_fd, plan, port):
             "address6": plan.address(plan.index, 6) if v6 else None, "mtu": mtu}
 
 
+def delete(netns_fd):
+    """Delete the job's vx0 (gone already: fine)."""
+    from starter.net import rtnl, veth
+    from starter.net.rtnl import RtnlError
+
+    try:
+        job = rtnl.Rtnl(veth.netlink_socket_in(netns_fd))
+    except OSError:
+        return
+    try:
+        job.run([rtnl.del_link(IFNAME)])
+    except RtnlError:
+        pass
+    finally:
+        job.close()
+
+
 def _counter_table(plan, v6):
     from starter.net import nftrules
 

@@ -39,8 +39,9 @@ def part_dir(state_dir):
 
 
 class Part:
-    """One task's hold on its part: Part(state_dir, vni).begin() -> the owner's
-    job id (join it), or None (be it: the mutex stays held until register)."""
+    """One task's hold on its part: Part(state_dir, vni).begin(open_owner)
+    -> the owner's namespaces (joined), or None (be it: the mutex stays held
+    until register)."""
 
     def __init__(self, state_dir, vni):
         self.dir = part_dir(state_dir)
@@ -50,22 +51,46 @@ class Part:
         self.owner = None           # the owner's job id, for a joiner
         self.mounted = False
 
-    def begin(self):
+    def begin(self, open_owner):
+        """Join the part, or be its owner.  open_owner(job id) -> what the
+        joiner needs of the owner's job (its namespaces), raising Gone when
+        that job has ended.  -> that, joined (the members' lock held, the
+        mutex let go); or None: this task owns the part (the mutex and the
+        members' lock held alone, until register()).  A part that is ending
+        (its owner's job gone, or its last tasks still running) is waited
+        for, then made anew."""
         os.makedirs(self.dir, mode=0o700, exist_ok=True)
         st = os.lstat(self.dir)
         if not os.path.isdir(self.dir) or os.path.islink(self.dir) or st.st_uid != 0:
             raise NetworkError(f"{self.dir} is not root's own directory", "remove it; the starter makes it")
-        self.mutex = _mutex(self.base + ".lock")
-        try:
-            with open(self.base + ".owner") as f:
-                owner = f.read(200).strip() or None
-        except (OSError, ValueError):
-            owner = None
-        if owner is not None and not _live(os.path.dirname(self.dir), owner):
-            owner = None    # a crashed owner: this task makes the part anew
-        if owner is not None:
-            self.owner = owner
-        return owner
+        deadline = time.monotonic() + LOCK_WAIT
+        while True:
+            self.mutex = _mutex(self.base + ".lock")
+            owner = _read(self.base + ".owner")
+            if owner is not None and _live(os.path.dirname(self.dir), owner):
+                try:
+                    got = open_owner(owner)
+                except Gone:
+                    got = None
+                if got is not None:
+                    self.owner = owner
+                    self.join()
+                    return got
+            else:
+                self.members = _open(self.base + ".members")
+                try:
+                    fcntl.flock(self.members, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                    _unlink(self.base + ".owner")       # (a crashed owner's)
+                    return None
+                except BlockingIOError:
+                    os.close(self.members)              # its tasks still run
+                    self.members = None
+            self._release_mutex()
+            if time.monotonic() > deadline:
+                raise NetworkError(f"the job network's part on this node ({self.base}) stayed in use "
+                                   f"for {LOCK_WAIT:.0f}s after its first task ended",
+                                   "its other tasks still run: start the task again once they end")
+            time.sleep(0.02)
 
     def join(self):
         """Hold the members' lock (shared) for the task's life; let go of the mutex."""
@@ -92,14 +117,15 @@ class Part:
         with open(tmp, "w") as f:
             f.write(job_id)
         os.replace(tmp, self.base + ".owner")
-        self.join()
+        fcntl.flock(self.members, fcntl.LOCK_SH)        # (from its own LOCK_EX)
+        self._release_mutex()
 
     def wait_members(self):
         """The owner, its job ended: take no more tasks, then wait until
         every joiner's job has ended (their starters let go of the members'
         lock at their end: a joiner ends with its job, or is killed with it)."""
-        if self.members is None or self.owner is not None:
-            return
+        if self.members is None or self.owner is not None or self.mutex is not None:
+            return      # a joiner's, or an owner's that never registered
         lock = _mutex(self.base + ".lock")
         try:
             _unlink(self.base + ".owner")
@@ -191,6 +217,18 @@ def gc(state_dir):
         finally:
             os.close(lock)
     return removed
+
+
+class Gone(Exception):
+    """The owner's job ended while a task was about to join it."""
+
+
+def _read(path):
+    try:
+        with open(path) as f:
+            return f.read(200).strip() or None
+    except (OSError, ValueError):
+        return None
 
 
 def _open(path):

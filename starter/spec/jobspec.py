@@ -135,7 +135,7 @@ def build(cli, job_file=None, policy=None, caller=None):
     else:
         raw = {}
     for k, v in cli.items():
-        if k in ("env", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit", "io-max",
+        if k in ("env", "env-pass", "mounts", "lan", "uplink", "allow-host-port", "on-signal", "rlimit", "io-max",
                  "device") and k in raw:
             if not isinstance(raw[k], list):    # as the file gives it alone, checked there
                 raise SpecError(k, f"must be a list in the job file, got {type(raw[k]).__name__}")
@@ -166,6 +166,30 @@ def _list(field, v):
     if not isinstance(v, list):
         raise SpecError(field, "must be a list")
     return v
+
+
+# What a task of a multi-node job needs of its launcher to find its peers
+# (Slurm's step, PMIx's and PMI-2's wire-up): passed to every --net job job.
+JOB_ENV_PASS = ("SLURM_*", "PMIX_*", "PMI_*")
+
+
+def passed_env(patterns, environ):
+    """--env-pass: the variables of `environ` whose name is one of `patterns`
+    (NAME, or PREFIX* for every name that starts with PREFIX), never the
+    starter's own STARTER_*."""
+    names, prefixes = set(), []
+    for p in patterns:
+        p = V.string("env-pass", p)
+        bare = p[:-1] if p.endswith("*") else p
+        if not bare or not (bare.replace("_", "").isalnum() and bare.isascii()) or bare[0].isdigit():
+            raise SpecError("env-pass", f"{V.show(p)} is not NAME or PREFIX* (letters, digits and _)")
+        if p.endswith("*"):
+            prefixes.append(bare)
+        else:
+            names.add(bare)
+    prefixes = tuple(prefixes)
+    return {k: v for k, v in environ.items()
+            if not k.startswith("STARTER_") and (k in names or (prefixes and k.startswith(prefixes)))}
 
 
 def network_from(raw, environ=os.environ):
@@ -268,6 +292,8 @@ def _make(raw, caller=None, asked=None):
     env = {"PATH": DEFAULT_PATH, "HOME": home or "/"}
     if uname:
         env["USER"] = env["LOGNAME"] = uname
+    env.update(passed_env(_list("env-pass", raw.get("env-pass", [])) + (list(JOB_ENV_PASS) if raw.get("net") == "job"
+                                                                       else []), os.environ))
 
     # Devices by assignment only (starter/isolate/devices.py): each node bound at its
     # host path and allowed by the job's cgroup; GPUs with their control nodes.

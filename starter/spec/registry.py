@@ -113,6 +113,8 @@ OPTIONS = (
            "RATE|SCOPE=RATE,..  bandwidth caps, shaped by the kernel; SCOPE all, in, out, lan, wan, lan-in, lan-out, wan-in, wan-out (e.g. 100mbit, out=50mbit,lan=1gbit)"),
     Option("resolver", "value", "network.resolver", ("resolver", "ip"), None, "nat",
            "IP  name server (IPv4 or IPv6) written to the job's /etc/resolv.conf"),
+    Option("env-pass", "multi", "env_pass", None, None, "any",
+           "NAME|PREFIX*  copy these of the starter's own environment into the job's (--env wins; --net job passes SLURM_*, PMIX_*, PMI_* itself)"),
     Option("peers", "value", "network.peers", None, None, "job",
            "HOSTLIST  --net job: the job's nodes, NAME or NAME=ADDRESS, Slurm's [] ranges (default $SLURM_JOB_NODELIST)"),
     Option("net-id", "value", "network.net_id", None, None, "job",
