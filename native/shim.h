@@ -128,8 +128,9 @@ struct shim_spec {
     int cap_last_cap;         /* from /proc/sys/kernel/cap_last_cap */
     /* shim_enter: fds of the namespaces to join, indexed by SHIM_NS_*, -1
      * for none; each one's SHIM_NEW* flag is in nsflags.  shim_spawn: only
-     * the net and ipc slots, the namespaces of a --net job part's owner,
-     * joined instead of made (their flags not in nsflags).  The caller opened
+     * the net, ipc and pid slots, the namespaces of a --net job's part on
+     * the node, joined instead of made (their flags not in nsflags): the
+     * child is cloned into the pid one and setns()es into the others.  The caller opened
      * them and checked that they are the ones the starter made for the job
      * (starter/isolate/ns.py open_namespaces): what the job's PID 1 is in now is
      * never joined unchecked. */

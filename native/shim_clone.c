@@ -384,7 +384,28 @@ int shim_spawn(const struct shim_spec *s, struct shim_child *out)
     uint64_t flags = (uint64_t)(unsigned int)(s->nsflags & ~SHIM_NEWCGROUP); /* see child_main */
     if (s->cgroupns_at_clone)
         flags |= (uint64_t)(unsigned int)(s->nsflags & SHIM_NEWCGROUP);
-    pid_t pid = do_clone(flags, s->cgroup_fd, &pidfd, &attached);
+    /* A task joining its job's part (join_part): born in the part's PID
+     * namespace.  setns(CLONE_NEWPID) changes only this thread's namespace
+     * for its children, and is set back at once. */
+    int back = -1;
+    pid_t pid = -1;
+    if (s->enter_ns_fds[SHIM_NS_PID] >= 0) {
+        back = open("/proc/thread-self/ns/pid", O_RDONLY | O_CLOEXEC);
+        if (back < 0 || setns(s->enter_ns_fds[SHIM_NS_PID], CLONE_NEWPID) < 0) {
+            if (back >= 0)
+                close(back);
+            back = -2;
+        }
+    }
+    if (back != -2)
+        pid = do_clone(flags, s->cgroup_fd, &pidfd, &attached);
+    if (back >= 0) {
+        int e = errno;
+        if (pid != 0 && setns(back, CLONE_NEWPID) < 0)
+            _exit(EXIT_STARTER); /* this thread's children would land in the job's part */
+        close(back);
+        errno = e;
+    }
     if (pid > 0 && s->cgroupns_at_clone && !attached) {
         /* clone() fallback: that namespace is rooted at the starter's cgroup. */
         kill(pid, SIGKILL);

@@ -353,6 +353,10 @@ void setup_namespaces(const struct child_ctx *c)
     int ns = s->nsflags;
     int harden = s->drop_privileges && s->uid == 0;
     int trees[SHIM_MAX_MOUNTS], pinned[SHIM_MAX_MOUNTS];
+    /* A task joining its job's part (join_part): the part's PID and network
+     * namespaces get a /proc and a /sys of their own here as new ones would. */
+    int own_proc = (ns & SHIM_NEWPID) || s->enter_ns_fds[SHIM_NS_PID] >= 0;
+    int own_sys = (ns & SHIM_NEWNET) || s->enter_ns_fds[SHIM_NS_NET] >= 0;
 
     if (ns & SHIM_NEWNS) {
         /* Before any mount, or the mounts below propagate to the host. */
@@ -370,13 +374,13 @@ void setup_namespaces(const struct child_ctx *c)
             } else
                 trees[i] = grab_source(c, m);
         }
-        if (ns & SHIM_NEWPID) {
+        if (own_proc) {
             if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
                 fail(c, "mount", "/proc");
             if (harden)
                 harden_proc(c);
         }
-        if (ns & SHIM_NEWNET) {
+        if (own_sys) {
             mount_sys(c, harden);
         } else if (harden) {
             if (mount("/sys", "/sys", NULL, MS_BIND | MS_REC, NULL) < 0 || make_readonly("/sys") < 0)

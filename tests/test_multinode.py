@@ -94,7 +94,7 @@ def test_ranks_on_three_nodes_reach_each_other_by_name_and_are_counted_per_peer(
         for sent, mine, theirs in ((1000000, m1["peers"]["n2"], m2["peers"]["n1"]),
                                    (2000000, m1["peers"]["n3"], m3["peers"]["n1"])):
             assert 0 <= mine["out"]["bytes"] - theirs["in"]["bytes"] < sent * 0.001, (mine, theirs)
-            assert sent < mine["out"]["bytes"] < sent * 1.05 + 20000, mine
+            assert sent < mine["out"]["bytes"] < sent * 1.10 + 20000, mine     # (+ retransmissions)
             assert 0 < mine["in"]["bytes"] < sent * 0.05, mine         # the acks
         assert m2["peers"]["n3"]["out"]["bytes"] == 0 and m3["peers"]["n2"]["in"]["bytes"] == 0
         assert m1["out"]["bytes"] == m1["peers"]["n2"]["out"]["bytes"] + m1["peers"]["n3"]["out"]["bytes"]
@@ -188,9 +188,9 @@ print("pid", os.getpid(), "net", os.readlink("/proc/self/ns/net"), "ipc", os.rea
 
 def test_the_tasks_of_a_job_on_one_node_share_its_part(tmp_path):
     """srun's tasks on a node: the first makes the node's part, the next
-    joins its network, IPC and /dev/shm, with a PID namespace, cgroup and
-    report of its own; the first waits for it before the network goes, and
-    its report counts the joiner's bytes too."""
+    joins its network, IPC and PID namespaces and /dev/shm, with a mount
+    namespace, cgroup and report of its own; the first waits for it before
+    the network goes, and its report counts the joiner's bytes too."""
     with nethosts.fabric(2, tmp_path / "nodes") as fab:
         r = {k: tmp_path / f"{k}.json" for k in ("a", "b", "s")}
         a = start(fab, 1, 555, ["python3", "-c", TASK, "a", "0.5"], r["a"], "--id", "task-a")
@@ -202,8 +202,10 @@ def test_the_tasks_of_a_job_on_one_node_share_its_part(tmp_path):
         assert rca == 0 and rcb == 0, (outa, erra, outb, errb)
         assert finish(srv)[0] == 0
         ta, tb = (dict(zip(o.split()[0::2], o.split()[1::2])) for o in (outa.splitlines()[0], outb.splitlines()[0]))
-        assert ta["pid"] == "1" and tb["pid"] == "2" and ta["pidns"] != tb["pidns"]     # (b: under its sh)
-        assert (ta["net"], ta["ipc"]) == (tb["net"], tb["ipc"])
+        # One PID namespace for the node's part (its PID 1 the part's init),
+        # so MPI's shared memory tells the ranks apart by pid.
+        assert (ta["net"], ta["ipc"], ta["pidns"]) == (tb["net"], tb["ipc"], tb["pidns"])
+        assert ta["pid"] != tb["pid"] and "1" not in (ta["pid"], tb["pid"])
         assert tb["shm"] == "from-a,from-b", tb
         with open(r["a"]) as f:
             ra = json.load(f)
@@ -353,5 +355,15 @@ def test_an_mpi_job_across_three_nodes_under_slurm(state_root, tmp_path):
         assert len(lines) == 6, (r.returncode, r.stdout, r.stderr, c.logs())
         assert all(l.endswith("2 local, pingpong ok") for l in lines), lines
         assert r.returncode == 3, (r.returncode, r.stderr)
+        # Node 1's part (ranks 0 and 1): one report counts it, the other
+        # names it; rank 0 sent 1 MiB to each of the four ranks elsewhere.
+        nets = []
+        for procid in (0, 1):
+            with open(os.path.join(reports, f"{procid}.json")) as f:
+                nets.append(json.load(f)["network"]["overlay"])
+        owner = [n for n in nets if "peers" in n]
+        assert len(owner) == 1 and [n.get("part_of") for n in nets].count(None) == 1, nets
+        for name in c.names[1:]:
+            assert owner[0]["peers"][name]["out"]["bytes"] > 2 << 20, owner
         for i in range(1, 4):
             assert nethosts.fabric_leftovers(fab).get(f"n{i}") is None

@@ -66,8 +66,8 @@ class ChildSpec:
         # cgroup namespace made by clone3 itself, rooted at cgroup_fd's cgroup
         # (--delegate: the starter then moves the child into a leaf below it)
         self.cgroupns_at_clone = cgroupns_at_clone
-        # {"net": fd, "ipc": fd}: namespaces to join, not make (a --net job
-        # task joining its part on the node: starter/net/part.py)
+        # {"net": fd, "ipc": fd, "pid": fd}: namespaces to join, not make (a
+        # --net job task joining its part on the node: starter/net/part.py)
         self.join = join or {}
 
     def __repr__(self):
@@ -165,8 +165,8 @@ def build(spec, keep, entering=False, src_fds=None):
     c.cap_last_cap = cap_last_cap()
     c.enter_ns_fds = [-1] * lib.SHIM_NNS
     if spec.join:
-        if entering or set(spec.join) - {"net", "ipc"} or set(spec.join) & set(names):
-            raise SpecError("join", "only the net and ipc namespaces, and not made as well")
+        if entering or set(spec.join) - {"net", "ipc", "pid"} or set(spec.join) & set(names):
+            raise SpecError("join", "only the net, ipc and pid namespaces, and not made as well")
         for name, fd in spec.join.items():
             if not isinstance(fd, int) or fd < 0:
                 raise SpecError("join", f"{name}: {fd!r} is not a fd")

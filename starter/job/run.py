@@ -460,14 +460,41 @@ class Job:
         # a task that finds the part gone makes it anew without a clash.
         self.undo.push(part.close, label="part")
         got = part.begin(lambda owner: _owner_namespaces(spec.state_dir, owner))
-        if got is not None:
-            self.part_ns = got
-            self.undo.push(_close_all, self.part_ns, label="part namespaces")
-        else:
+        if got is None:
             part.make_shm(spec.limits.memory or M.SHM_SIZE_DEFAULT)
+            got = self._part_init()
+        self.part_ns = got
+        self.undo.push(_close_all, self.part_ns, label="part namespaces")
         shm = os.path.realpath("/dev/shm")
         self.first_mounts = [m for m in self.first_mounts if m.dst != shm] + [M.Mount("bind", shm, part.shm)]
         trace.mark("part")
+
+    def _part_init(self):
+        """The owner: the part's PID 1, a process of the starter's (not of
+        any task's cgroup) that holds the part's PID, network and IPC
+        namespaces while its tasks come and go, and reaps their orphans:
+        the shim in init mode over `sleep infinity`, root without
+        capabilities.  Killed after the network's end (pushed before it).
+        -> its namespaces, opened (ours: just made)."""
+        from starter.isolate import ns
+        from starter.isolate.nsidentity import identities
+        from starter.spec.jobspec import DEFAULT_PATH
+
+        null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
+        try:
+            holder = ns.spawn(ns.ChildSpec(
+                argv=["sleep", "infinity"], env={"PATH": DEFAULT_PATH}, cwd="/", uid=0, gid=0,
+                namespaces=frozenset({"pid", "net", "ipc"}), init=True, private_tmp=False,
+                stdio=(null, null, null)))
+        finally:
+            os.close(null)
+        self.undo.push(_end_part_init, holder, label="part init")
+        holder.release()
+        holder.wait_started()
+        names = ("net", "ipc", "pid")
+        fds = {n: os.open(f"/proc/{holder.pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in names}
+        fds["recorded"] = identities(holder.pid, names)
+        return fds
 
     def make_cgroup(self):
         """The cgroup, with its limits and device rules, before anything runs in it."""
@@ -518,7 +545,7 @@ class Job:
         namespaces = {"pid", "mnt", "ipc", "cgroup"}
         if spec.network.mode != "host":
             namespaces.add("net")
-        namespaces -= set(self.part_ns)     # a joining task's: the owner's
+        namespaces -= set(self.part_ns)     # --net job: the part's (joined)
         if spec.hostname:
             namespaces.add("uts")
         child_spec = self.child_spec = ns.ChildSpec(
@@ -528,7 +555,7 @@ class Job:
             mounts=tuple(self.first_mounts + self.mounts + self.last_mounts), init=spec.init,
             cgroup_fd=self.cg.clone_fd(), seccomp=self.sc_filter,
             userns_root=spec.userns_root, rlimits=self.rlimits, cgroupns_at_clone=spec.delegate,
-            join={k: fd for k, fd in self.part_ns.items() if k in ("net", "ipc")})
+            join={k: fd for k, fd in self.part_ns.items() if k in ("net", "ipc", "pid")})
         trace.mark("plan")
         if self.image is None:
             child = ns.spawn(child_spec)
@@ -574,7 +601,15 @@ class Job:
             cg.delegate(child.pid, spec.uid, spec.gid)
         fault("clone")
         trace.mark("attach")
-        if self.part_ns:
+        if self.part_ns and self.part.owner is None:
+            # The owner: the part's network, in its init's namespace.
+            fd = os.dup(self.part_ns["net"])
+            try:
+                self._wire(fd)
+                self._bridge(fd)
+            finally:
+                self._let_go(fd)
+        elif self.part_ns:
             from starter.net import overlay
 
             # The part's network is its owner's: its figures are in the owner's report.
@@ -586,8 +621,6 @@ class Job:
             fd = os.open(f"/proc/{child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
             try:
                 self._wire(fd)
-                if self.netcfg.overlay:
-                    self._bridge(fd)
             finally:
                 self._let_go(fd)
 
@@ -844,7 +877,7 @@ def _owner_namespaces(state_dir, owner):
 
     try:
         st = S.load(state_dir, owner)
-        recorded = {k: st["namespaces"][k] for k in ("net", "ipc")}
+        recorded = {k: st["namespaces"][k] for k in ("net", "ipc", "pid")}
         pidfd = os.pidfd_open(st["pid"])
     except (OSError, ValueError, KeyError, TypeError):
         raise Gone(owner) from None
@@ -858,6 +891,19 @@ def _owner_namespaces(state_dir, owner):
         os.close(pidfd)
     fds["recorded"] = recorded
     return fds
+
+
+def _end_part_init(holder):
+    """The part's PID 1 killed (and with it anything left in the part's PID
+    namespace), reaped."""
+    import signal
+
+    try:
+        holder.send_signal(signal.SIGKILL)
+    except (OSError, StarterError):
+        pass
+    holder.wait()
+    holder.close()
 
 
 def _close_all(fds):
