@@ -82,3 +82,28 @@ def test_the_job_networks_counters_render_per_peer_and_family():
     assert maps["in6"] == [["fd70:7639:1865::2", "p1_in"]]
     counters = [c["add"]["counter"]["name"] for c in cmds if "counter" in c.get("add", {})]
     assert counters == ["p1_in", "p1_out", "p2_in", "p2_out"]
+
+
+def test_the_pmix_endpoints_are_the_loopback_tcp_ones_of_the_uris():
+    import _socket
+
+    from starter.net import bridge
+
+    env = {"PMIX_SERVER_URI41": "pmix-server.20787;tcp4://127.0.0.1:52949",
+           "PMIX_SERVER_URI2": "pmix-server.20787;tcp4://127.0.0.1:52949",
+           "PMIX_SERVER_URI3": "pmix-server.1;tcp6://[::1]:4000",
+           "PMIX_SERVER_URI4": "pmix-server.1;tcp4://10.0.0.1:4000",     # not the loopback: not bridged
+           "PMIX_SERVER_URI21": "pmix-server.1;tcp4://127.0.0.1:99999",  # no such port
+           "PMIX_RANK": "0"}
+    assert bridge.endpoints(env) == {(_socket.AF_INET, "127.0.0.1", 52949), (_socket.AF_INET6, "::1", 4000)}
+    assert bridge.endpoints({}) == set()
+
+
+def test_env_pass_copies_names_and_prefixes_never_the_starters_own():
+    env = {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "PMIX_RANK": "1", "OMPI_X": "y", "HOME": "/h",
+           "STARTER_TRACE": "1"}
+    assert jobspec.passed_env(["SLURM_*", "HOME"], env) == {"SLURM_JOB_ID": "7", "SLURM_PROCID": "0", "HOME": "/h"}
+    assert jobspec.passed_env(["STARTER_*", "STARTER_TRACE"], env) == {}
+    for bad in ("*", "A-B", "1X", "A*B*", "$(id)", ""):
+        with pytest.raises(SpecError):
+            jobspec.passed_env([bad], env)
