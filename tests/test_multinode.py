@@ -87,6 +87,9 @@ def test_ranks_on_three_nodes_reach_each_other_by_name_and_are_counted_per_peer(
             rc, out, err = finish(p)
             assert rc == 0 and f"got {n}" in out, (rc, out, err)
         m1, m2, m3 = overlay(r[1]), overlay(r[2]), overlay(r[3])
+        for i in (2, 3):        # the client's part ended first, with a bye: no peer was lost
+            with open(r[i]) as f:
+                assert json.load(f)["reason"] == "exited"
         assert (m1["vni"], m1["node"], m1["address"]) == (4242, "n1", "10.214.0.1")
         # What each end counted of one flow agrees (but for connection
         # attempts made before the peer's part was up), and is the bytes
@@ -219,13 +222,19 @@ def test_the_tasks_of_a_job_on_one_node_share_its_part(tmp_path):
         assert not os.path.exists(os.path.join(fab.state_dirs[0], "parts"))
 
 
-def test_kill_9_of_a_starter_leaves_nothing_on_its_node_after_gc(tmp_path):
+def test_kill_9_of_a_starter_ends_the_other_parts_and_gc_leaves_nothing(tmp_path):
     with nethosts.fabric(2, tmp_path / "nodes") as fab:
         parts = [start(fab, i, 31337, ["sleep", "60"], tmp_path / f"{i}.json", "--id", f"part{i}")
                  for i in (1, 2)]
         try:
             for i, p in enumerate(parts, 1):
                 wait_running(fab.state_dirs[i - 1], f"part{i}", p)
+            # The metrics read each part's counters per peer in its namespace.
+            m = subprocess.run(fab.argv(1, STARTER, "metrics", "--state-dir", fab.state_dirs[0]),
+                               capture_output=True, text=True, timeout=60 * SLOWDOWN)
+            assert 'starter_job_network_peer_bytes_total{job_id="part1",user="' in m.stdout, m
+            assert 'peer="n2",direction="out"}' in m.stdout, m.stdout
+            time.sleep(2.5)         # each part has heard the other's heartbeats
             parts[0].kill()
             parts[0].wait()
             # Its job dies with it (parent-death signal), and the job's
@@ -238,8 +247,12 @@ def test_kill_9_of_a_starter_leaves_nothing_on_its_node_after_gc(tmp_path):
                 time.sleep(0.1)
                 subprocess.run(fab.argv(1, STARTER, "gc", "--state-dir", fab.state_dirs[0]), capture_output=True)
             assert "n1" not in nethosts.fabric_leftovers(fab)
-            # The other node's part runs on, until its own end.
-            assert parts[1].poll() is None
+            # The other node's part hears no more heartbeats, and no bye: it
+            # ends its job, and its report says why.
+            rc, out, err = finish(parts[1], timeout=30)
+            with open(tmp_path / "2.json") as f:
+                rep = json.load(f)
+            assert (rep["reason"], rep.get("peer_lost"), rc) == ("peer_lost", "n1", 128 + 15), (rep, err)
         finally:
             for p in parts:
                 if p.poll() is None:

@@ -129,6 +129,7 @@ class Job:
         self.part = None                # --net job: this task's hold on its part of the node (net/part.py)
         self.part_ns = {}               # a joining task's: the owner's net and ipc namespaces (fds)
         self.pmix_bridge = None         # --net job under PMIx: net/bridge.py
+        self.peers = None               # --net job, the part's owner: net/liveness.py's Watch
         self.cg = self.child = None
 
     def run(self):
@@ -607,6 +608,7 @@ class Job:
             try:
                 self._wire(fd)
                 self._bridge(fd)
+                self._watch_peers(fd)
             finally:
                 self._let_go(fd)
         elif self.part_ns:
@@ -633,7 +635,8 @@ class Job:
         fault("net-setup")
         self.job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
                               address6=lease.address6,
-                              **({"net_rate": dict(self.netcfg.rate)} if self.netcfg.rate else {}))
+                              **({"net_rate": dict(self.netcfg.rate)} if self.netcfg.rate else {}),
+                              **({"overlay": self.netcfg.overlay} if self.netcfg.overlay else {}))
         trace.mark("net")
 
     def _bridge(self, fd):
@@ -645,6 +648,13 @@ class Job:
         if eps:
             b = self.pmix_bridge = bridge.Bridge(fd, eps)
             self.undo.push(b.close, label="pmix bridge")
+
+    def _watch_peers(self, fd):
+        """The part's heartbeats to and from the other nodes' parts."""
+        from starter.net import liveness, overlay
+
+        w = self.peers = liveness.Watch(fd, overlay.Plan.of(self.netcfg.overlay))
+        self.undo.push(w.close, label="heartbeats")     # (with a bye: the part ends as it should)
 
     def _let_go(self, fd):
         """A capped job's namespace, or a --net job job's, stays open for its
@@ -720,7 +730,8 @@ class Job:
         sup = Supervisor(self.child, cg, self.signals, self.events, self.job_state, spec.limits.wall_time,
                          spec.grace, oom_watch=self.oom_watch, kill_timeout=spec.kill_timeout,
                          checkpoint=_checkpointer(spec, self.job_state, cg) if spec.on_vacate else None,
-                         checkpoint_every=spec.checkpoint_every, watch_roles=cg.backend.watch_roles)
+                         checkpoint_every=spec.checkpoint_every, watch_roles=cg.backend.watch_roles,
+                         peers=self.peers)
         out = sup.run()
         self.supervised_since = sup.started
         if gpu_usage is not None:
@@ -732,7 +743,8 @@ class Job:
             from starter import net
 
             if self.part is not None:
-                self.part.wait_members()
+                # (the part lives on while they run: the heartbeats too)
+                self.part.wait_members(self.peers.keep_up if self.peers is not None else None)
                 if self.pmix_bridge is not None:
                     self.pmix_bridge.close()
 
@@ -763,6 +775,8 @@ class Job:
         report.set(oom=None if oom is None else oom > 0, oom_policy=spec.oom_policy)
         if out.checkpoint_error:
             report.checkpoint_error = out.checkpoint_error
+        if out.peer_lost:
+            report.peer_lost = out.peer_lost
         elif reason == "checkpointed" and spec.on_vacate:
             report.checkpoint = spec.on_vacate
         if spec.delegate:

@@ -14,6 +14,9 @@ One poll() over these, no busy loop, no /proc walking:
                       by itself (cgroup v1 memory: an eventfd); see below
     (timeout)         wall-clock limit, end of a vacate's grace period,
                       re-check of an OOM notification
+    peers             --net job, a part's first task: the other nodes'
+                      parts' heartbeats (starter/net/liveness.py); one gone
+                      silent vacates the job, reason "peer_lost"
 
 The job is over when its main process has exited AND its cgroup is empty:
 whatever is left when the main process exits is killed through the cgroup,
@@ -107,7 +110,7 @@ class Signals:
 
 
 class Outcome:
-    __slots__ = ("status", "reason", "unkillable", "job_status", "checkpoint_error")
+    __slots__ = ("status", "reason", "unkillable", "job_status", "checkpoint_error", "peer_lost")
 
     def __init__(self):
         self.status = None      # raw wait status of the main process (None: never seen)
@@ -115,12 +118,13 @@ class Outcome:
         self.unkillable = []    # [{"pid", "state", "wchan"}] of processes that outlived the kill
         self.job_status = None
         self.checkpoint_error = None    # why --on-vacate's dump did not happen (then: the plain vacate)
+        self.peer_lost = None   # --net job: the node whose part went silent (then: the vacate)
 
 
 class Supervisor:
     def __init__(self, child, cgroup, signals, events, state, wall_time=None, grace=10.0,
                  oom_watch=None, kill_timeout=UNKILLABLE_AFTER, checkpoint=None, checkpoint_every=None,
-                 watch_roles=()):
+                 watch_roles=(), peers=None):
         self.child = child
         self.cg = cgroup
         self.signals = signals
@@ -146,6 +150,8 @@ class Supervisor:
         # between (Backend.watch_roles): checked every MOVED_OUT_EVERY.
         self.watch_roles = tuple(watch_roles)
         self.next_watch = self.started + MOVED_OUT_EVERY if self.watch_roles else None
+        # --net job: the other nodes' parts (starter/net/liveness.py Watch)
+        self.peers = peers
 
     def run(self):
         poller = select.poll()
@@ -154,6 +160,8 @@ class Supervisor:
         oom_fd = self.oom.fd if self.oom is not None else None
         if oom_fd is not None:
             poller.register(oom_fd, self.oom.mask)
+        if self.peers is not None:
+            poller.register(self.peers.fd, select.POLLIN)
         while self.out.status is None and not self.out.unkillable:
             ready = {fd for fd, _ in poller.poll(self._timeout_ms())}
             # Signals first: under Slurm a scancel sends SIGTERM to the job and
@@ -183,6 +191,8 @@ class Supervisor:
                 self._periodic_checkpoint()
             if self.next_watch is not None and now >= self.next_watch and self.out.status is None:
                 self._check_moved_out()
+            if self.peers is not None:
+                self._check_peers(ready, now)
         if self.out.status is None:
             # Gave up on unkillable processes; the main one may be among them.
             self.out.status = self.child.poll()
@@ -198,10 +208,24 @@ class Supervisor:
 
     def _timeout_ms(self):
         deadlines = [d for d in (self.wall_deadline, self.kill_deadline, self.oom_recheck, self.next_checkpoint,
-                                 self.next_watch) if d is not None]
+                                 self.next_watch, self.peers and self.peers.deadline) if d]
         if not deadlines:
             return None
         return max(0, int((min(deadlines) - time.monotonic()) * 1000) + 1)
+
+    def _check_peers(self, ready, now):
+        """--net job: heartbeats in and out; a node's part gone silent ends
+        the job (vacate, reason "peer_lost")."""
+        if self.peers.fd in ready:
+            self.peers.readable()
+        if now >= self.peers.deadline:
+            lost = self.peers.tick(now)
+            if lost is not None and self.out.status is None and self.out.peer_lost is None:
+                self.out.peer_lost = lost
+                if self.out.reason is None:
+                    self.out.reason = "peer_lost"
+                self.events.emit("peer_lost", node=lost)
+                self.act("vacate")
 
     def _check_moved_out(self):
         """A job process moved out of the job's cgroup in a watched v1

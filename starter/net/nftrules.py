@@ -364,11 +364,13 @@ def overlay_counter(index, direction):
     return f"p{index}_{direction}"
 
 
-def overlay_table(ifname, peers):
+def overlay_table(ifname, peers, skip_port=None):
     """The job's own table in its network namespace: what crosses its
     overlay device, per peer node and direction, by the peer's address in
     the job network.  peers: [(index, address, address6 or None)], this
-    node left out.  Pure: JSON commands for libnftables."""
+    node left out.  skip_port: UDP from that port to that port is not
+    counted (the starters' heartbeats: net/liveness.py; no job can send
+    from it, the starter holds it).  Pure: JSON commands for libnftables."""
     t = {"family": FAMILY, "table": OVERLAY_TABLE}
     obj = lambda **kw: dict(t, **kw)  # noqa: E731
     cmds = [{"add": {"table": {"family": FAMILY, "name": OVERLAY_TABLE}}}]
@@ -384,6 +386,10 @@ def overlay_table(ifname, peers):
     hooks = (("out", "output", "oifname", "daddr"), ("in", "input", "iifname", "saddr"))
     for d, hook, dev, field in hooks:
         cmds.append({"add": {"chain": obj(name=d, type="filter", hook=hook, prio=0, policy="accept")}})
+        if skip_port:
+            cmds.append({"add": {"rule": obj(chain=d, expr=[
+                _match(_meta("l4proto"), IPPROTO["udp"]), _match(_payload("udp", "sport"), skip_port),
+                _match(_payload("udp", "dport"), skip_port), {"return": None}])}})
         for fam, proto in (("4", "ip"), ("6", "ip6")):
             cmds.append({"add": {"rule": obj(chain=d, expr=[
                 _match(_meta(dev), ifname), _match(_meta("nfproto"), "ipv4" if fam == "4" else "ipv6"),

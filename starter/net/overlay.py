@@ -143,8 +143,10 @@ def delete(netns_fd):
 def _counter_table(plan, v6):
     from starter.net import nftrules
 
+    from starter.net import liveness
+
     return nftrules.overlay_table(IFNAME, [(i, plan.address(i), plan.address(i, 6) if v6 else None)
-                                           for i, _n, _a in plan.others()])
+                                           for i, _n, _a in plan.others()], liveness.PORT)
 
 
 def read(netns_fd, plan):

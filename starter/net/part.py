@@ -120,10 +120,12 @@ class Part:
         fcntl.flock(self.members, fcntl.LOCK_SH)        # (from its own LOCK_EX)
         self._release_mutex()
 
-    def wait_members(self):
+    def wait_members(self, meanwhile=None):
         """The owner, its job ended: take no more tasks, then wait until
         every joiner's job has ended (their starters let go of the members'
-        lock at their end: a joiner ends with its job, or is killed with it)."""
+        lock at their end: a joiner ends with its job, or is killed with it;
+        no bound: each joiner's job has one).  meanwhile(): called about
+        every 0.2 s while they run (the part's heartbeats)."""
         if self.members is None or self.owner is not None or self.mutex is not None:
             return      # a joiner's, or an owner's that never registered
         lock = _mutex(self.base + ".lock")
@@ -131,7 +133,14 @@ class Part:
             _unlink(self.base + ".owner")
         finally:
             os.close(lock)
-        fcntl.flock(self.members, fcntl.LOCK_EX)       # no bound: each joiner's job has one
+        while True:
+            try:
+                fcntl.flock(self.members, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return
+            except BlockingIOError:
+                if meanwhile is not None:
+                    meanwhile()
+                time.sleep(0.2)
 
     def close(self):
         """The end, for owner and joiner: let go of the locks; the owner
@@ -145,8 +154,7 @@ class Part:
                 unmount(self.shm)
                 self.mounted = False
             lock, self.mutex = (self.mutex if self.mutex is not None else _mutex(self.base + ".lock")), None
-            for suffix in (".owner", ".owner.tmp", ".members", ".lock"):
-                _unlink(self.base + suffix)
+            _remove_files(self.base)
             try:
                 os.rmdir(self.dir)      # (the last part of the node)
             except OSError:
@@ -187,36 +195,45 @@ def gc(state_dir):
     removed = []
     for vni in sorted({n.split(".")[0] for n in names if n.split(".")[0].isdigit()}):
         base = os.path.join(d, vni)
-        try:
-            lock = _open(base + ".lock")
-        except OSError:
+        lock = _try_alone(base + ".lock")            # (a task deciding right now: later)
+        if lock is None:
             continue
         try:
-            try:
-                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            except BlockingIOError:
-                continue        # a task is deciding right now
-            if os.fstat(lock).st_nlink == 0:
-                continue        # its owner removed it meanwhile
-            try:
-                members = _open(base + ".members")
-            except OSError:
+            members = _try_alone(base + ".members")  # (tasks run: live)
+            if members is None:
                 continue
             try:
-                try:
-                    fcntl.flock(members, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                except BlockingIOError:
-                    continue    # tasks run
                 if os.path.isdir(base + ".shm"):
                     unmount(base + ".shm")
-                for suffix in (".owner", ".owner.tmp", ".members", ".lock"):
-                    _unlink(base + suffix)
+                _remove_files(base)
                 removed.append(f"job network part {vni}: /dev/shm and locks")
             finally:
                 os.close(members)
         finally:
             os.close(lock)
     return removed
+
+
+def _try_alone(path):
+    """path opened and flocked exclusively, or None where another holds it
+    (or it is gone, or was unlinked meanwhile)."""
+    try:
+        fd = _open(path)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_nlink:
+            return fd
+    except BlockingIOError:
+        pass
+    os.close(fd)
+    return None
+
+
+def _remove_files(base):
+    for suffix in (".owner", ".owner.tmp", ".members", ".lock"):
+        _unlink(base + suffix)
 
 
 class Gone(Exception):

@@ -53,6 +53,8 @@ FAMILIES = {
     "starter_job_network_shaped_bytes_total": ("counter", "Bytes through the job's shaper, by zone and direction; capped zones only."),
     "starter_job_network_shaped_overlimits_total": ("counter", "Times a packet of the job had to wait for its cap, by zone and direction."),
     "starter_job_network_shaped_dropped_packets_total": ("counter", "Packets of the job its shaper dropped (queue full), by zone and direction."),
+    "starter_job_network_peer_bytes_total": ("counter", "Bytes of a --net job job's part on this node to and from each other node of its job network (layer 3), by peer and direction."),
+    "starter_job_network_peer_packets_total": ("counter", "Packets of a --net job job's part on this node to and from each other node, by peer and direction."),
     "starter_uplink_network_bytes_total": ("counter", "Bytes of all NAT jobs through each uplink, by direction (in, out); restarts at 0 when a NAT job starts on an idle node."),
     "starter_uplink_network_packets_total": ("counter", "Packets of all NAT jobs through each uplink, by direction."),
     "starter_metrics_read_errors": ("gauge", "Jobs whose cgroup or counters could not be read in this scrape."),
@@ -151,6 +153,12 @@ def job_samples(entry, live, usage, network):
             add("starter_job_network_shaped_bytes_total", c.get("bytes"), extra)
             add("starter_job_network_shaped_overlimits_total", c.get("overlimits"), extra)
             add("starter_job_network_shaped_dropped_packets_total", c.get("dropped"), extra)
+        for peer, row in sorted(((network.get("overlay") or {}).get("peers") or {}).items()):
+            for direction in ("in", "out"):
+                c = row.get(direction) or {}
+                extra = "," + labels(peer=peer, direction=direction)
+                add("starter_job_network_peer_bytes_total", c.get("bytes"), extra)
+                add("starter_job_network_peer_packets_total", c.get("packets"), extra)
     return out, state
 
 
@@ -184,6 +192,8 @@ def collect(state_dir):
                 network = _nat_counters(job_id, entry.get("host_ifname"))
                 if network is not None and entry.get("net_rate"):
                     network["shaping"] = _shaping(entry, job_id, links)
+                if network is not None and entry.get("overlay"):
+                    network["overlay"] = _overlay(entry)
             except (StarterError, OSError, TypeError, ValueError):
                 errors += 1
         try:
@@ -265,6 +275,33 @@ def _shaping(entry, job_id, links):
                 os.close(pidfd)
     try:
         return shaping.report(dict(entry["net_rate"]), links[0].shaping_stats(key, fds.get("net")))
+    finally:
+        nsidentity.close_namespaces(fds)
+
+
+def _overlay(entry):
+    """A --net job part's counters per peer, read in its network namespace
+    (the one the starter recorded for the job, checked as `starter enter`
+    checks it) -> overlay.read()'s, or None."""
+    from starter.isolate import nsidentity
+    from starter.net import overlay
+
+    recorded = (entry.get("namespaces") or {}).get("net")
+    if not recorded or int(entry.get("pid") or 0) <= 0:
+        return None
+    try:
+        pidfd = os.pidfd_open(int(entry["pid"]))
+    except OSError:
+        return None
+    try:
+        fds = nsidentity.open_namespaces(pidfd, {"net": recorded})
+    except StarterError:
+        return None
+    finally:
+        os.close(pidfd)
+    try:
+        vni, node, peers = entry["overlay"]
+        return overlay.read(fds["net"], overlay.Plan(vni, node, peers))
     finally:
         nsidentity.close_namespaces(fds)
 
