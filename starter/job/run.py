@@ -130,6 +130,7 @@ class Job:
         self.part_ns = {}               # a joining task's: the owner's net and ipc namespaces (fds)
         self.pmix_bridge = None         # --net job under PMIx: net/bridge.py
         self.peers = None               # --net job, the part's owner: net/liveness.py's Watch
+        self.holder = None              # --net job, the part's owner: the part's init (a Child)
         self.cg = self.child = None
 
     def run(self):
@@ -489,13 +490,35 @@ class Job:
                 stdio=(null, null, null)))
         finally:
             os.close(null)
-        self.undo.push(_end_part_init, holder, label="part init")
+        self.holder = holder
+        self.undo.push(self._end_part_init, holder, label="part init")
         holder.release()
         holder.wait_started()
         names = ("net", "ipc", "pid")
         fds = {n: os.open(f"/proc/{holder.pid}/ns/{n}", os.O_RDONLY | os.O_CLOEXEC) for n in names}
         fds["recorded"] = identities(holder.pid, names)
+        # The heartbeats' socket, before the part's network exists: no peer's
+        # heartbeat finds the part there without it (an ICMP error back).
+        from starter.net import liveness, overlay
+
+        self.peers = liveness.Watch(fds["net"], overlay.Plan.of(self.netcfg.overlay))
         return fds
+
+    def _end_part_init(self, holder):
+        """The part's PID 1 killed (and with it anything left in its PID
+        namespace) and reaped; only then the heartbeats' socket closed: it
+        keeps the part's network namespace, so no peer's late heartbeat
+        finds the part there without it."""
+        import signal
+
+        try:
+            holder.send_signal(signal.SIGKILL)
+        except (OSError, StarterError):
+            pass
+        holder.wait()
+        holder.close()
+        if self.peers is not None:
+            self.peers.close()
 
     def make_cgroup(self):
         """The cgroup, with its limits and device rules, before anything runs in it."""
@@ -608,7 +631,6 @@ class Job:
             try:
                 self._wire(fd)
                 self._bridge(fd)
-                self._watch_peers(fd)
             finally:
                 self._let_go(fd)
         elif self.part_ns:
@@ -648,13 +670,6 @@ class Job:
         if eps:
             b = self.pmix_bridge = bridge.Bridge(fd, eps)
             self.undo.push(b.close, label="pmix bridge")
-
-    def _watch_peers(self, fd):
-        """The part's heartbeats to and from the other nodes' parts."""
-        from starter.net import liveness, overlay
-
-        w = self.peers = liveness.Watch(fd, overlay.Plan.of(self.netcfg.overlay))
-        self.undo.push(w.close, label="heartbeats")     # (with a bye: the part ends as it should)
 
     def _let_go(self, fd):
         """A capped job's namespace, or a --net job job's, stays open for its
@@ -743,8 +758,14 @@ class Job:
             from starter import net
 
             if self.part is not None:
+                if out.peer_lost and self.holder is not None:
+                    # The job network is broken: its other tasks here end too,
+                    # with the part's PID namespace.
+                    self.holder.send_signal(9)
                 # (the part lives on while they run: the heartbeats too)
                 self.part.wait_members(self.peers.keep_up if self.peers is not None else None)
+                if self.peers is not None:
+                    self.peers.bye()        # the part ends as it should
                 if self.pmix_bridge is not None:
                     self.pmix_bridge.close()
 
@@ -905,19 +926,6 @@ def _owner_namespaces(state_dir, owner):
         os.close(pidfd)
     fds["recorded"] = recorded
     return fds
-
-
-def _end_part_init(holder):
-    """The part's PID 1 killed (and with it anything left in the part's PID
-    namespace), reaped."""
-    import signal
-
-    try:
-        holder.send_signal(signal.SIGKILL)
-    except (OSError, StarterError):
-        pass
-    holder.wait()
-    holder.close()
 
 
 def _close_all(fds):

@@ -16,7 +16,6 @@ whose endpoint is bridged already uses that bridge.
 """
 
 import os
-import threading
 
 from starter.errors import NetworkError
 
@@ -47,6 +46,8 @@ class Bridge:
     """Listening sockets in the job's namespace, and the threads that relay."""
 
     def __init__(self, netns_fd, eps):
+        import threading
+
         from starter.net import veth
 
         self.listeners = []
@@ -62,6 +63,7 @@ class Bridge:
 
     def _accept(self, lsock, fam, host, port):
         import socket
+        import threading
 
         while not self._stop:
             try:
@@ -75,6 +77,7 @@ class Bridge:
                 conn.close()
                 continue
             pair = _Pair(conn, up)
+
             for a, b in ((conn, up), (up, conn)):
                 threading.Thread(target=_pump, args=(a, b, pair), name="pmix-relay", daemon=True).start()
 
@@ -111,6 +114,8 @@ class _Pair:
     """One relayed connection: the last of its two pumps closes both sockets."""
 
     def __init__(self, a, b):
+        import threading
+
         self.socks, self.left, self.lock = (a, b), 2, threading.Lock()
 
     def done(self):

@@ -3,8 +3,9 @@
 A job network has no controller, so nothing tells a node's part that
 another node's went (its starter killed -9, the node lost): MPI would hang.
 Each part's first task's starter sends a heartbeat to every other node's
-part once a second, over the job network itself (UDP port PORT on vx0's
-address, bound by the starter before the job runs, so no job takes it), and
+part once a second, over the job network itself (UDP port PORT, bound on
+every address of the part's namespace before its network exists, so no job
+takes it and no heartbeat finds the part without it), and
 says "bye" when its part ends as it should.  A peer that was heard and then
 falls silent for LOST_AFTER seconds without a bye is lost: the starter then
 vacates its job (SIGTERM, the kill after --grace), reason "peer_lost", and
@@ -15,8 +16,10 @@ Only the job's own parts can reach that port (its segment is its own), so
 a job can at worst fool its own parts.
 """
 
+import os
 import time
 
+CLONE_NEWNET = 0x40000000
 PORT = 4790
 EVERY = 1.0
 LOST_AFTER = 5.0
@@ -28,12 +31,10 @@ class Watch:
     it heard.  fd: for the supervisor's poll; deadline: the next tick."""
 
     def __init__(self, netns_fd, plan):
-        from starter.net import veth
-
         self.plan = plan
         self.addrs = {plan.address(i): name for i, name, _a in plan.others()}
         self.heard, self.gone = {}, set()
-        self.sock = veth.in_netns(netns_fd, lambda: _bind(plan.address(plan.index)))
+        self.sock = _bound_in(netns_fd)
         self.fd = self.sock.fileno()
         self.deadline = time.monotonic()
 
@@ -78,15 +79,22 @@ class Watch:
         if time.monotonic() >= self.deadline:
             self.tick()
 
-    def close(self, bye=True):
-        if self.sock is None:
-            return
-        if bye:
+    def bye(self):
+        """The part ends as it should: no peer is to take its silence for a
+        loss.  Not to a peer that said bye itself (taken in first): its part
+        may be gone but for its device, whose kernel would answer with an
+        ICMP error, counted as the job's bytes."""
+        if self.sock is not None:
+            self.readable()
             msg = self._message(b"bye")
-            for addr in self.addrs:
-                self._send(msg, addr)
-        self.sock.close()
-        self.sock = None
+            for addr, name in self.addrs.items():
+                if name not in self.gone:
+                    self._send(msg, addr)
+
+    def close(self):
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
     def _send(self, msg, addr):
         try:
@@ -95,13 +103,30 @@ class Watch:
             pass        # (no route yet, a full queue: the next tick)
 
 
-def _bind(address):
-    import socket
+def _bound_in(netns_fd):
+    """The heartbeat socket, made in the part's network namespace by this
+    thread, which goes there for the socket() and bind() alone (no thread
+    of its own: the start path has no threading module); a thread that
+    cannot come back must not live on."""
+    import _socket  # not `socket`: it builds enums at import (~5 ms on the start path)
 
-    s = socket.socket(socket.AF_INET, socket.SOCK_DGRAM | socket.SOCK_NONBLOCK | socket.SOCK_CLOEXEC)
+    from starter.isolate.ns import setns
+
+    home = os.open("/proc/thread-self/ns/net", os.O_RDONLY | os.O_CLOEXEC)
     try:
-        s.bind((address, PORT))
-    except OSError:
-        s.close()
-        raise
+        setns(netns_fd, CLONE_NEWNET)
+        try:
+            s = _socket.socket(_socket.AF_INET, _socket.SOCK_DGRAM | _socket.SOCK_NONBLOCK | _socket.SOCK_CLOEXEC)
+            try:
+                s.bind(("0.0.0.0", PORT))  # (before vx0 has its address: every address, so no job takes the port)
+            except OSError:
+                s.close()
+                raise
+        finally:
+            try:
+                setns(home, CLONE_NEWNET)
+            except OSError:  # pragma: no cover - cannot happen with a valid fd
+                os._exit(125)
+    finally:
+        os.close(home)
     return s

@@ -23,13 +23,16 @@ The host's table drops job traffic to the VXLAN port (nftrules.VXLAN_PORT):
 no job writes frames into another job's segment, here or on another node.
 """
 
+import errno
 import os
+import time
 
 from starter.errors import NetworkError
 
 NET4 = "10.214.0.0/16"
 NET6 = "fd70:7639:1865::/64"
 IFNAME = "vx0"
+GONE_WAIT = 3.0     # s a new part waits for the device of one that just ended
 # outer IP + UDP + VXLAN + inner Ethernet headers
 OVERHEAD = {4: 20 + 8 + 8 + 14, 6: 40 + 8 + 8 + 14}
 
@@ -94,10 +97,17 @@ def setup(rt, netns_fd, plan, port):
 
     family = 6 if ":" in plan.local else 4
     mtu = _fabric_mtu(rt, plan.local, family) - OVERHEAD[family]
-    try:
-        rt.run([rtnl.new_vxlan(IFNAME, plan.vni, plan.local, port, netns_fd, mtu, plan.mac(plan.index))])
-    except RtnlError as e:
-        raise _error(e, plan) from None
+    deadline = time.monotonic() + GONE_WAIT
+    while True:
+        try:
+            rt.run([rtnl.new_vxlan(IFNAME, plan.vni, plan.local, port, netns_fd, mtu, plan.mac(plan.index))])
+            break
+        except RtnlError as e:
+            # The part before this one on the node ended just now: its vx0
+            # goes with its namespace, which the kernel finishes a moment later.
+            if e.code != errno.EEXIST or time.monotonic() > deadline:
+                raise _error(e, plan) from None
+            time.sleep(0.02)
     v6 = has_ipv6()
     sysctls = ((IFNAME, "addr_gen_mode", "1", True), (IFNAME, "accept_dad", "0", True),
                (IFNAME, "accept_ra", "0", True)) if v6 else ()
@@ -123,23 +133,6 @@ def setup(rt, netns_fd, plan, port):
             "address6": plan.address(plan.index, 6) if v6 else None, "mtu": mtu}
 
 
-def delete(netns_fd):
-    """Delete the job's vx0 (gone already: fine)."""
-    from starter.net import rtnl, veth
-    from starter.net.rtnl import RtnlError
-
-    try:
-        job = rtnl.Rtnl(veth.netlink_socket_in(netns_fd))
-    except OSError:
-        return
-    try:
-        job.run([rtnl.del_link(IFNAME)])
-    except RtnlError:
-        pass
-    finally:
-        job.close()
-
-
 def _counter_table(plan, v6):
     from starter.net import nftrules
 
@@ -152,18 +145,27 @@ def _counter_table(plan, v6):
 def read(netns_fd, plan):
     """The job's bytes in its network, per peer node: {name: {"in": {bytes,
     packets}, "out": ...}} plus "in" and "out" totals; None where its
-    namespace or table is gone."""
-    from starter.net import nftrules
-    from starter.net.nft import NftError
+    namespace or table is gone.  One round trip of NFT_MSG_GETOBJ on a
+    netlink socket made in the job's namespace (nftwire), no libnftables."""
+    import _socket
 
+    from starter.net import netlink, nftrules, nftwire, veth
+
+    names = [nftrules.overlay_counter(i, d) for i, _n, _a in plan.others() for d in nftrules.UPLINK_DIRECTIONS]
     try:
-        docs = _in_job(netns_fd, lambda nft: nft.run(
-            [{"list": {"counters": {"family": nftrules.FAMILY, "table": nftrules.OVERLAY_TABLE}}}],
-            "read the job network's counters"))
-    except (NftError, OSError):
+        sock = veth.in_netns(netns_fd, lambda: _socket.socket(
+            _socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC, nftwire.NETLINK_NETFILTER))
+    except OSError:
         return None
-    found = {item["counter"]["name"]: item["counter"] for d in docs for item in d.get("nftables", ())
-             if "counter" in item}
+    try:
+        sock.settimeout(5.0)
+        sock.send(b"".join(nftwire.getobj_request(nftrules.OVERLAY_TABLE, n, 1 + k) for k, n in enumerate(names)))
+        answers = netlink.collect(sock, 1, len(names), ack=False)
+    except OSError:
+        return None
+    finally:
+        sock.close()
+    found = {n: nftwire.counter_of(replies[0][1]) for n, (replies, err) in zip(names, answers) if not err and replies}
     peers, total = {}, {d: {"bytes": 0, "packets": 0} for d in nftrules.UPLINK_DIRECTIONS}
     for i, name, _a in plan.others():
         row = {}
@@ -173,6 +175,8 @@ def read(netns_fd, plan):
             for k in ("bytes", "packets"):
                 total[d][k] += row[d][k]
         peers[name] = row
+    if not found and names:
+        return None
     return {"peers": peers, **total}
 
 
@@ -201,8 +205,6 @@ def _fabric_mtu(rt, local, family):
 
 
 def _error(e, plan):
-    import errno
-
     if e.code == errno.EEXIST:
         return NetworkError(f"the job network {plan.vni} (VXLAN id) already has a part on this node",
                             "one part per node: another job with the same --net-id runs here")

@@ -71,10 +71,6 @@ def _overlay_report(cfg, netns_fd):
     out = {"vni": plan.vni, "node": plan.node, "address": plan.address(plan.index)}
     got = overlay.read(netns_fd, plan) if netns_fd is not None else None
     out.update(got or {"peers": None})
-    if netns_fd is not None:
-        # Now, not with the namespace (whose end the kernel finishes later):
-        # the next part of this VNI on the node may be made at once.
-        overlay.delete(netns_fd)
     return out
 
 
