@@ -12,8 +12,10 @@ Traffic goes only between those namespaces.
                    each round> -- /bin/true` on node 1, interleaved round by
                    round (the order alternating), --rounds, the same state
                    directory for both: wall time of each (median, IQR) and of
-                   the difference per round (job - nat; target: +20 ms at
-                   most).  Twice: with `starter netd` running on node 1 (a
+                   the difference per round (job - nat), and the same of the
+                   setup alone (STARTER_TRACE's phases up to "running": the
+                   issue's target, +20 ms at most; the whole run adds the
+                   part's end: its init's PID namespace, its /dev/shm).  Twice: with `starter netd` running on node 1 (a
                    node as deployed) and without it (the starter does the
                    work itself)
   iperf3           TCP between two nodes, --iperf-seconds, --iperf-rounds,
@@ -128,25 +130,32 @@ class Bench:
 
     # -- start cost ------------------------------------------------------------
     def starts(self, rounds):
-        """--net nat vs --net job on n1, interleaved -> ({label: [s]}, [job - nat per round])."""
+        """--net nat vs --net job on n1, interleaved -> ({label: [s]}, [job - nat per round],
+        {label: [setup s]}, [setup job - nat per round]): wall time, and the
+        setup alone (STARTER_TRACE's phases up to "running": the job runs)."""
         sd = self.fab.state_dirs[0]
         times, diffs = {"nat": [], "job": []}, []
+        setups, setup_diffs = {"nat": [], "job": []}, []
+        env = dict(os.environ, STARTER_TRACE="1")
         for r in range(rounds + WARMUP):
-            got = {}
+            got, setup = {}, {}
             for label in ("nat", "job") if r % 2 == 0 else ("job", "nat"):
                 argv = ([STARTER, "run", "--state-dir", sd, "--net", "nat"] if label == "nat"
                         else self.job_args(1, self.net_id()))
                 argv = self.fab.argv(1, *argv, "--", "/bin/true")
                 t0 = time.monotonic()
-                p = subprocess.run(argv, capture_output=True, text=True, timeout=120)
+                p = subprocess.run(argv, capture_output=True, text=True, timeout=120, env=env)
                 got[label] = time.monotonic() - t0
                 if p.returncode != 0:
                     raise RuntimeError(f"starter run --net {label} failed ({p.returncode}): {p.stderr.strip()}")
+                setup[label] = setup_s(p.stderr)
             if r >= WARMUP:
                 for k, v in got.items():
                     times[k].append(v)
+                    setups[k].append(setup[k])
                 diffs.append(got["job"] - got["nat"])
-        return times, diffs
+                setup_diffs.append(setup["job"] - setup["nat"])
+        return times, diffs, setups, setup_diffs
 
     # -- iperf3 ------------------------------------------------------------------
     def iperf_bare(self, seconds):
@@ -201,6 +210,19 @@ class Bench:
                     out["counted/sent"].append((counted, sent))
                 out[label].append(gbit)
         return out
+
+
+def setup_s(stderr):
+    """STARTER_TRACE's phases from the starter's first line to "running"
+    (its interpreter's start left out: the same for both) -> seconds."""
+    total = 0.0
+    for line in stderr.splitlines():
+        parts = line.split()
+        if len(parts) >= 5 and parts[:2] == ["starter:", "trace"] and parts[2] != "interpreter":
+            total += float(parts[3]) / 1000
+            if parts[2] == "running":
+                return total
+    raise RuntimeError("no STARTER_TRACE phases up to running in: " + stderr[-500:])
 
 
 def iperf_end(r):
@@ -320,13 +342,14 @@ def main():
     # ---- report
     print(f"\nmultinode: `starter run ... -- /bin/true` on node 1 of 2, --net nat vs --net job, "
           f"{args.rounds} interleaved rounds (ms: median, IQR)")
-    for mode, (times, diffs) in starts.items():
-        nat, job = quartiles(times["nat"]), quartiles(times["job"])
-        d = quartiles(diffs)
-        print(f"  {mode:<13} nat {ms(nat[1]):>6} ({ms(nat[0])}..{ms(nat[2])})   "
-              f"job {ms(job[1]):>6} ({ms(job[0])}..{ms(job[2])})   "
-              f"job - nat per round {1000 * d[1]:+.1f} ({1000 * d[0]:+.1f}..{1000 * d[2]:+.1f}) "
-              f"[{job[1] / nat[1]:.2f}x; target +20]")
+    for mode, (times, diffs, setups, setup_diffs) in starts.items():
+        for what, t, dd in (("whole run", times, diffs), ("setup     ", setups, setup_diffs)):
+            nat, job = quartiles(t["nat"]), quartiles(t["job"])
+            d = quartiles(dd)
+            print(f"  {mode:<13} {what} nat {ms(nat[1]):>6} ({ms(nat[0])}..{ms(nat[2])})   "
+                  f"job {ms(job[1]):>6} ({ms(job[0])}..{ms(job[2])})   "
+                  f"job - nat per round {1000 * d[1]:+.1f} ({1000 * d[0]:+.1f}..{1000 * d[2]:+.1f}) "
+                  f"[{job[1] / nat[1]:.2f}x{'; target +20' if what.startswith('setup') else ''}]")
     if tp:
         bare, job = statistics.median(tp["bare"]), statistics.median(tp["job"])
         print(f"\nmultinode: iperf3 TCP n1 -> n2, {args.iperf_seconds} s, median of {args.iperf_rounds}, "
