@@ -19,6 +19,7 @@ on the way unwinds exactly what was made.  Measurements are taken before
 anything is destroyed.
 """
 
+import _signal  # not `signal`: it builds enums at import
 import gc
 import os
 import sys
@@ -127,7 +128,7 @@ class Job:
         self.net_end = None             # the teardown netd began (net.teardown_begin), once the job is gone
         self.net_fd = None              # a capped job's netns, kept open until its shaper is read
         self.part = None                # --net job: this task's hold on its part of the node (net/part.py)
-        self.part_ns = {}               # a joining task's: the owner's net and ipc namespaces (fds)
+        self.part_ns = {}               # --net job: the part's pid, net and ipc namespaces (fds; "recorded")
         self.pmix_bridge = None         # --net job under PMIx: net/bridge.py
         self.peers = None               # --net job, the part's owner: net/liveness.py's Watch
         self.holder = None              # --net job, the part's owner: the part's init (a Child)
@@ -450,16 +451,17 @@ class Job:
 
     def _take_part(self):
         """--net job: the node's part of the job network, made by this task
-        (the first here: it holds the part's mutex until its job runs) or
-        joined (the owner's network and IPC namespaces); either way the
-        part's /dev/shm is the job's (net/part.py)."""
+        (the first here: its init, /dev/shm and heartbeats; it holds the
+        part's mutex until its job runs) or found; either way the job joins
+        the part's PID, network and IPC namespaces and binds its /dev/shm
+        (net/part.py)."""
         from starter.isolate import mounts as M
         from starter.net import part as P
 
         spec = self.spec
         part = self.part = P.Part(spec.state_dir, self.netcfg.overlay[0])
-        # The owner's part ends after its network (its device deleted), so
-        # a task that finds the part gone makes it anew without a clash.
+        # The part's files go after its network and init (pushed before
+        # them): a task that finds them gone makes the part anew at once.
         self.undo.push(part.close, label="part")
         got = part.begin(lambda owner: _owner_namespaces(spec.state_dir, owner))
         if got is None:
@@ -509,10 +511,8 @@ class Job:
         namespace) and reaped; only then the heartbeats' socket closed: it
         keeps the part's network namespace, so no peer's late heartbeat
         finds the part there without it."""
-        import signal
-
         try:
-            holder.send_signal(signal.SIGKILL)
+            holder.send_signal(_signal.SIGKILL)
         except (OSError, StarterError):
             pass
         holder.wait()
@@ -761,7 +761,7 @@ class Job:
                 if out.peer_lost and self.holder is not None:
                     # The job network is broken: its other tasks here end too,
                     # with the part's PID namespace.
-                    self.holder.send_signal(9)
+                    self.holder.send_signal(_signal.SIGKILL)
                 # (the part lives on while they run: the heartbeats too)
                 self.part.wait_members(self.peers.keep_up if self.peers is not None else None)
                 if self.peers is not None:
@@ -901,10 +901,11 @@ def _release_scratch(sc, report):
 
 
 def _owner_namespaces(state_dir, owner):
-    """A joining task's view of its part's owner: the network and IPC
-    namespaces the owner's starter made and recorded, opened from its job's
-    PID 1 and checked against that record (as `starter enter` does) -> {"net":
-    fd, "ipc": fd, "recorded": {...}}."""
+    """A joining task's view of its part: the PID, network and IPC
+    namespaces the owner's starter recorded for its job (the part's), opened
+    from that job's main process and checked against that record (as
+    `starter enter` does) -> {"net": fd, "ipc": fd, "pid": fd, "recorded":
+    {...}}; Gone where that job has ended."""
     from starter.errors import NetworkError
     from starter.isolate import nsidentity
     from starter.net.part import Gone

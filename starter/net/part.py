@@ -1,12 +1,12 @@
 """A --net job job's part on one node, shared by the job's tasks there.
 
 srun starts one starter per task.  The first one on a node for a job
-network (its VNI) makes the node's part: its network namespace (the NAT
-network and vx0) and IPC namespace, with its job, and the part's /dev/shm,
-a tmpfs every task binds at /dev/shm.  The others join: their jobs get PID
-and mount namespaces of their own, their own cgroup, limits and report, but
-the owner's network and IPC namespaces and the part's /dev/shm, so MPI's
-shared-memory transport works between the ranks of a node.
+network (its VNI), the owner, makes the node's part: an init (job/run.py)
+whose PID, network (the NAT network and vx0) and IPC namespaces are the
+part's, and the part's /dev/shm, a tmpfs.  Every task's job, the owner's
+included, joins those namespaces and binds that tmpfs at /dev/shm, with a
+mount namespace, cgroup, limits and report of its own: MPI's shared-memory
+transport works between the ranks of a node.
 
 On the node, in <state_dir>/parts/ (root's, 0700):
 
@@ -17,8 +17,10 @@ On the node, in <state_dir>/parts/ (root's, 0700):
 
 The owner holds the mutex from its decision until its job runs (so a task
 that comes meanwhile waits, then joins), and at its job's end removes the
-owner file, waits until it holds the members' lock alone (every joiner's job has
-ended), and only then tears down the network and unmounts the tmpfs.  The
+owner file, waits until it holds the members' lock alone (every joiner's job
+has ended), and only then tears down the network, ends the init and unmounts
+the tmpfs.  A task that finds a part ending waits for its end, then makes it
+anew.  The
 owner's report counts the whole part's traffic; a joiner's names its owner.
 `starter gc` unmounts and removes what a part whose tasks all died left.
 """
