@@ -234,6 +234,9 @@ def test_kill_9_of_a_starter_ends_the_other_parts_and_gc_leaves_nothing(tmp_path
                                capture_output=True, text=True, timeout=60 * SLOWDOWN)
             assert 'starter_job_network_peer_bytes_total{job_id="part1",user="' in m.stdout, m
             assert 'peer="n2",direction="out"}' in m.stdout, m.stdout
+            st = subprocess.run(fab.argv(1, STARTER, "status", "--state-dir", fab.state_dirs[0], "part1"),
+                                capture_output=True, text=True, timeout=60 * SLOWDOWN)
+            assert '"overlay": {"peers": {"n2": {"in": {"bytes": ' in st.stdout, st
             time.sleep(2.5)         # each part has heard the other's heartbeats
             parts[0].kill()
             parts[0].wait()

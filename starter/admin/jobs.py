@@ -45,7 +45,11 @@ def _usage(state_dir, st):
             from starter import net
 
             out["network"] = net.counters(st["id"], net.NetConfig(state_dir=state_dir))
-        except (StarterError, OSError):
+            if out["network"] is not None and st.get("overlay"):
+                from starter.net import overlay
+
+                out["network"]["overlay"] = overlay.read_live(st)     # per peer node
+        except (StarterError, OSError, TypeError, ValueError):
             pass
     return out
 

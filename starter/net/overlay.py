@@ -180,6 +180,35 @@ def read(netns_fd, plan):
     return {"peers": peers, **total}
 
 
+def read_live(entry):
+    """A running job's read() (`starter status`, the metrics), in the job
+    network namespace its starter recorded (its state entry's "namespaces"),
+    opened from its main process and checked as `starter enter` checks it;
+    its peers from the entry's "overlay".  None where the job is gone, or
+    made no part (a task that joined another's)."""
+    from starter.errors import StarterError
+    from starter.isolate import nsidentity
+
+    recorded = (entry.get("namespaces") or {}).get("net")
+    if not recorded or not entry.get("overlay") or int(entry.get("pid") or 0) <= 0:
+        return None
+    try:
+        pidfd = os.pidfd_open(int(entry["pid"]))
+    except OSError:
+        return None
+    try:
+        fds = nsidentity.open_namespaces(pidfd, {"net": recorded})
+    except StarterError:
+        return None
+    finally:
+        os.close(pidfd)
+    try:
+        vni, node, peers = entry["overlay"]
+        return read(fds["net"], Plan(vni, node, peers))
+    finally:
+        nsidentity.close_namespaces(fds)
+
+
 def _in_job(netns_fd, work):
     """work(nft) with a libnftables context made inside the job's namespace
     (its netlink socket lives where it was opened)."""

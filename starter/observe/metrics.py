@@ -193,7 +193,9 @@ def collect(state_dir):
                 if network is not None and entry.get("net_rate"):
                     network["shaping"] = _shaping(entry, job_id, links)
                 if network is not None and entry.get("overlay"):
-                    network["overlay"] = _overlay(entry)
+                    from starter.net import overlay
+
+                    network["overlay"] = overlay.read_live(entry)
             except (StarterError, OSError, TypeError, ValueError):
                 errors += 1
         try:
@@ -275,33 +277,6 @@ def _shaping(entry, job_id, links):
                 os.close(pidfd)
     try:
         return shaping.report(dict(entry["net_rate"]), links[0].shaping_stats(key, fds.get("net")))
-    finally:
-        nsidentity.close_namespaces(fds)
-
-
-def _overlay(entry):
-    """A --net job part's counters per peer, read in its network namespace
-    (the one the starter recorded for the job, checked as `starter enter`
-    checks it) -> overlay.read()'s, or None."""
-    from starter.isolate import nsidentity
-    from starter.net import overlay
-
-    recorded = (entry.get("namespaces") or {}).get("net")
-    if not recorded or int(entry.get("pid") or 0) <= 0:
-        return None
-    try:
-        pidfd = os.pidfd_open(int(entry["pid"]))
-    except OSError:
-        return None
-    try:
-        fds = nsidentity.open_namespaces(pidfd, {"net": recorded})
-    except StarterError:
-        return None
-    finally:
-        os.close(pidfd)
-    try:
-        vni, node, peers = entry["overlay"]
-        return overlay.read(fds["net"], overlay.Plan(vni, node, peers))
     finally:
         nsidentity.close_namespaces(fds)
 
