@@ -112,6 +112,25 @@ def open_namespaces(pidfd, recorded):
     return fds
 
 
+def open_recorded(entry, names):
+    """The namespaces `names` a job's starter recorded in its state entry
+    ("namespaces", "pid"), opened from that process by open_namespaces()
+    -> {name: fd}.  Raises StarterError where the entry records none or the
+    process is gone, NamespacesChanged where it left them."""
+    recorded = entry.get("namespaces") or {}
+    pid = entry.get("pid")
+    if not isinstance(pid, int) or pid <= 0 or not all(recorded.get(n) for n in names):
+        raise StarterError("the job's entry records no such namespaces")
+    try:
+        pidfd = os.pidfd_open(pid)
+    except OSError:
+        raise StarterError(f"the job's PID 1 (pid {pid}) is gone") from None
+    try:
+        return open_namespaces(pidfd, {n: recorded[n] for n in names})
+    finally:
+        os.close(pidfd)
+
+
 def close_namespaces(fds):
     for fd in fds.values():
         try:

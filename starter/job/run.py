@@ -911,21 +911,15 @@ def _owner_namespaces(state_dir, owner):
     from starter.net.part import Gone
     from starter.state import store as S
 
+    names = ("net", "ipc", "pid")
     try:
         st = S.load(state_dir, owner)
-        recorded = {k: st["namespaces"][k] for k in ("net", "ipc", "pid")}
-        pidfd = os.pidfd_open(st["pid"])
-    except (OSError, ValueError, KeyError, TypeError):
-        raise Gone(owner) from None
-    try:
-        fds = nsidentity.open_namespaces(pidfd, recorded)
+        fds = nsidentity.open_recorded(st, names)
     except nsidentity.NamespacesChanged as e:
         raise NetworkError(f"joining the job network's part on this node (job {owner}) failed: {e}") from None
-    except StarterError:
-        raise Gone(owner) from None     # its PID 1 ended meanwhile
-    finally:
-        os.close(pidfd)
-    fds["recorded"] = recorded
+    except (StarterError, OSError, ValueError, TypeError, AttributeError):
+        raise Gone(owner) from None     # its job ended meanwhile
+    fds["recorded"] = {n: st["namespaces"][n] for n in names}
     return fds
 
 

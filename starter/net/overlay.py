@@ -189,19 +189,12 @@ def read_live(entry):
     from starter.errors import StarterError
     from starter.isolate import nsidentity
 
-    recorded = (entry.get("namespaces") or {}).get("net")
-    if not recorded or not entry.get("overlay") or int(entry.get("pid") or 0) <= 0:
+    if not entry.get("overlay"):
         return None
     try:
-        pidfd = os.pidfd_open(int(entry["pid"]))
-    except OSError:
-        return None
-    try:
-        fds = nsidentity.open_namespaces(pidfd, {"net": recorded})
+        fds = nsidentity.open_recorded(entry, ("net",))
     except StarterError:
         return None
-    finally:
-        os.close(pidfd)
     try:
         vni, node, peers = entry["overlay"]
         return read(fds["net"], Plan(vni, node, peers))

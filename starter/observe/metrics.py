@@ -261,20 +261,10 @@ def _shaping(entry, job_id, links):
         from starter.net.veth import Links
 
         links.append(Links())
-    fds = {}
-    recorded = (entry.get("namespaces") or {}).get("net")
-    if recorded and int(entry.get("pid") or 0) > 0:
-        try:
-            pidfd = os.pidfd_open(int(entry["pid"]))
-        except OSError:
-            pidfd = None
-        if pidfd is not None:
-            try:
-                fds = nsidentity.open_namespaces(pidfd, {"net": recorded})
-            except StarterError:
-                pass            # gone, or no longer the job's namespace: the host end alone
-            finally:
-                os.close(pidfd)
+    try:
+        fds = nsidentity.open_recorded(entry, ("net",))
+    except (StarterError, TypeError, ValueError):
+        fds = {}                # gone, or no longer the job's namespace: the host end alone
     try:
         return shaping.report(dict(entry["net_rate"]), links[0].shaping_stats(key, fds.get("net")))
     finally:

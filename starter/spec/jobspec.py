@@ -177,6 +177,8 @@ def passed_env(patterns, environ):
     """--env-pass: the variables of `environ` whose name is one of `patterns`
     (NAME, or PREFIX* for every name that starts with PREFIX), never the
     starter's own STARTER_*."""
+    if not patterns:
+        return {}       # (every job: no walk of the environment)
     names, prefixes = set(), []
     for p in patterns:
         p = V.string("env-pass", p)
