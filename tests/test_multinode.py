@@ -4,6 +4,7 @@ fabric address, state directory and nft table; a starter runs on a node by
 running in its namespace.  Real VXLAN devices, real nft counters.
 """
 
+import contextlib
 import json
 import os
 import socket
@@ -15,7 +16,9 @@ import time
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 import nethosts  # noqa: E402
-from conftest import STARTER, SLOWDOWN, process_alive, wait_running  # noqa: E402
+import pytest  # noqa: E402
+
+from conftest import GID, STARTER, SLOWDOWN, UID, process_alive, wait_running  # noqa: E402
 
 # A TCP server in the job: one connection, prints the bytes it got.
 SERVER = r"""
@@ -338,23 +341,32 @@ int main(int argc, char **argv) {
 """
 
 
-def test_an_mpi_job_across_three_nodes_under_slurm(state_root, tmp_path):
+@pytest.mark.parametrize("who", ["root", "user"])
+def test_an_mpi_job_across_three_nodes_under_slurm(who, state_root, tmp_path, request):
     """srun -N3 --ntasks-per-node=2 --mpi=pmix starter run --net job: every
     rank reports, the two ranks of a node share its part (MPI finds them
     local: shared memory), rank 0's exit code is the step's, and the job's
-    bytes between nodes are in the reports."""
+    bytes between nodes are in the reports.  As root (--user root), and as
+    an ordinary user (nobody) through the set-user-ID starter: its network's
+    id is its Slurm job's (proven by its slurmstepd), its nodes must be in
+    the node policy's LAN (the fabric) and its environment (SLURM_*, PMIX_*,
+    OMPI_* by --env-pass) is read from its relay."""
     import shutil
 
     from slurm import skip_reason
     import slurmnodes
 
     if shutil.which("mpicc") is None:
-        import pytest
-
         pytest.fail("mpicc is missing: scripts/setup --test installs openmpi-bin and libopenmpi-dev")
     why = skip_reason("linuxproc")
     assert not why, why
-    with nethosts.fabric(4, tmp_path / "nodes") as fab, slurmnodes.SlurmNodes(fab, state_root) as c:
+    with contextlib.ExitStack() as stack:
+        fab = stack.enter_context(nethosts.fabric(4, tmp_path / "nodes"))
+        if who == "user":
+            request.getfixturevalue("policy")(
+                '[callers]\nallow = true\nnet = ["none", "nat", "job"]\n', defaults=f'lan = ["{fab.cidr}"]')
+        c = stack.enter_context(slurmnodes.SlurmNodes(fab, state_root, **({"user": (UID, GID)} if who == "user"
+                                                                           else {})))
         hello = c.compile("mpi_hello", MPI_HELLO)
         reports = os.path.join(c.sockdir, "out")
         os.mkdir(reports)
@@ -364,7 +376,7 @@ def test_an_mpi_job_across_three_nodes_under_slurm(state_root, tmp_path):
         # task is PID 1 of a PID namespace of its own).
         env = ["--export=ALL,OMPI_MCA_btl_tcp_if_include=vx0,OMPI_MCA_oob_tcp_if_include=vx0,"
                "OMPI_MCA_btl_vader_single_copy_mechanism=none"]
-        task = (f"exec {STARTER} run --net job --user root --env-pass 'OMPI_*' "
+        task = (f"exec {STARTER} run --net job {'--user root' if who == 'root' else ''} --env-pass 'OMPI_*' "
                 f"--report {reports}/$SLURM_PROCID.json -- {hello}")
         r = c.srun(["-N3", "--ntasks-per-node=2", "--mpi=pmix", *env, "sh", "-c", task], timeout=180)
         lines = sorted(l for l in r.stdout.splitlines() if l.startswith("rank "))
@@ -383,3 +395,61 @@ def test_an_mpi_job_across_three_nodes_under_slurm(state_root, tmp_path):
             assert owner[0]["peers"][name]["out"]["bytes"] > 2 << 20, owner
         for i in range(1, 4):
             assert nethosts.fabric_leftovers(fab).get(f"n{i}") is None
+
+
+def test_a_users_job_network_is_its_slurm_jobs_own(state_root, tmp_path, policy):
+    """An ordinary user's --net job (through the set-user-ID starter), each
+    refused in one line with nothing left, where its word would reach what
+    is not its own: outside a Slurm step (no slurmstepd proves its job);
+    a part on the node with its job's VNI that root started (another's: not
+    joined); a node list reaching out of the node's LAN; a PMIx URI naming
+    a port of the node's loopback that is not its step's server."""
+    import slurmnodes
+
+    with contextlib.ExitStack() as stack:
+        fab = stack.enter_context(nethosts.fabric(2, tmp_path / "nodes"))
+        policy('[callers]\nallow = true\nnet = ["none", "nat", "job"]\n', defaults=f'lan = ["{fab.cidr}"]')
+        c = stack.enter_context(slurmnodes.SlurmNodes(fab, state_root, user=(UID, GID)))
+        node, addr, own_state = c.names[0], fab.addrs[0], c.node_state_dir(1)
+
+        def refused(r, what):
+            # (srun adds a line of its own: "task 0: Exited with exit code 125")
+            ours = [l for l in r.stderr.splitlines() if not l.startswith("srun:")]
+            assert r.returncode == 125 and len(ours) == 1 and what in ours[0], (r.returncode, r.stderr)
+
+        # Outside Slurm: its relay's first ancestor of root's is not a slurmstepd.
+        r = subprocess.run(fab.argv(1, "setpriv", f"--reuid={UID}", f"--regid={GID}", "--clear-groups", "env", "-i",
+                                    f"SLURM_JOB_NODELIST={node}", f"SLURMD_NODENAME={node}", STARTER, "run",
+                                    "--net", "job", "--", "true"), capture_output=True, text=True, timeout=60)
+        refused(r, "needs its Slurm job proven")
+
+        # Root's part of job network 1 on the node: the user's Slurm job 1 (the
+        # cluster's first) has that VNI, and is not let in.
+        root_job = fab.popen(1, STARTER, "run", "--net", "job", "--peers", f"{node}={addr}", "--node", node,
+                             "--net-id", "1", "--state-dir", own_state, "--id", "rootpart", "--", "sleep", "60")
+        wait_running(own_state, "rootpart", root_job)
+        r = c.srun(["-N1", f"-w{node}", STARTER, "run", "--net", "job", "--", "true"], timeout=120)
+        refused(r, "is another's")
+        root_job.terminate()
+        finish(root_job)
+
+        # A node list of its own making that leaves the LAN (the host's own loopback).
+        r = c.srun(["-N1", f"-w{node}", "sh", "-c", f'SLURM_JOB_NODELIST="$SLURMD_NODENAME,localhost" '
+                    f"exec {STARTER} run --net job -- true"], timeout=120)
+        refused(r, "is not in the node's LAN")
+
+        # A PMIx server URI of its own making: a port root listens on in the node's loopback.
+        listener = fab.popen(1, sys.executable, "-c", "import socket, time; s = socket.socket(); "
+                             "s.bind(('127.0.0.1', 0)); s.listen(); print(s.getsockname()[1], flush=True); "
+                             "time.sleep(120)")
+        port = int(listener.stdout.readline())
+        r = c.srun(["-N1", f"-w{node}", "sh", "-c", f"PMIX_SERVER_URI='pmix-server.1;tcp4://127.0.0.1:{port}' "
+                    f"exec {STARTER} run --net job -- true"], timeout=120)
+        refused(r, "which is not where the PMIx server of Slurm step")
+        listener.kill()
+        listener.wait()
+
+        from starter.state import store
+
+        assert store.list_ids(own_state) == [] and not os.path.exists(os.path.join(own_state, "parts"))
+        assert nethosts.fabric_leftovers(fab) == {}

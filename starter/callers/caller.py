@@ -34,11 +34,12 @@ from starter.errors import StarterError
 
 
 class Caller:
-    __slots__ = ("uid", "gid", "groups", "fd", "relay")
+    __slots__ = ("uid", "gid", "groups", "fd", "relay", "_environ", "_step")
 
     def __init__(self, uid, gid, groups, fd=None, relay=None):
         self.uid, self.gid, self.groups, self.fd = uid, gid, tuple(groups), fd
         self.relay = relay      # the relay's pid (our parent while it lives), a process of uid
+        self._environ = self._step = None
 
     def __repr__(self):
         return f"Caller(uid={self.uid}, gid={self.gid}, groups={self.groups})"
@@ -48,6 +49,41 @@ class Caller:
         from starter.storage.paths import as_user
 
         return as_user((self.uid, self.gid, self.groups), why)
+
+    def environ(self):
+        """The caller's environment: its relay's, as the launcher was started
+        with it (this process got none of it), for what --env-pass and
+        --net job take from it.  The caller's word, as its argv is.  {} when
+        the relay is gone (then the start ends anyway: CALLER_GONE)."""
+        if self._environ is None:
+            from starter.storage.paths import as_root
+
+            env = {}
+            try:
+                if self.relay is not None and os.getppid() == self.relay:
+                    with as_root():     # (spec.build runs with the caller's rights)
+                        with open(f"/proc/{self.relay}/environ", "rb") as f:
+                            data = f.read()
+                    if os.getppid() == self.relay:      # still ours: the pid was not reused
+                        for item in data.split(b"\0"):
+                            k, eq, v = item.partition(b"=")
+                            if eq and k:
+                                env[os.fsdecode(k)] = os.fsdecode(v)
+            except OSError:
+                env = {}
+            self._environ = env
+        return self._environ
+
+    def slurm_step(self):
+        """The Slurm step the caller runs in, proven by its relay's
+        ancestors (callers/slurmstep.py); NotInStep if it is not in one."""
+        if self._step is None:
+            from starter.callers import slurmstep
+            from starter.storage.paths import as_root
+
+            with as_root():     # (spec.build runs with the caller's rights)
+                self._step = slurmstep.step_of(self.relay, self.uid)
+        return self._step
 
     def job_slot(self, state_dir, policy):
         """Refuse a caller's job beyond the policy's callers.max_jobs; -> an fd

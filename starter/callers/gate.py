@@ -32,7 +32,11 @@ RULES = (
     ("run as another user or group", None, "starter.callers.gate:check"),
     ("set a node setting (" + ", ".join(ROOT_ONLY) + ")", None, "starter.callers.gate:check"),
     ("a network mode not allowed", "net", "starter.callers.gate:check"),
-    ("a network across nodes (--net job): root only", None, "starter.callers.gate:check"),
+    ("a job network (--net job) under an id but its own Slurm job's", None,
+     "starter.callers.slurmstep:step_of"),
+    ("a job network whose nodes are not in the node's LAN", None, "starter.spec.jobspec:_peers_in_lan"),
+    ("join another job's or user's part of a job network", None, "starter.job.run:_owner_namespaces"),
+    ("reach a port of the node's loopback but its step's PMIx server", None, "starter.job.run:Job._bridge"),
     ("a seccomp profile not allowed", "seccomp", "starter.callers.gate:check"),
     ("bind a source outside the allowed directories", "bind", "starter.callers.gate:_check_mount"),
     ("bind read-only a source outside the allowed directories", "ro_bind", "starter.callers.gate:_check_mount"),
@@ -97,10 +101,6 @@ def check(pol, raw, caller):
         if raw.get(opt) is True and not c[key]:
             _refuse(pol, f"--{opt}", key, f"ask the node's admin to set callers.{key} = true")
     net = raw.get("net", "none")
-    if net == "job":
-        # Its network id is the caller's word: it could name another job's.
-        raise PolicyError("--net job: only root starts a job in a network across nodes in this version",
-                          "use --net nat, or have root (the batch system's starter) start it")
     if net not in c["net"]:
         _refuse(pol, f"--net {V.show(str(net))}", "net")
     seccomp = raw.get("seccomp", pol.defaults.get("seccomp", "default"))

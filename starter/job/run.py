@@ -463,7 +463,8 @@ class Job:
         # The part's files go after its network and init (pushed before
         # them): a task that finds them gone makes the part anew at once.
         self.undo.push(part.close, label="part")
-        got = part.begin(lambda owner: _owner_namespaces(spec.state_dir, owner))
+        got = part.begin(lambda owner: _owner_namespaces(spec.state_dir, owner, spec.network.overlay.net_id,
+                                                          self.caller.uid if self.caller is not None else 0))
         if got is None:
             part.make_shm(spec.limits.memory or M.SHM_SIZE_DEFAULT)
             got = self._part_init()
@@ -658,7 +659,8 @@ class Job:
         self.job_state.update(address=lease.address, host_ifname=lease.host_ifname, gateway=lease.gateway,
                               address6=lease.address6,
                               **({"net_rate": dict(self.netcfg.rate)} if self.netcfg.rate else {}),
-                              **({"overlay": self.netcfg.overlay} if self.netcfg.overlay else {}))
+                              **({"overlay": self.netcfg.overlay, "net_id": self.spec.network.overlay.net_id}
+                                 if self.netcfg.overlay else {}))
         trace.mark("net")
 
     def _bridge(self, fd):
@@ -667,6 +669,20 @@ class Job:
         from starter.net import bridge
 
         eps = bridge.endpoints(self.spec.env)
+        if eps and self.caller is not None:
+            # The URIs are the caller's word: a port of the node's loopback
+            # is reached only where its own step's slurmstepd listens.
+            import _socket
+
+            from starter.callers import slurmstep
+            from starter.errors import NetworkError
+
+            stepd = self.caller.slurm_step().pid
+            for fam, host, port in sorted(eps):
+                if not slurmstep.listener_of(stepd, fam == _socket.AF_INET6, port):
+                    raise NetworkError(f"$PMIX_SERVER_URI names {host}:{port}, which is not where the PMIx "
+                                       f"server of Slurm step {self.caller.slurm_step().job} listens",
+                                       "leave the PMIX_* variables as Slurm set them")
         if eps:
             b = self.pmix_bridge = bridge.Bridge(fd, eps)
             self.undo.push(b.close, label="pmix bridge")
@@ -900,12 +916,14 @@ def _release_scratch(sc, report):
         report.scratch_bytes = removed.bytes + (disk.get("backend") == "image" and disk.get("used_bytes") or 0)
 
 
-def _owner_namespaces(state_dir, owner):
+def _owner_namespaces(state_dir, owner, net_id, caller):
     """A joining task's view of its part: the PID, network and IPC
     namespaces the owner's starter recorded for its job (the part's), opened
     from that job's main process and checked against that record (as
     `starter enter` does) -> {"net": fd, "ipc": fd, "pid": fd, "recorded":
-    {...}}; Gone where that job has ended."""
+    {...}}; Gone where that job has ended.  Only a part of the same job
+    network (net_id: two ids may share a VNI) that the same caller started
+    (its uid; root: 0) is joined."""
     from starter.errors import NetworkError
     from starter.isolate import nsidentity
     from starter.net.part import Gone
@@ -919,6 +937,11 @@ def _owner_namespaces(state_dir, owner):
         raise NetworkError(f"joining the job network's part on this node (job {owner}) failed: {e}") from None
     except (StarterError, OSError, ValueError, TypeError, AttributeError):
         raise Gone(owner) from None     # its job ended meanwhile
+    if st.get("net_id") != net_id or st.get("caller") != caller:
+        _close_all(fds)
+        raise NetworkError(f"the job network's part on this node with this VNI is another's (job {owner}: "
+                           f"network {st.get('net_id')!r}, started by uid {st.get('caller')})",
+                           "two job networks' ids map to one VNI here: start the job once that one ends")
     fds["recorded"] = {n: st["namespaces"][n] for n in names}
     return fds
 

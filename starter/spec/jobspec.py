@@ -194,10 +194,11 @@ def passed_env(patterns, environ):
             if not k.startswith("STARTER_") and (k in names or (prefixes and k.startswith(prefixes)))}
 
 
-def network_from(raw, environ=os.environ):
+def network_from(raw, environ=os.environ, caller=None):
     """The job's Network from the run options in `raw` (also how netd reads
     the node policy's NAT defaults: net/netd.py, node_config); environ: the
-    starter's, where --net job finds what Slurm gives it."""
+    starter's (a caller's: Caller.environ()), where --net job finds what
+    Slurm gives it."""
     mode = V.string("net", raw.get("net", "none"))
     if mode not in NET_MODES:
         raise SpecError("net", f"{V.show(mode)} is not one of {', '.join(NET_MODES)}")
@@ -212,26 +213,31 @@ def network_from(raw, environ=os.environ):
     # Several uplinks: the host's routing picks one per destination; each is
     # masqueraded and counted.  Order does not matter; repeats are dropped.
     uplink = tuple(dict.fromkeys(V.ifname("uplink", u) for u in _list("uplink", raw.get("uplink") or [])))
+    lan = tuple(V.cidr("lan", c) for c in _list("lan", raw.get("lan", [])))
     resolver = raw.get("resolver")
     if resolver is not None:
         resolver = V.ip_address("resolver", resolver)
     return Network(
         mode=mode, ipv6=ipv6_mode("ipv6", raw.get("ipv6") or "auto"),
         pool6=V.cidr("pool6", raw["pool6"]) if raw.get("pool6") else None,
-        lan=tuple(V.cidr("lan", c) for c in _list("lan", raw.get("lan", []))),
+        lan=lan,
         pool=V.cidr("pool", raw["pool"]) if raw.get("pool") else None,
         uplink=uplink,
         allow_host_ports=tuple(parse_host_port("allow-host-port", p) for p in _list("allow-host-port", raw.get("allow-host-port", []))),
         resolver=resolver,
         rate=parse_net_rate("net-rate", raw["net-rate"]) if raw.get("net-rate") else None,
-        overlay=overlay_from(raw, environ) if mode == "job" else None,
+        overlay=overlay_from(raw, environ, caller, lan) if mode == "job" else None,
     )
 
 
-def overlay_from(raw, environ):
+def overlay_from(raw, environ, caller=None, lan=()):
     """--net job's Overlay from --peers, --net-id and --node, each by default
     what Slurm gives the job's processes (SLURM_JOB_NODELIST, SLURM_JOB_ID,
-    SLURMD_NODENAME; the host's name for the node)."""
+    SLURMD_NODENAME; the host's name for the node).  For a caller that is
+    not root (its environment its own word): the id is its Slurm job's,
+    proven by its slurmstepd (callers/slurmstep.py), and every peer must be
+    in the node's LAN (--lan, the node policy's): its part's VXLAN frames,
+    sent by the host, go nowhere else."""
     from starter.spec import peers as P
 
     def given(opt, var, what):
@@ -240,15 +246,36 @@ def overlay_from(raw, environ):
             raise SpecError(opt, f"--net job needs {what}", f"give --{opt}, or run it under Slurm (${var})")
         return v
 
-    net_id = V.string("net-id", given("net-id", "SLURM_JOB_ID", "the job network's id"))
+    if caller is not None:
+        net_id = caller.slurm_step().job
+    else:
+        net_id = V.string("net-id", given("net-id", "SLURM_JOB_ID", "the job network's id"))
     vni = P.vni_of("net-id", net_id)
     peers = P.parse("peers", given("peers", "SLURM_JOB_NODELIST", "the job's nodes"), P.resolve)
+    if caller is not None:
+        _peers_in_lan(peers, lan)
     node = raw.get("node") or environ.get("SLURMD_NODENAME") or os.uname().nodename.split(".")[0]
     node = V.hostname("node", node)
     if node not in dict(peers):
         raise SpecError("node", f"this node, {node}, is not one of the job's nodes in --peers",
                         "give this node's name there with --node")
     return Overlay(net_id=net_id, vni=vni, node=node, peers=peers)
+
+
+def _peers_in_lan(peers, lan):
+    """A caller's peers (its word: $SLURM_JOB_NODELIST) must be nodes of the
+    node's LAN."""
+    import ipaddress
+
+    if not lan:
+        raise SpecError("net", "--net job for a caller needs the node's LAN (its fabric) to check the job's nodes against",
+                        "the node's admin sets [defaults] lan in the node policy")
+    nets = [ipaddress.ip_network(c, strict=False) for c in lan]
+    for name, addr in peers:
+        a = ipaddress.ip_address(addr)
+        if not any(a.version == n.version and a in n for n in nets):
+            raise SpecError("net", f"node {name} of the job ({addr}) is not in the node's LAN ({', '.join(lan)})",
+                            "a caller's job network reaches the nodes of the LAN only")
 
 
 def _make(raw, caller=None, asked=None):
@@ -294,8 +321,10 @@ def _make(raw, caller=None, asked=None):
     env = {"PATH": DEFAULT_PATH, "HOME": home or "/"}
     if uname:
         env["USER"] = env["LOGNAME"] = uname
+    # Passed from the caller's own environment (its word, as --env is).
+    environ = caller.environ() if caller is not None else os.environ
     env.update(passed_env(_list("env-pass", raw.get("env-pass", [])) + (list(JOB_ENV_PASS) if raw.get("net") == "job"
-                                                                       else []), os.environ))
+                                                                       else []), environ))
 
     # Devices by assignment only (starter/isolate/devices.py): each node bound at its
     # host path and allowed by the job's cgroup; GPUs with their control nodes.
@@ -337,7 +366,7 @@ def _make(raw, caller=None, asked=None):
         env.update(dict.fromkeys(THREAD_VARS, str(threads)))
     env.update(given_env)           # the job's own word wins
 
-    network = network_from(raw)
+    network = network_from(raw, environ, caller)
 
     def opt_path(key, must_exist=False):
         v = raw.get(key)

@@ -114,7 +114,7 @@ OPTIONS = (
     Option("resolver", "value", "network.resolver", ("resolver", "ip"), None, "nat",
            "IP  name server (IPv4 or IPv6) written to the job's /etc/resolv.conf"),
     Option("env-pass", "multi", "env_pass", None, None, "any",
-           "NAME|PREFIX*  copy these of the starter's own environment into the job's (--env wins; --net job passes SLURM_*, PMIX_*, PMI_* itself)"),
+           "NAME|PREFIX*  copy these of the caller's environment into the job's (--env wins; --net job passes SLURM_*, PMIX_*, PMI_* itself)"),
     Option("peers", "value", "network.peers", None, None, "job",
            "HOSTLIST  --net job: the job's nodes, NAME or NAME=ADDRESS, Slurm's [] ranges (default $SLURM_JOB_NODELIST)"),
     Option("net-id", "value", "network.net_id", None, None, "job",

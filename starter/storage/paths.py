@@ -238,3 +238,22 @@ class as_user:
         gid, groups = self.saved
         self.saved = None
         _switch(0, gid, groups)
+
+
+class as_root:
+    """`with as_root():` inside as_user, root's effective ids again for the
+    block (what only root may read: another process's /proc files), then
+    the user's again; outside it, nothing changes."""
+
+    __slots__ = ("saved",)
+
+    def __enter__(self):
+        self.saved = None
+        if os.geteuid() != 0:
+            self.saved = (os.geteuid(), os.getegid(), os.getgroups())
+            _switch(0, 0, ())
+        return self
+
+    def __exit__(self, *exc):
+        if self.saved is not None:
+            _switch(*self.saved)

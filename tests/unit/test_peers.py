@@ -107,3 +107,64 @@ def test_env_pass_copies_names_and_prefixes_never_the_starters_own():
     for bad in ("*", "A-B", "1X", "A*B*", "$(id)", ""):
         with pytest.raises(SpecError):
             jobspec.passed_env([bad], env)
+
+
+# -- a caller's Slurm step (starter/callers/slurmstep.py) ----------------------
+
+@pytest.mark.parametrize("cmdline, want", [
+    (b"slurmstepd: [4242.0]\0\0\0", ("4242", "0")),
+    (b"slurmstepd: [7.batch]", ("7", "batch")),
+    (b"slurmstepd: [7.extern]\0", ("7", "extern")),
+    (b"slurmstepd: [9.1+2]", ("9", "1+2")),
+    (b"slurmstepd: [12]", ("12", None)),
+    (b"slurmstepd: [x.0]", None),
+    (b"slurmstepd [7.0]", None),
+    (b"sh\0-c\0slurmstepd: [7.0]", None),
+    (b"slurmstepd: [7.0", None),
+    (b"slurmstepd: [7.a/b]", None),
+    (b"slurmstepd: [99999999999.0]", None),
+    (b"", None),
+])
+def test_slurmstepd_titles(cmdline, want):
+    from starter.callers import slurmstep
+
+    assert slurmstep.parse_title(cmdline) == want
+
+
+def test_slurmstepd_titles_fuzzed():
+    import random
+
+    from starter.callers import slurmstep
+
+    rng = random.Random(7)
+    for _ in range(3000):
+        raw = bytes(rng.randrange(256) for _ in range(rng.randrange(40)))
+        got = slurmstep.parse_title(b"slurmstepd: [" + raw if rng.random() < 0.5 else raw)
+        assert got is None or (got[0].isdigit() and (got[1] is None or got[1].replace("+", "").isalnum()))
+
+
+PROC_NET_TCP = """\
+  sl  local_address rem_address   st tx_queue rx_queue tr tm->when retrnsmt   uid  timeout inode
+   0: 0100007F:A2C4 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 811 1 0000 100 0 0 10 0
+   1: 00000000:1A0B 00000000:0000 0A 00000000:00000000 00:00000000 00000000     0        0 812 1 0000 100 0 0 10 0
+   2: 0100007F:A2C4 0100007F:D431 01 00000000:00000000 00:00000000 00000000     0        0 813 1 0000 20 4 30 10 -1
+"""
+
+
+def test_tcp_listeners_from_proc_net_tcp():
+    from starter.callers import slurmstep
+
+    assert slurmstep.tcp_listeners(PROC_NET_TCP, 0xA2C4) == {811}      # not the connection (813)
+    assert slurmstep.tcp_listeners(PROC_NET_TCP, 0x1A0B) == {812}
+    assert slurmstep.tcp_listeners(PROC_NET_TCP, 80) == set()
+    assert slurmstep.tcp_listeners("garbage\nmore garbage here x y z w v u t s\n", 1) == set()
+
+
+def test_a_callers_peers_must_be_in_the_nodes_lan():
+    with pytest.raises(SpecError, match="is not in the node's LAN"):
+        jobspec._peers_in_lan((("n1", "10.0.0.1"), ("n2", "192.168.1.1")), ("10.0.0.0/8",))
+    with pytest.raises(SpecError, match=r"\[defaults\] lan"):
+        jobspec._peers_in_lan((("n1", "10.0.0.1"),), ())
+    with pytest.raises(SpecError, match="is not in the node's LAN"):
+        jobspec._peers_in_lan((("n1", "fd00::1"),), ("10.0.0.0/8",))
+    jobspec._peers_in_lan((("n1", "10.0.0.1"), ("n2", "fd00::2")), ("10.0.0.0/8", "fd00::/64"))
