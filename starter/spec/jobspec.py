@@ -321,10 +321,11 @@ def _make(raw, caller=None, asked=None):
     env = {"PATH": DEFAULT_PATH, "HOME": home or "/"}
     if uname:
         env["USER"] = env["LOGNAME"] = uname
-    # Passed from the caller's own environment (its word, as --env is).
-    environ = caller.environ() if caller is not None else os.environ
-    env.update(passed_env(_list("env-pass", raw.get("env-pass", [])) + (list(JOB_ENV_PASS) if raw.get("net") == "job"
-                                                                       else []), environ))
+    # Passed from the caller's own environment (its word, as --env is; read
+    # only for a job that takes something of it).
+    passed = _list("env-pass", raw.get("env-pass", [])) + (list(JOB_ENV_PASS) if raw.get("net") == "job" else [])
+    environ = os.environ if caller is None else caller.environ() if passed else {}
+    env.update(passed_env(passed, environ))
 
     # Devices by assignment only (starter/isolate/devices.py): each node bound at its
     # host path and allowed by the job's cgroup; GPUs with their control nodes.
