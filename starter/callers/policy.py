@@ -45,6 +45,7 @@ DEFAULT_KEYS.update({
 # Options whose defaults only make sense for a NAT job (spec refuses them otherwise).
 NET_OPTIONS = registry.nat_only()
 NAT_DEFAULTS = NET_OPTIONS + ("net-rate",)
+JOB_DEFAULTS = registry.job_only()
 
 # [callers] key -> (kind, built-in value).
 CALLER_KEYS = {
@@ -100,6 +101,8 @@ class Policy:
         gate.apply() checks first and caps after."""
         for opt, value in self.defaults.items():
             if opt in NAT_DEFAULTS and raw.get("net") not in NAT_MODES:
+                continue
+            if opt in JOB_DEFAULTS and raw.get("net") != "job":
                 continue
             if opt == "net-rate":               # per zone: the job's own win
                 from starter.spec import options as O
@@ -379,8 +382,12 @@ def _check(kind, key, val):
                 raise SpecError(key, f"{V.show(g)} must be an absolute path or glob without '..'")
             out.append(g)
         return tuple(out)
-    if kind in ("dir", "dirs"):
-        items = [val] if kind == "dir" else strings(val)
+    if kind == "transport":
+        if val not in O.NET_TRANSPORTS:
+            raise SpecError(key, f"{V.show(str(val))} is not one of {', '.join(O.NET_TRANSPORTS)}")
+        return val
+    if kind in ("dir", "dirs", "file"):
+        items = strings(val) if kind == "dirs" else [val]
         out = []
         for d in items:
             # Absolute before anything else: a relative one would be
@@ -389,7 +396,7 @@ def _check(kind, key, val):
             if not V.string(key, d).startswith("/"):
                 raise SpecError(key, f"{V.show(d)} must be an absolute path")
             out.append(norm_path(V.host_path(key, d)))
-        return out[0] if kind == "dir" else tuple(out)
+        return tuple(out) if kind == "dirs" else out[0]
     if kind == "run_dirs":
         out = []
         for d in strings(val):

@@ -50,8 +50,9 @@ class NetConfig:
     table             the nft table (inet family); always starter*
     rate              ((zone, bits/s), ...) the job's bandwidth caps
                       (net/shaping.py); per job, not part of the table
-    overlay           --net job: (vni, node, ((name, fabric address), ...)),
-                      the job's network across its nodes (net/overlay.py);
+    overlay           --net job: (vni, node, ((name, fabric address), ...),
+                      transport, network id, node key path), the job's
+                      network across its nodes (net/overlay.py);
                       per job, not part of the table; None: none
     """
 
@@ -73,7 +74,8 @@ class NetConfig:
         s(self, "table", table)
         s(self, "rate", tuple((z, b) for z, b in rate or ()))
         s(self, "overlay", None if not overlay else
-          (int(overlay[0]), str(overlay[1]), tuple((str(n), str(a)) for n, a in overlay[2])))
+          (int(overlay[0]), str(overlay[1]), tuple((str(n), str(a)) for n, a in overlay[2]),
+           *(tuple(str(x) for x in overlay[3:6]) or ("vxlan", "", ""))))
 
     def __setattr__(self, name, value):
         raise AttributeError("NetConfig is immutable")
@@ -147,7 +149,7 @@ def config_of(n, state_dir):
 
 def _overlay(o):
     """A spec's Overlay -> NetConfig.overlay."""
-    return None if o is None else (o.vni, o.node, o.peers)
+    return None if o is None else (o.vni, o.node, o.peers, o.transport, o.net_id, o.key)
 
 
 def socket_path(cfg):

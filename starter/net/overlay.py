@@ -14,6 +14,13 @@ A node's part of the job is one device in the job's network namespace:
           VNI, the index) and one forwarding entry (that MAC -> the peer's
           fabric address): no flooding, no learning, no ARP on the fabric
 
+With --net-transport wireguard the device is wg0, a WireGuard device made
+the same way (its socket too stays in the host's namespace), with one peer
+per other node (its public key, fabric address and port, and its two
+addresses in the job network as allowed IPs): every packet between nodes
+authenticated and encrypted with the job's own keys (net/wireguard.py).
+Addresses, /etc/hosts and counters are the same as with VXLAN.
+
 Jobs do not see each other's segments: each job has its own VNI and its own
 namespace, so the same addresses serve every job.  Nothing of it lives on
 the host: the device, its entries and the job's counters (an nft table in
@@ -32,6 +39,7 @@ from starter.errors import NetworkError
 NET4 = "10.214.0.0/16"
 NET6 = "fd70:7639:1865::/64"
 IFNAME = "vx0"
+WG_IFNAME = "wg0"
 GONE_WAIT = 3.0     # s a new part waits for the device of one that just ended
 # outer IP + UDP + VXLAN + inner Ethernet headers
 OVERHEAD = {4: 20 + 8 + 8 + 14, 6: 40 + 8 + 8 + 14}
@@ -41,10 +49,14 @@ class Plan:
     """The job network as every node computes it (pure).
 
     vni, node (this node's name), peers ((name, fabric address), ...),
-    index (this node's place in peers), local (its fabric address)."""
+    index (this node's place in peers), local (its fabric address),
+    transport (vxlan, wireguard), net_id and key (wireguard's: the job
+    network's id and the node network key's path), ifname (its device)."""
 
-    def __init__(self, vni, node, peers):
+    def __init__(self, vni, node, peers, transport="vxlan", net_id="", key=""):
         self.vni, self.node = int(vni), node
+        self.transport, self.net_id, self.key = transport, net_id, key
+        self.ifname = WG_IFNAME if transport == "wireguard" else IFNAME
         self.peers = tuple((str(n), str(a)) for n, a in peers)
         names = [n for n, _a in self.peers]
         self.index = names.index(node)
@@ -52,7 +64,8 @@ class Plan:
 
     @classmethod
     def of(cls, overlay):
-        """From NetConfig.overlay: (vni, node, peers)."""
+        """From NetConfig.overlay (or a state entry's "overlay"): (vni, node,
+        peers[, transport, net_id, key])."""
         return cls(*overlay)
 
     def address(self, i, family=4):
@@ -89,48 +102,93 @@ def has_ipv6():
 
 def setup(rt, netns_fd, plan, port):
     """Make the job's part of its network in the namespace behind netns_fd.
-    rt: an rtnl.Rtnl in the host's namespace (where the fabric is).
-    -> the record the report keeps.  On error: NetworkError; what was made
-    lies in the job's namespace, which the failed start removes."""
+    rt: an rtnl.Rtnl in the host's namespace (where the fabric is); port:
+    VXLAN's.  -> the record the report keeps.  On error: NetworkError; what
+    was made lies in the job's namespace, which the failed start removes."""
     from starter.net import rtnl, veth
     from starter.net.rtnl import RtnlError
 
     family = 6 if ":" in plan.local else 4
-    mtu = _fabric_mtu(rt, plan.local, family) - OVERHEAD[family]
-    deadline = time.monotonic() + GONE_WAIT
-    while True:
-        try:
-            rt.run([rtnl.new_vxlan(IFNAME, plan.vni, plan.local, port, netns_fd, mtu, plan.mac(plan.index))])
-            break
-        except RtnlError as e:
-            # The part before this one on the node ended just now: its vx0
-            # goes with its namespace, which the kernel finishes a moment later.
-            if e.code != errno.EEXIST or time.monotonic() > deadline:
-                raise _error(e, plan) from None
-            time.sleep(0.02)
+    wg = plan.transport == "wireguard"
+    if wg:
+        from starter.net import wireguard
+
+        # (the key first: a node without it makes nothing)
+        keys = wireguard.Keys(wireguard.read_node_key(plan.key), plan.net_id, plan.node, [n for n, _a in plan.peers])
+        mtu = _fabric_mtu(rt, plan.local, family) - wireguard.OVERHEAD[family]
+        make = rtnl.new_wireguard(plan.ifname, netns_fd, mtu)
+    else:
+        mtu = _fabric_mtu(rt, plan.local, family) - OVERHEAD[family]
+        make = rtnl.new_vxlan(plan.ifname, plan.vni, plan.local, port, netns_fd, mtu, plan.mac(plan.index))
+    _retry_gone(lambda: rt.run([make]), errno.EEXIST, plan)
     v6 = has_ipv6()
-    sysctls = ((IFNAME, "addr_gen_mode", "1", True), (IFNAME, "accept_dad", "0", True),
-               (IFNAME, "accept_ra", "0", True)) if v6 else ()
+    sysctls = ((plan.ifname, "addr_gen_mode", "1", True), (plan.ifname, "accept_dad", "0", True),
+               (plan.ifname, "accept_ra", "0", True)) if v6 else ()
     job = rtnl.Rtnl(veth.netlink_socket_in(netns_fd, sysctls))
     try:
-        (got,) = job.run([rtnl.get_link(IFNAME)])
+        (got,) = job.run([rtnl.get_link(plan.ifname)])
         idx = rtnl.link_info(got[0][1])[0]
         reqs = [rtnl.add_address(idx, plan.address(plan.index), 16)]
         if v6:
             reqs.append(rtnl.add_address(idx, plan.address(plan.index, 6), 64, nodad=True))
-        for i, _name, fabric in plan.others():
+        for i, _name, fabric in plan.others() if not wg else ():
             reqs += [rtnl.add_neigh(idx, plan.address(i), plan.mac(i)), rtnl.add_fdb(idx, plan.mac(i), fabric)]
             if v6:
                 reqs.append(rtnl.add_neigh(idx, plan.address(i, 6), plan.mac(i)))
-        reqs.append(rtnl.set_up(idx))
-        job.run(reqs)
+        if wg:
+            job.run(reqs)
+            reqs = []
+            _configure_wireguard(netns_fd, plan, keys, idx, v6)
+        job.run(reqs + [rtnl.set_up(idx)])
     except RtnlError as e:
-        raise NetworkError(f"configuring the job network's {IFNAME} failed: {os.strerror(e.code)}") from None
+        raise NetworkError(f"configuring the job network's {plan.ifname} failed: {os.strerror(e.code)}") from None
     finally:
         job.close()
     _in_job(netns_fd, lambda nft: nft.run(_counter_table(plan, v6), "the job network's counters"))
     return {"vni": plan.vni, "node": plan.node, "address": plan.address(plan.index),
-            "address6": plan.address(plan.index, 6) if v6 else None, "mtu": mtu}
+            "address6": plan.address(plan.index, 6) if v6 else None, "mtu": mtu, "transport": plan.transport}
+
+
+def _retry_gone(work, code, plan):
+    """work(), again while it fails with `code` for at most GONE_WAIT: the
+    part before this one on the node ended just now, and its device (with
+    its socket) goes with its namespace, which the kernel finishes a moment
+    later."""
+    from starter.net.rtnl import RtnlError
+
+    deadline = time.monotonic() + GONE_WAIT
+    while True:
+        try:
+            return work()
+        except RtnlError as e:
+            if e.code != code or time.monotonic() > deadline:
+                raise _error(e, plan) from None
+            time.sleep(0.02)
+
+
+def _configure_wireguard(netns_fd, plan, keys, idx, v6):
+    """wg0's key, port and peers, over generic netlink from a socket in the
+    job's namespace (where its ifindex is)."""
+    import _socket
+
+    from starter.net import rtnl, veth, wireguard
+
+    sock = veth.in_netns(netns_fd, lambda: _socket.socket(
+        _socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC, wireguard.NETLINK_GENERIC))
+    genl = rtnl.Rtnl(sock)
+    try:
+        try:
+            (got,) = genl.run([wireguard.family_request()])
+            fam = wireguard.family_id(got[0][1])
+        except (rtnl.RtnlError, ValueError, IndexError):
+            raise NetworkError("the kernel's WireGuard does not answer (no wireguard family)",
+                               "modprobe wireguard") from None
+        port = wireguard.port_of(plan.vni)
+        peers = [(keys.public[name], fabric, port,
+                  [plan.address(i)] + ([plan.address(i, 6)] if v6 else [])) for i, name, fabric in plan.others()]
+        _retry_gone(lambda: genl.run([wireguard.set_device(fam, idx, keys, port, peers)]), errno.EADDRINUSE, plan)
+    finally:
+        genl.close()
 
 
 def _counter_table(plan, v6):
@@ -138,7 +196,7 @@ def _counter_table(plan, v6):
 
     from starter.net import liveness
 
-    return nftrules.overlay_table(IFNAME, [(i, plan.address(i), plan.address(i, 6) if v6 else None)
+    return nftrules.overlay_table(plan.ifname, [(i, plan.address(i), plan.address(i, 6) if v6 else None)
                                            for i, _n, _a in plan.others()], liveness.PORT)
 
 
@@ -196,8 +254,7 @@ def read_live(entry):
     except StarterError:
         return None
     try:
-        vni, node, peers = entry["overlay"]
-        return read(fds["net"], Plan(vni, node, peers))
+        return read(fds["net"], Plan.of(entry["overlay"]))
     finally:
         nsidentity.close_namespaces(fds)
 
@@ -227,9 +284,16 @@ def _fabric_mtu(rt, local, family):
 
 
 def _error(e, plan):
+    if e.code == errno.EADDRINUSE:
+        from starter.net import wireguard
+
+        return NetworkError(f"the job network's WireGuard port {wireguard.port_of(plan.vni)} is taken on this node",
+                            "another job network whose id maps to that port runs here: start the job once it ends")
     if e.code == errno.EEXIST:
         return NetworkError(f"the job network {plan.vni} (VXLAN id) already has a part on this node",
                             "one part per node: another job with the same --net-id runs here")
     if e.code == errno.EOPNOTSUPP:
+        if plan.transport == "wireguard":
+            return NetworkError("the kernel lacks WireGuard support", "modprobe wireguard (Linux 5.6 or later)")
         return NetworkError("the kernel lacks VXLAN support", "modprobe vxlan")
-    return NetworkError(f"creating the job network's {IFNAME} failed: {os.strerror(e.code)}")
+    return NetworkError(f"creating the job network's {plan.ifname} failed: {os.strerror(e.code)}")

@@ -99,6 +99,16 @@ def new_vxlan(name, vni, local, port, netns_fd, mtu, mac):
     return RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body
 
 
+def new_wireguard(name, netns_fd, mtu):
+    """A WireGuard device born in the namespace behind netns_fd, down; its
+    UDP socket (net/wireguard.py sets its port) stays in the namespace of
+    the socket that sends this, where the fabric is."""
+    info = netlink.attr(IFLA_INFO_KIND, b"wireguard")
+    body = (_ifinfo() + _name(IFLA_IFNAME, name) + netlink.attr(IFLA_NET_NS_FD, struct.pack("=I", netns_fd))
+            + netlink.attr(IFLA_MTU, struct.pack("=I", mtu)) + netlink.attr(IFLA_LINKINFO | NLA_F_NESTED, info))
+    return RTM_NEWLINK, NLM_F_CREATE | NLM_F_EXCL, body
+
+
 def add_neigh(index, address, mac):
     """A permanent neighbour entry: address is at mac on link index."""
     body = (struct.pack(_NDMSG, _family(address), 0, 0, index, NUD_PERMANENT, 0, 0)

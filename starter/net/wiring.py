@@ -68,7 +68,7 @@ def _overlay_report(cfg, netns_fd):
     from starter.net import overlay
 
     plan = overlay.Plan.of(cfg.overlay)
-    out = {"vni": plan.vni, "node": plan.node, "address": plan.address(plan.index)}
+    out = {"vni": plan.vni, "node": plan.node, "address": plan.address(plan.index), "transport": plan.transport}
     got = overlay.read(netns_fd, plan) if netns_fd is not None else None
     out.update(got or {"peers": None})
     return out

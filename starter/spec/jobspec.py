@@ -17,6 +17,7 @@ from starter.spec import values as V
 from starter.errors import SpecError
 # The option parsers; policy, admin, job, cli and tests name some as spec.X.
 from starter.spec.options import IPV6_MODES, MAX_CPUS, MAX_DISK_INODES, MAX_PIDS, MAX_WALL, NAT_MODES, NET_MODES  # noqa: F401
+from starter.spec.options import DEFAULT_NET_KEY, NET_TRANSPORTS
 from starter.spec.options import ipv6_mode, seccomp_choice
 from starter.spec.options import DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS, caller_user, check_cwd, parse_env, parse_host_port, parse_io_max, parse_net_rate, parse_mount, parse_on_signal, parse_rlimit, resolve_group, resolve_user, rlimit_table, own_cpus, state_dir, thread_count
 
@@ -91,9 +92,10 @@ class Overlay(Spec):
     """mode job: the job's network across its nodes (starter/net/overlay.py).
     net_id: the same on every node; vni: its VXLAN id; node: this node's
     name; peers: ((name, fabric address), ...) in the order every node
-    expands them (this node among them)."""
+    expands them (this node among them); transport: vxlan or wireguard;
+    key: wireguard's node network key (a path)."""
 
-    __slots__ = ("net_id", "vni", "node", "peers")
+    __slots__ = ("net_id", "vni", "node", "peers", "transport", "key")
     DEFAULTS = {}
 
 
@@ -207,7 +209,7 @@ def network_from(raw, environ=os.environ, caller=None):
             if raw.get(k):
                 raise SpecError(k, "only applies with --net nat or job")
     if mode != "job":
-        for k in ("peers", "net-id", "node"):
+        for k in ("peers", "net-id", "node", "net-transport", "net-key"):
             if raw.get(k):
                 raise SpecError(k, "only applies with --net job")
     # Several uplinks: the host's routing picks one per destination; each is
@@ -259,7 +261,15 @@ def overlay_from(raw, environ, caller=None, lan=()):
     if node not in dict(peers):
         raise SpecError("node", f"this node, {node}, is not one of the job's nodes in --peers",
                         "give this node's name there with --node")
-    return Overlay(net_id=net_id, vni=vni, node=node, peers=peers)
+    transport = V.string("net-transport", raw.get("net-transport") or "vxlan")
+    if transport not in NET_TRANSPORTS:
+        raise SpecError("net-transport", f"{V.show(transport)} is not one of {', '.join(NET_TRANSPORTS)}")
+    if raw.get("net-key") and transport != "wireguard":
+        raise SpecError("net-key", "only applies with --net-transport wireguard")
+    key = V.host_path("net-key", raw.get("net-key") or DEFAULT_NET_KEY) if transport == "wireguard" else ""
+    if key and not key.startswith("/"):
+        raise SpecError("net-key", f"{V.show(key)} must be an absolute path")
+    return Overlay(net_id=net_id, vni=vni, node=node, peers=peers, transport=transport, key=key)
 
 
 def _peers_in_lan(peers, lan):

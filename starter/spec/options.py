@@ -37,6 +37,8 @@ MAX_PIDS = 4194304            # pid_max limit of the kernel
 MAX_WALL = 366 * 86400
 MAX_DISK_INODES = (1 << 32) - 1
 NET_MODES = ("none", "host", "nat", "job")
+NET_TRANSPORTS = ("vxlan", "wireguard")      # --net job's (net/overlay.py, net/wireguard.py)
+DEFAULT_NET_KEY = "/etc/starter/network.key"
 # the modes whose job has a NAT network (job: plus the job network across its nodes)
 NAT_MODES = ("nat", "job")
 IPV6_MODES = ("auto", "on", "off")   # network.ipv6 / --ipv6 (see starter.net.NetConfig)

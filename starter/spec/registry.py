@@ -121,6 +121,10 @@ OPTIONS = (
            "ID  --net job: the job network's id, the same on every node (default $SLURM_JOB_ID)"),
     Option("node", "value", "network.node", None, None, "job",
            "NAME  --net job: this node's name in --peers (default $SLURMD_NODENAME, else the host name)"),
+    Option("net-transport", "value", "network.transport", ("net_transport", "transport"), None, "job",
+           "vxlan|wireguard  --net job: how the job network crosses the fabric: vxlan (default), or wireguard (encrypted, per-job keys)"),
+    Option("net-key", "value", "network.net_key", ("net_key", "file"), None, "job",
+           "FILE  --net-transport wireguard: the node network key, the same on every node (default /etc/starter/network.key)"),
     Option("scratch", "value", "scratch", None, None, "any",
            "DIR  fresh private working directory, removed at the end"),
     Option("execute-dir", "value", "execute_dir", ("execute_dir", "dir"), None, "any",
@@ -188,6 +192,10 @@ def caller_flags():
 
 def root_only():
     return tuple(o.name for o in OPTIONS if o.who in ("root", "nat", "job"))
+
+
+def job_only():
+    return tuple(o.name for o in OPTIONS if o.who == "job")
 
 
 def nat_only():

@@ -168,3 +168,75 @@ def test_a_callers_peers_must_be_in_the_nodes_lan():
     with pytest.raises(SpecError, match="is not in the node's LAN"):
         jobspec._peers_in_lan((("n1", "fd00::1"),), ("10.0.0.0/8",))
     jobspec._peers_in_lan((("n1", "10.0.0.1"), ("n2", "fd00::2")), ("10.0.0.0/8", "fd00::/64"))
+
+
+# -- the WireGuard transport (starter/net/wireguard.py) -------------------------
+
+def test_x25519_rfc7748_vectors():
+    from starter.net import wireguard as W
+
+    a = bytes.fromhex("77076d0a7318a57d3c16c17251b26645df4c2f87ebc0992ab177fba51db92c2a")
+    b = bytes.fromhex("5dab087e624a8a4b79e17f8b83800ee66f3bb1292618b6fd1c2f8b27ff88e0eb")
+    pa, pb = W.x25519(a), W.x25519(b)
+    assert pa.hex() == "8520f0098930a754748b7ddcb43ef75a0dbf3a0d26381af4eba4a98eaa9b4e6a"
+    assert pb.hex() == "de9edb7d7b7dc1b4d35b61c2ece435373f8343c85b78674dadfc7e146f882b4f"
+    assert W.x25519(a, pb) == W.x25519(b, pa) == bytes.fromhex(
+        "4a5d9d5ba4ce2de1728e3bf480350f25e07e21c947d19e3376f09b3c1e161742")
+
+
+def test_every_node_derives_the_same_keys_and_another_job_or_node_key_others():
+    from starter.net import wireguard as W
+
+    names = ["n1", "n2", "n3"]
+    k1, k2 = W.Keys(b"k" * 32, "4242", "n1", names), W.Keys(b"k" * 32, "4242", "n2", names)
+    assert k1.public["n2"] == W.x25519(k2.private) and k2.public["n1"] == W.x25519(k1.private)
+    assert k1.psk == k2.psk and set(k1.public) == {"n2", "n3"}
+    other_job, other_key = W.Keys(b"k" * 32, "4243", "n1", names), W.Keys(b"j" * 32, "4242", "n1", names)
+    assert len({k1.private, other_job.private, other_key.private}) == 3
+    assert len({k1.psk, other_job.psk, other_key.psk}) == 3
+
+
+def test_wireguard_set_device_message():
+    import struct
+
+    from starter.net import netlink, wireguard as W
+
+    keys = W.Keys(b"k" * 32, "7", "n1", ["n1", "n2"])
+    fam, flags, body = W.set_device(0x1234, 5, keys, W.port_of(7), [(keys.public["n2"], "10.0.0.2", W.port_of(7),
+                                                                      ["10.214.0.2", "fd70:7639:1865::2"])])
+    assert fam == 0x1234 and body[:2] == bytes([W.WG_CMD_SET_DEVICE, 1])
+    top = {k: v for k, v, _raw in netlink.attrs(body[4:])}
+    assert struct.unpack("=I", top[W.WGDEVICE_A_IFINDEX])[0] == 5 and top[W.WGDEVICE_A_PRIVATE_KEY] == keys.private
+    assert struct.unpack("=H", top[W.WGDEVICE_A_LISTEN_PORT])[0] == W.port_of(7) == W.PORT_BASE + 7
+    (peer,) = [v for _k, v, _r in netlink.attrs(top[W.WGDEVICE_A_PEERS])]
+    p = {k: v for k, v, _raw in netlink.attrs(peer)}
+    assert p[W.WGPEER_A_PUBLIC_KEY] == keys.public["n2"] and p[W.WGPEER_A_PRESHARED_KEY] == keys.psk
+    assert p[W.WGPEER_A_ENDPOINT][4:8] == bytes([10, 0, 0, 2]) and struct.unpack("!H", p[W.WGPEER_A_ENDPOINT][2:4])[0] \
+        == W.port_of(7)
+    masks = sorted(dict((k, v) for k, v, _r in netlink.attrs(a))[W.WGALLOWEDIP_A_CIDR_MASK][0]
+                   for _k, a, _r in netlink.attrs(p[W.WGPEER_A_ALLOWEDIPS]))
+    assert masks == [32, 128]
+
+
+@pytest.mark.parametrize("raw, what", [
+    ({"net-transport": "ipsec"}, "is not one of vxlan, wireguard"),
+    ({"net-key": "/k"}, "only applies with --net-transport wireguard"),
+])
+def test_transport_options_are_checked(raw, what):
+    base = {"net": "job", "net-id": "5", "peers": "n1=10.0.0.1", "node": "n1"}
+    with pytest.raises(SpecError, match=what):
+        jobspec.network_from({**base, **raw}, {})
+    with pytest.raises(SpecError, match="only applies with --net job"):
+        jobspec.network_from({"net": "nat", "net-transport": "wireguard"}, {})
+
+
+def test_the_wireguard_overlay_record_carries_its_transport_and_key():
+    n = jobspec.network_from({"net": "job", "net-id": "5", "peers": "n1=10.0.0.1", "node": "n1",
+                              "net-transport": "wireguard"}, {})
+    assert (n.overlay.transport, n.overlay.key) == ("wireguard", "/etc/starter/network.key")
+    from starter import net
+
+    cfg = net.config_of(n, "/run/starter")
+    assert cfg.overlay[3:] == ("wireguard", "5", "/etc/starter/network.key")
+    assert overlay.Plan.of(cfg.overlay).ifname == "wg0"
+    assert overlay.Plan.of(cfg.overlay[:3]).ifname == "vx0"       # an entry from before transports

@@ -100,3 +100,18 @@ def test_caller_mounts(mount, ok):
         assert ok
     except StarterError:
         assert not ok
+
+
+def test_job_network_defaults_apply_to_net_job_only():
+    """[defaults] net_transport and net_key (a site whose fabric is not
+    trusted): given to every --net job job, none to any other."""
+    pol = _policy('[defaults]\nnet_transport = "wireguard"\nnet_key = "/etc/site/net.key"\n')
+    assert pol.apply({"net": "job"})["net-transport"] == "wireguard"
+    assert pol.apply({"net": "job"})["net-key"] == "/etc/site/net.key"
+    assert "net-transport" not in pol.apply({"net": "nat"}) and "net-key" not in pol.apply({})
+    from starter.callers.policy import PolicyError
+
+    for bad, what in (('net_transport = "gre"', "is not one of vxlan, wireguard"),
+                      ('net_key = "rel/key"', "must be an absolute path")):
+        with pytest.raises(PolicyError, match=what):
+            _policy(f"[defaults]\n{bad}\n")
