@@ -142,6 +142,12 @@ def cmd_spool(argv):
     return clispool.cmd_spool(argv)
 
 
+def cmd_image(argv):
+    from starter.cli import image as cliimage
+
+    return cliimage.cmd_image(argv)
+
+
 COMMANDS = {
     "run": cmd_run,
     "config": _admin("cmd_config"),
@@ -157,6 +163,7 @@ COMMANDS = {
     "gc": _admin("cmd_gc"),
     "netd": _admin("cmd_netd"),
     "spool": cmd_spool,
+    "image": cmd_image,
     "top": _admin("cmd_top"),
     "metrics": _admin("cmd_metrics"),
 }

@@ -1,0 +1,66 @@
+"""Image files for the tests (tests/test_image.py, unit/test_image_formats.py):
+a squashfs made by mksquashfs, and a SIF file around one, built here from
+the format's layout (starter/image/formats.py), as Apptainer lays it out."""
+
+import os
+import subprocess
+
+from starter.image import formats as F
+
+
+def squashfs(tree, out, files):
+    """mksquashfs of a tree holding `files` ({relative path: bytes}) -> out."""
+    for rel, data in files.items():
+        p = os.path.join(tree, rel)
+        os.makedirs(os.path.dirname(p), exist_ok=True)
+        with open(p, "wb") as f:
+            f.write(data)
+    subprocess.run(["mksquashfs", str(tree), str(out), "-noappend", "-quiet", "-no-progress"], check=True,
+                   stdout=subprocess.DEVNULL)
+    return str(out)
+
+
+def descriptor(dtype, offset, size, fstype=F.SIF_FS_SQUASHFS, parttype=F.SIF_PART_PRIMARY, used=True, ident=1):
+    extra = F.SIF_PARTITION.pack(fstype, parttype, b"02\0").ljust(384, b"\0")
+    return F.SIF_DESCRIPTOR.pack(dtype, used, ident, 1 | 0xf0000000, 0, offset, size, size, 0, 0, 0, 0,
+                                 b"rootfs".ljust(128, b"\0"), extra)
+
+
+def sif(payloads, descriptors=None):
+    """A SIF file's bytes: payloads [(bytes, fstype, parttype)] placed after
+    the descriptors, 4 KiB aligned; descriptors: override (a list of
+    descriptor bytes) for corrupt files."""
+    ndesc = max(len(payloads), 1)
+    doff = F.SIF_HEADER.size
+    dsize = ndesc * F.SIF_DESCRIPTOR.size
+    dataoff = -(-(doff + dsize) // 4096) * 4096
+    data, descs, off = b"", [], dataoff
+    for i, (blob, fstype, parttype) in enumerate(payloads):
+        descs.append(descriptor(F.SIF_DATA_PARTITION, off, len(blob), fstype, parttype, ident=i + 1))
+        pad = -(-len(blob) // 4096) * 4096
+        data += blob.ljust(pad, b"\0")
+        off += pad
+    if descriptors is not None:
+        descs = descriptors
+        ndesc = len(descs)
+        dsize = ndesc * F.SIF_DESCRIPTOR.size
+    header = F.SIF_HEADER.pack(b"#!/usr/bin/env run-singularity\n".ljust(32, b"\0"), F.SIF_MAGIC, b"01\0", b"02\0",
+                               os.urandom(16), 0, 0, 0, ndesc, doff, dsize, dataoff, len(data))
+    table = b"".join(descs)
+    return (header + table).ljust(dataoff, b"\0") + data
+
+
+def write(path, data):
+    with open(path, "wb") as f:
+        f.write(data)
+    return str(path)
+
+
+def superblock(**over):
+    """A squashfs 4.0 superblock's 96 bytes, fields overridden by name."""
+    f = dict(magic=F.SQUASHFS_MAGIC, inodes=2, mtime=0, block_size=131072, frags=0, comp=1, block_log=17,
+             flags=0, ids=1, major=4, minor=0, root=0, used=4000, id_table=3900, xattr=F.NONE, inode_table=200,
+             dir_table=300, frag_table=F.NONE, export=F.NONE)
+    f.update(over)
+    return F.SUPERBLOCK.pack(*f.values())
+
