@@ -22,7 +22,7 @@ def _cdef():
 SOURCES = (
     "shim_clone.c", "shim_report.c", "shim_mount.c", "shim_mountfd.c", "shim_creds.c",
     "shim_reset.c", "shim_fds.c", "shim_exec.c", "shim_init.c", "shim_enter.c",
-    "seccomp.c", "uidkill.c", "devices.c", "threadcreds.c",
+    "seccomp.c", "uidkill.c", "devices.c", "threadcreds.c", "shim_image.c",
 )
 
 ffibuilder = cffi.FFI()

@@ -157,6 +157,17 @@ struct shim_spec {
      * that cgroup before release, and the job sees the cgroup, not the leaf,
      * as its root.  Only with clone3 (shim_spawn fails EOPNOTSUPP without). */
     int cgroupns_at_clone;
+    /* --image (image 1 or 2): image_fd, the image's squashfs, a detached
+     * mount the starter made (shim_image_mount), which the child makes its
+     * root under an overlay whose upper and work directories are in a tmpfs
+     * of image_tmpfs_size (tmpfs's size=; NULL: half the memory) or in the
+     * directory image_upper_fd, before /proc and the plan
+     * (native/shim_image.c).  image 0: the host's root (a zeroed spec has
+     * none). */
+    int image;                /* 0: none, 1: writes in a tmpfs, 2: in image_upper_fd */
+    int image_fd;
+    const char *image_tmpfs_size;
+    int image_upper_fd;       /* image 2: a bind of a directory of root's in the job's scratch (shim_image_tree) */
 };
 
 struct shim_child {
@@ -179,6 +190,15 @@ int shim_pidfd_open(int pid);
  * following no link at path (-EINVAL: not mounted there). */
 int shim_mount_tmpfs_private(const char *dir, const char *options);
 int shim_umount_lazy(const char *path);
+/* native/shim_image.c, for starter/image/mount.py: the squashfs on the
+ * block device `device`, read-only, nosuid, nodev, as a detached mount ->
+ * its fd, or -errno.  Made by the starter: the job's child, in the job's
+ * cgroup, may not open the device (its device rules). */
+int shim_image_mount(const char *device);
+/* ... and a detached bind (open_tree clone) of the directory dir_fd, where
+ * a job with a scratch writes -> its fd, or -errno. */
+int shim_image_tree(int dir_fd);
+
 /* native/uidkill.c: is a process of `uid` alive (1) or not (0) beyond
  * `known` live ones, and with sig != 0 (known 0) kill(-1, sig) as that
  * uid; -errno on failure. */

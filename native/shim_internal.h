@@ -148,6 +148,8 @@ _Noreturn void fail_err(const struct child_ctx *c, int err, int code, const char
                         const char *arg);
 /* The same with errno and exit 125. */
 _Noreturn void fail(const struct child_ctx *c, const char *what, const char *arg);
+/* shim_image.c: the child's root becomes the image's (shim_spec.root_fd) */
+void enter_image_root(const struct child_ctx *c);
 
 /* ---- shim_clone.c: signals, the sync pipe, the pipes, clone ------------- */
 

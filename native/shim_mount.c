@@ -39,6 +39,8 @@ int is_tmpfs(const struct shim_mount *m)
 int ours(const struct child_ctx *c, const struct shim_mount *m)
 {
     const struct shim_spec *s = c->s;
+    if (s->image)
+        return 1; /* the image's overlay: the job's own upper directory */
     if (s->private_tmp && under(m->dst, "/tmp"))
         return 1;
     for (int i = 0; i < s->nmounts; i++) {
@@ -355,8 +357,10 @@ void setup_namespaces(const struct child_ctx *c)
     int trees[SHIM_MAX_MOUNTS], pinned[SHIM_MAX_MOUNTS];
     /* A task joining its job's part (join_part): the part's PID and network
      * namespaces get a /proc and a /sys of their own here as new ones would. */
-    int own_proc = (ns & SHIM_NEWPID) || s->enter_ns_fds[SHIM_NS_PID] >= 0;
-    int own_sys = (ns & SHIM_NEWNET) || s->enter_ns_fds[SHIM_NS_NET] >= 0;
+    int image = (ns & SHIM_NEWNS) && s->image;
+    /* (in an image, the host's /proc and /sys are gone with the host's root) */
+    int own_proc = (ns & SHIM_NEWPID) || s->enter_ns_fds[SHIM_NS_PID] >= 0 || image;
+    int own_sys = (ns & SHIM_NEWNET) || s->enter_ns_fds[SHIM_NS_NET] >= 0 || image;
 
     if (ns & SHIM_NEWNS) {
         /* Before any mount, or the mounts below propagate to the host. */
@@ -373,7 +377,11 @@ void setup_namespaces(const struct child_ctx *c)
                 pinned[i] = pin_source(c, m);
             } else
                 trees[i] = grab_source(c, m);
+            if (image && pinned[i] >= 0)
+                fail_err(c, EOPNOTSUPP, EXIT_STARTER, "a bind into an image needs open_tree (Linux 5.2)", m->dst);
         }
+        if (image)
+            enter_image_root(c);
         if (own_proc) {
             if (mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, NULL) < 0)
                 fail(c, "mount", "/proc");

@@ -64,3 +64,29 @@ def superblock(**over):
     f.update(over)
     return F.SUPERBLOCK.pack(*f.values())
 
+
+
+TOOLS = ("/bin/sh", "/bin/cat", "/bin/ls", "/bin/dd", "/usr/bin/id", "/bin/sleep", "/bin/mkdir", "/usr/bin/stat",
+         "/bin/true")
+
+
+def rootfs(tree, out, name="Starter Test Image"):
+    """A small root file system made of this host's own tools and their
+    libraries (as ldd names them), an /etc/os-release of `name` and a
+    world-writable /opt: a squashfs at `out`."""
+    import shutil
+
+    for tool in TOOLS:
+        real = os.path.realpath(tool)
+        libs = subprocess.run(["ldd", real], capture_output=True, text=True).stdout.split()
+        for src, dst in [(real, tool)] + [(p, p) for p in libs if p.startswith("/")]:
+            d = os.path.join(tree, dst.lstrip("/"))
+            os.makedirs(os.path.dirname(d), exist_ok=True)
+            if not os.path.exists(d):
+                shutil.copy2(os.path.realpath(src), d)
+    os.makedirs(os.path.join(tree, "etc"), exist_ok=True)
+    with open(os.path.join(tree, "etc", "os-release"), "w") as f:
+        f.write(f'PRETTY_NAME="{name}"\n')
+    os.makedirs(os.path.join(tree, "opt"), exist_ok=True)
+    os.chmod(os.path.join(tree, "opt"), 0o1777)
+    return squashfs(tree, out, {})

@@ -8,6 +8,7 @@ import json
 import os
 import shutil
 import subprocess
+import time
 
 import pytest
 
@@ -115,3 +116,186 @@ def test_gc_removes_what_a_dead_import_left_and_a_cache_not_roots_is_refused(cac
     theirs.mkdir()
     os.chown(theirs, UID, GID)
     refused(image(str(theirs), "import", sqfs), "is not root's alone")
+
+
+# ---------------------------------------------------------------- jobs in images
+
+@pytest.fixture
+def rootfs(tmp_path_factory):
+    if shutil.which("mksquashfs") is None:
+        pytest.fail("mksquashfs is missing: scripts/setup --test installs squashfs-tools")
+    d = tmp_path_factory.mktemp("rootfs")
+    return IF.rootfs(d / "tree", d / "root.sqfs")
+
+
+def run_in(cache, *args, **kw):
+    env = dict(os.environ, STARTER_IMAGE_CACHE=cache)
+    return subprocess.run([STARTER, "run", *args], capture_output=True, text=True, timeout=120, env=env, **kw)
+
+
+def host_mounts():
+    with open("/proc/self/mountinfo") as f:
+        return [l for l in f if " - squashfs " in l or " - overlay " in l]
+
+
+def loops_of(path):
+    return subprocess.run(["losetup", "-j", path], capture_output=True, text=True).stdout.splitlines()
+
+
+def test_a_job_runs_in_its_image_and_leaves_it_as_it_was(cache, rootfs, tmp_path):
+    """--image: the image's files, nothing of the host's file systems in
+    the job's view, the digest in the report; what a job writes (into the
+    image's /opt) is gone for the next job; the same through a SIF file and
+    by digest; nothing mounted on the host or left bound after."""
+    before = host_mounts()
+    report = tmp_path / "r.json"
+    r = run_in(cache, "--report", str(report), "--image", rootfs, "--", "sh", "-c",
+               "cat /etc/os-release; ls /; cat /proc/self/mountinfo; echo kept > /opt/mine && cat /opt/mine; id -u")
+    assert r.returncode == 0, r.stderr
+    assert 'PRETTY_NAME="Starter Test Image"' in r.stdout and "kept" in r.stdout, r.stdout
+    listing = r.stdout.split("\n")
+    assert "work" not in listing and "root" not in listing, r.stdout       # the host's top directories
+    mountinfo = [l for l in r.stdout.splitlines() if " - " in l]
+    assert mountinfo[0].split()[4] == "/" and " - overlay " in mountinfo[0], mountinfo
+    host_root = next(l for l in open("/proc/1/mountinfo") if l.split()[4] == "/").split(" - ")[1].split()[1]
+    assert not [l for l in mountinfo if l.split(" - ")[1].split()[1] == host_root], mountinfo
+    with open(report) as f:
+        image = json.load(f)["image"]
+    assert image["digest"].startswith("sha256:") and len(image["digest"]) == 71
+    # the next job: the image as it was; by digest; through a SIF file
+    with open(rootfs, "rb") as f:
+        sif = IF.write(tmp_path / "root.sif", IF.sif([(f.read(), 1, 2)]))
+    for ref in (image["digest"], sif):
+        r = run_in(cache, "--image", ref, "--", "ls", "/opt")
+        assert r.returncode == 0 and r.stdout == "", (ref, r.stdout, r.stderr)
+    assert host_mounts() == before and loops_of(os.path.join(cache, "sha256-" + image["digest"][7:] + ".sqfs")) == []
+
+
+def test_twenty_jobs_share_one_image(cache, rootfs, state_root):
+    """Twenty jobs on one image at once: one cache entry, one loop device
+    (one squashfs, one page cache), nothing of it after."""
+    before = host_mounts()
+    digest = json.loads(image(cache, "import", rootfs, "--json").stdout)["digest"]
+    path = os.path.join(cache, "sha256-" + digest[7:] + ".sqfs")
+    env = dict(os.environ, STARTER_IMAGE_CACHE=cache)
+    procs = [subprocess.Popen([STARTER, "run", "--image", digest, "--", "sh", "-c", "cat /etc/os-release; sleep 3"],
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(20)]
+    try:
+        seen = set()
+        deadline = time.monotonic() + 30
+        while any(p.poll() is None for p in procs) and time.monotonic() < deadline:
+            seen.update(l.split(":")[0] for l in loops_of(path))
+            time.sleep(0.2)
+    finally:
+        outs = [p.communicate(timeout=60) for p in procs]
+    assert all(p.returncode == 0 and "Starter Test Image" in o for p, (o, _e) in zip(procs, outs)), outs
+    assert len(seen) == 1, seen
+    assert [e for e in os.listdir(cache) if e.endswith(".sqfs")] == [os.path.basename(path)]
+    assert loops_of(path) == [] and host_mounts() == before
+
+
+def test_kill_9_of_a_starter_in_an_image_and_gc_leave_nothing(cache, rootfs, state_root):
+    before = host_mounts()
+    env = dict(os.environ, STARTER_IMAGE_CACHE=cache)
+    p = subprocess.Popen([STARTER, "run", "--id", "img-k9", "--image", rootfs, "--", "sleep", "60"],
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    from conftest import wait_running
+
+    wait_running(state_root, "img-k9", p)
+    digest = json.loads(image(cache, "ls", "--json").stdout)[0]["digest"]
+    path = os.path.join(cache, "sha256-" + digest[7:] + ".sqfs")
+    assert len(loops_of(path)) == 1
+    p.kill()
+    p.wait()
+    r = subprocess.run([STARTER, "gc"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    deadline = time.monotonic() + 10
+    while loops_of(path) and time.monotonic() < deadline:     # (the kernel detaches it once the job's gone)
+        time.sleep(0.1)
+    assert loops_of(path) == [] and host_mounts() == before
+
+
+def test_bad_images_at_the_start_are_one_line_and_leave_nothing(cache, tmp_path, state_root):
+    before = host_mounts()
+    half = IF.write(tmp_path / "half.sqfs", b"hsqs" + b"\0" * 200)
+    cases = [(half, "is squashfs 0.0"), (str(tmp_path / "none.sqfs"), "No such file"),
+             ("sha256:" + "ab" * 32, "is not in the cache"), ("sha256:xyz", "is not an image digest")]
+    for ref, what in cases:
+        r = run_in(cache, "--image", ref, "--", "true")
+        assert r.returncode == 125 and r.stderr.count("\n") == 1 and what in r.stderr, (ref, r.stderr)
+        assert leftovers(cache) == [], ref
+    from starter.state import store
+
+    assert store.list_ids(state_root) == [] and host_mounts() == before
+
+
+def test_a_jobs_writes_in_its_image_count_in_its_disk(cache, rootfs, tmp_path):
+    """With a scratch, what the job writes into its image (its overlay's
+    upper directory, in the scratch) counts in --disk: 50 MB into the
+    image's /opt stop at --disk 20M; the scratch goes at the end."""
+    exe = tmp_path / "execute"
+    exe.mkdir(mode=0o755)
+    report = tmp_path / "r.json"
+    r = run_in(cache, "--execute-dir", str(exe), "--disk", "20M", "--report", str(report), "--image", rootfs, "--",
+               "sh", "-c", 'dd if=/dev/zero of=/opt/big bs=1M count=50; echo "dd $?"; ls -a "$PWD"')
+    assert r.returncode == 0 and "dd 1" in r.stdout and "No space left on device" in r.stderr, (r.stdout, r.stderr)
+    assert ".image" in r.stdout.split()           # (root's, 0700: the job's writes reach it through / only)
+    with open(report) as f:
+        assert json.load(f)["disk"]["full"] is True
+    assert os.listdir(exe) in ([], [".starter-images"])
+    assert run_in(cache, "--image", rootfs, "--", "ls", "/opt").stdout == ""
+
+
+def test_a_caller_runs_the_images_the_policy_allows(cache, rootfs, home, policy, tmp_path):
+    """A caller that is not root: --image of a file under [callers] images
+    (read with its rights) or of a listed digest; anything else refused."""
+    import shutil as sh
+
+    from conftest import caller_argv
+
+    mine = os.path.join(home, "root.sqfs")
+    sh.copy(rootfs, mine)
+    os.chmod(mine, 0o644)
+    digest = json.loads(image(cache, "import", rootfs, "--json").stdout)["digest"]
+    policy(f'[callers]\nallow = true\nimages = ["{home}", "{digest}"]\n', defaults=f'image_cache = "{cache}"')
+    env = dict(os.environ, STARTER_IMAGE_CACHE=cache)
+    env.pop("STARTER_STATE_DIR", None)
+
+    def caller(*args):
+        # (the cache comes from root's environment only: a caller's is emptied)
+        return subprocess.run(caller_argv("run", *args), capture_output=True, text=True, timeout=120,
+                              env={k: v for k, v in env.items() if not k.startswith("STARTER_")})
+    for ref in (mine, digest):
+        r = caller("--image", ref, "--", "sh", "-c", "cat /etc/os-release; id -u")
+        assert r.returncode == 0 and "Starter Test Image" in r.stdout and r.stdout.split()[-1] == str(UID), \
+            (ref, r.stdout, r.stderr)
+    for ref in (rootfs, "sha256:" + "ab" * 32):
+        r = caller("--image", ref, "--", "true")
+        assert r.returncode == 125 and "callers.images" in r.stderr and r.stderr.count("\n") == 1, (ref, r.stderr)
+    r = caller("--image-cache", str(tmp_path), "--image", mine, "--", "true")
+    assert r.returncode == 125 and "only root sets it" in r.stderr, r.stderr
+    assert len([e for e in os.listdir(cache) if e.endswith(".sqfs")]) == 1 and not os.path.exists(
+        "/var/lib/starter/images")
+
+
+def test_netd_keeps_an_image_warm_between_jobs_and_lets_go(cache, rootfs, tmp_path):
+    """Where netd runs, a job hands it the image's squashfs: after the job,
+    the image stays mounted (on no path: its loop device stays bound) for
+    the next one; netd's end lets go of it."""
+    sd = str(tmp_path / "state")
+    os.makedirs(sd, mode=0o700)
+    env = dict(os.environ, STARTER_IMAGE_CACHE=cache, STARTER_STATE_DIR=sd)
+    netd = subprocess.Popen([STARTER, "netd", "--state-dir", sd], env=env)
+    try:
+        from conftest import wait_for
+
+        wait_for(lambda: os.path.exists(os.path.join(sd, "netd.sock")), "netd's socket")
+        before = host_mounts()
+        r = run_in(cache, "--state-dir", sd, "--image", rootfs, "--", "cat", "/etc/os-release")
+        assert r.returncode == 0 and "Starter Test Image" in r.stdout, r.stderr
+        path = os.path.join(cache, [e for e in os.listdir(cache) if e.endswith(".sqfs")][0])
+        assert len(loops_of(path)) == 1 and host_mounts() == before      # held, mounted nowhere
+    finally:
+        netd.terminate()
+        netd.wait(timeout=30)
+    wait_for(lambda: loops_of(path) == [], "the image's loop device to go")

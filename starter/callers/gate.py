@@ -38,6 +38,7 @@ RULES = (
     ("join another job's or user's part of a job network", None, "starter.job.run:_owner_namespaces"),
     ("reach a port of the node's loopback but its step's PMIx server", None, "starter.job.run:Job._bridge"),
     ("a seccomp profile not allowed", "seccomp", "starter.callers.gate:check"),
+    ("an image outside the allowed directories and digests", "images", "starter.callers.gate:_check_image"),
     ("bind a source outside the allowed directories", "bind", "starter.callers.gate:_check_mount"),
     ("bind read-only a source outside the allowed directories", "ro_bind", "starter.callers.gate:_check_mount"),
     ("mount at a destination outside the allowed ones", "mount_destinations", "starter.callers.gate:_check_mount"),
@@ -100,6 +101,8 @@ def check(pol, raw, caller):
     for opt, key in FLAG_KEYS.items():
         if raw.get(opt) is True and not c[key]:
             _refuse(pol, f"--{opt}", key, f"ask the node's admin to set callers.{key} = true")
+    if raw.get("image") is not None:
+        _check_image(pol, raw["image"])
     net = raw.get("net", "none")
     if net not in c["net"]:
         _refuse(pol, f"--net {V.show(str(net))}", "net")
@@ -163,6 +166,21 @@ def _check_mount(pol, kind, item):
         _refuse(pol, f"--{kind} {V.show(item)}: destination {V.show(m.dst)}", "mount_destinations",
                      "bind a source at its own path, or mount under: "
                      f"{show_list(c['mount_destinations']) or 'nothing on this node'}")
+
+def _check_image(pol, ref):
+    """--image REF: a digest the policy lists, or a file under one of its
+    directories (opened later with the caller's rights: job/run.py)."""
+    ref = V.string("image", ref)
+    allowed = pol.callers["images"]
+    if ref.startswith("sha256:"):
+        ok = ref in allowed
+    else:
+        path = norm_path(V.host_path("image", ref))
+        ok = any(is_under(path, d) for d in allowed if d.startswith("/"))
+    if not ok:
+        _refuse(pol, f"--image {V.show(ref)}", "images",
+                f"use an image under, or with a digest of: {show_list(allowed) or 'nothing on this node'}")
+
 
 def _check_rlimit(pol, item):
     """A caller's --rlimit may only lower the node's hard limit: the one

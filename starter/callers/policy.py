@@ -55,6 +55,7 @@ CALLER_KEYS = {
     "ro_bind": ("dirs", ()),
     "mount_destinations": ("dirs", ()),
     "execute_dirs": ("dirs", ()),
+    "images": ("images", ()),       # --image: directories of image files, or sha256: digests
     "seccomp": ("profiles", ("default",)),
     "userns_root": ("bool", False), "allow_userns": ("bool", False),
     "delegate": ("bool", False), "init": ("bool", False),
@@ -386,6 +387,21 @@ def _check(kind, key, val):
         if val not in O.NET_TRANSPORTS:
             raise SpecError(key, f"{V.show(str(val))} is not one of {', '.join(O.NET_TRANSPORTS)}")
         return val
+    if kind == "images":
+        out = []
+        for item in strings(val):
+            if V.string(key, item).startswith("sha256:"):
+                from starter.image.cache import CacheError, check_digest
+
+                try:
+                    out.append("sha256:" + check_digest(item))
+                except CacheError as e:
+                    raise SpecError(key, e.args[0]) from None
+            elif item.startswith("/"):
+                out.append(norm_path(V.host_path(key, item)))
+            else:
+                raise SpecError(key, f"{V.show(item)} is neither an absolute directory nor a sha256: digest")
+        return tuple(out)
     if kind in ("dir", "dirs", "file"):
         items = strings(val) if kind == "dirs" else [val]
         out = []

@@ -10,7 +10,8 @@ IMAGE_USAGE = """\
 usage: starter image [--cache DIR] COMMAND [options] ...
 
 The node's image cache, root's: each image once, by the sha256 of its
-squashfs, in DIR (default $STARTER_IMAGE_CACHE or /var/lib/starter/images).
+squashfs, in DIR (default $STARTER_IMAGE_CACHE, the node policy's
+[defaults] image_cache, or /var/lib/starter/images).
 
 commands:
   import FILE [--digest sha256:HEX] [--limit SIZE]
@@ -36,7 +37,7 @@ def cmd_image(argv):
     from starter.image import cache as C
 
     argv = list(argv)
-    path = os.environ.get("STARTER_IMAGE_CACHE") or C.DEFAULT_CACHE
+    path = os.environ.get("STARTER_IMAGE_CACHE") or _policy_cache() or C.DEFAULT_CACHE
     if argv[:1] and argv[0].startswith("--cache"):
         name, eq, val = argv.pop(0).partition("=")
         if name != "--cache":
@@ -89,6 +90,16 @@ def cmd_image(argv):
     removed = cache.gc()
     _out(values, removed, str)
     return 0
+
+
+def _policy_cache():
+    """The node policy's [defaults] image_cache, if it sets one."""
+    from starter.callers import policy
+
+    try:
+        return policy.load(os.environ.get("STARTER_POLICY") or policy.PATH).defaults.get("image-cache")
+    except Exception:        # (an unusable policy is said where it matters: starter run)
+        return None
 
 
 def _import(cache, path, values):

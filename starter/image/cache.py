@@ -21,7 +21,6 @@ on the cache's file system (fileio.sized_to_fit).
 """
 
 import fcntl
-import json
 import os
 import stat
 import time
@@ -166,6 +165,8 @@ class Cache:
             name = PREFIX + hexd + SUFFIX
             if os.path.exists(os.path.join(self.path, name)):
                 return hexd, length, fmt, False
+            import json
+
             meta = json.dumps({"digest": "sha256:" + hexd, "size": length, "format": fmt, "source": source,
                                "imported_at": round(time.time(), 3), "compression": sb.compression}).encode()
             mfd = os.open(PREFIX + hexd + META, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -229,6 +230,8 @@ class Cache:
             os.close(dfd)
 
     def record(self, hexd):
+        import json
+
         try:
             with open(os.path.join(self.path, PREFIX + hexd + META)) as f:
                 return json.load(f)

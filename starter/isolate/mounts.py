@@ -264,12 +264,12 @@ def is_under(path, d):
     return path == d or path.startswith(d.rstrip("/") + "/")
 
 
-def scratch_binds(path, nosuid=False, private_run=True):
+def scratch_binds(path, nosuid=False, private_run=True, always=False):
     """The scratch at its own path in the job's view: bound where the job's
-    own /tmp (or /run) covers it, and everywhere for a transient uid, whose
-    scratch is nosuid in its view (a set-id file it makes there is
-    honoured by no exec inside any job)."""
-    covered = is_under(path, "/tmp") or (private_run and is_under(path, RUN))
+    own /tmp (or /run) covers it, always in an image, and everywhere for a
+    transient uid, whose scratch is nosuid in its view (a set-id file it
+    makes there is honoured by no exec inside any job)."""
+    covered = always or is_under(path, "/tmp") or (private_run and is_under(path, RUN))
     if not (covered or nosuid):
         return []
     return [Mount("bind", path, path, flags=("nosuid",) if nosuid else ())]

@@ -132,6 +132,8 @@ class Job:
         self.pmix_bridge = None         # --net job under PMIx: net/bridge.py
         self.peers = None               # --net job, the part's owner: net/liveness.py's Watch
         self.holder = None              # --net job, the part's owner: the part's init (a Child)
+        self.image_root = None          # --image: what the child makes its root (ChildSpec.image)
+        self.stage_fd = None            # the scratch's root (a --disk file system's), once made
         self.cg = self.child = None
 
     def run(self):
@@ -400,9 +402,12 @@ class Job:
 
             checkpoint.unpack_scratch(self.image, sc.path, spec.uid, spec.gid)
         self.cwd = self.cwd or sc.path
+        self.stage_fd = stage_fd
         # Where the job's own /tmp or /run covers it, the scratch is shown at
-        # the same path inside; a transient uid's always, nosuid.
-        self.mounts += M.scratch_binds(sc.path, spec.transient is not None, self.private_run)
+        # the same path inside; a transient uid's always, nosuid; in an image
+        # (which has none of the host's paths) always.
+        self.mounts += M.scratch_binds(sc.path, spec.transient is not None, self.private_run,
+                                       always=spec.image is not None)
         if spec.manifest:
             from starter.storage import manifest
 
@@ -434,6 +439,9 @@ class Job:
                              + M.private_dirs(spec.uid, spec.gid, spec.limits.memory, self.run_through)
                              + M.device_binds(d[0] for d in spec.devices))
         self.last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
+        if spec.image is not None:
+            self.last_mounts = M.seal_dev()     # (the host's state directory is not in an image's view)
+            self._image_root()
         self.rlimits = rlimit_table(spec.rlimits)
         self.cwd_fallbacks = () if self.cwd else default_cwds(spec)
         if spec.network.mode in NAT_MODES:
@@ -448,6 +456,42 @@ class Job:
             if self.netcfg.overlay:
                 self._take_part()       # (its end after the network's: pushed before it)
             self.undo.push(self._net_teardown, label="net")
+
+    def _image_root(self):
+        """--image: the image, from the node's cache (imported there first
+        when a file is named, read with the caller's rights), mounted for
+        the child to make its root (image/mount.py)."""
+        from starter.image import cache as C, mount as IM
+
+        spec = self.spec
+        if self.image is not None:
+            raise StarterError("--image: a restored job goes on in the root it was checkpointed in",
+                               "leave out --image with --restore")
+        cache = C.Cache(spec.image_cache)
+        ref = spec.image
+        if ref.startswith("sha256:"):
+            hexd = C.check_digest(ref)
+        else:
+            with self.rights():
+                try:
+                    fd = os.open(ref, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+                except OSError as e:
+                    raise StarterError(f"--image {ref}: {e.strerror}") from None
+            try:
+                hexd = cache.import_(fd, ref)[0]
+            finally:
+                os.close(fd)
+        fd = IM.squashfs(cache.path_of(hexd))
+        self.undo.push(os.close, fd, label="image")
+        IM.keep_warm(spec.state_dir, hexd, fd)
+        # What the job writes: in its scratch where it has one (counted in
+        # --disk; a directory of root's there, 0700: the job reaches its
+        # files through the overlay only), else in a tmpfs of its own.
+        upper = IM.upper_dir(self.stage_fd) if self.stage_fd is not None else None
+        if upper is not None:
+            self.undo.push(os.close, upper, label="image upper")
+        self.image_root = (fd, spec.limits.memory, upper)
+        self.report.image = {"digest": "sha256:" + hexd}
 
     def _take_part(self):
         """--net job: the node's part of the job network, made by this task
@@ -580,7 +624,7 @@ class Job:
             mounts=tuple(self.first_mounts + self.mounts + self.last_mounts), init=spec.init,
             cgroup_fd=self.cg.clone_fd(), seccomp=self.sc_filter,
             userns_root=spec.userns_root, rlimits=self.rlimits, cgroupns_at_clone=spec.delegate,
-            join={k: fd for k, fd in self.part_ns.items() if k in ("net", "ipc", "pid")})
+            join={k: fd for k, fd in self.part_ns.items() if k in ("net", "ipc", "pid")}, image=self.image_root)
         trace.mark("plan")
         if self.image is None:
             child = ns.spawn(child_spec)

@@ -53,6 +53,10 @@ TIMEOUT = 60.0
 # The nft table stays this long after its last job ends (and until netd
 # stops), so a node that starts jobs one after another builds it once.
 TABLE_LINGER_S = 60.0
+# --image: how long netd keeps an image's squashfs mounted (a detached mount
+# it holds: on no path) after the last job that handed it over started, so
+# that the next job finds its superblock and page cache warm.
+IMAGE_LINGER_S = 60.0
 
 
 class Unavailable(Exception):
@@ -273,6 +277,7 @@ class Server:
         self.path = path
         self.wiring = Wiring(linger=TABLE_LINGER_S)
         self.teardowns = self.wiring.deferred = TeardownWorker(self.wiring.finish)
+        self.images = {}        # digest -> (a detached squashfs mount's fd, when to let go of it)
         # Pay for the netlink socket and the nft context now, not on the first job.
         _ = self.wiring.links, self.wiring.nft
 
@@ -318,6 +323,8 @@ class Server:
             elif op == "gc":
                 self.teardowns.wait_idle()  # queued teardowns first: gc must see their final state
                 result = w.gc(cfg, set(req.get("live") or ()))
+            elif op == "image-hold":
+                result = self._hold_image(req.get("digest"), fds)
             elif op == "ping":
                 result = {"pid": os.getpid()}
             else:
@@ -330,12 +337,39 @@ class Server:
             for fd in fds:
                 os.close(fd)
 
+    def _hold_image(self, digest, fds):
+        """Keep a job's image mounted (its fd) for IMAGE_LINGER_S more."""
+        import time
+
+        if len(fds) != 1 or not isinstance(digest, str) or len(digest) != 64 or not all(
+                c in "0123456789abcdef" for c in digest):
+            raise ValueError("image-hold needs one mount fd and a sha256 digest")
+        fd = os.dup(fds[0])
+        old = self.images.pop(digest, None)
+        if old is not None:
+            os.close(old[0])
+        self.images[digest] = (fd, time.monotonic() + IMAGE_LINGER_S)
+        return {"held": len(self.images)}
+
+    def _expire_images(self):
+        """Let go of the images no job handed over for IMAGE_LINGER_S -> the
+        seconds until the next one is due, or None."""
+        import time
+
+        now = time.monotonic()
+        for digest, (fd, until) in list(self.images.items()):
+            if until <= now:
+                os.close(fd)
+                del self.images[digest]
+        return min((until - now for _fd, until in self.images.values()), default=None)
+
     def serve_forever(self, listener, stop_fd):
         import json
         import select
 
         while True:
-            ready, _, _ = select.select([listener, stop_fd], [], [], self.wiring.next_expiry())
+            timeouts = [t for t in (self.wiring.next_expiry(), self._expire_images()) if t is not None]
+            ready, _, _ = select.select([listener, stop_fd], [], [], min(timeouts) if timeouts else None)
             if stop_fd in ready:
                 return
             if not ready:
@@ -443,3 +477,5 @@ def serve(cfg, path):
         os.close(r)
         os.close(w)
         server.wiring.close()
+        for fd, _until in server.images.values():
+            os.close(fd)

@@ -109,7 +109,7 @@ class JobSpec(Spec):
         "seccomp", "allow_userns", "userns_root", "rlimits",
         "oom_policy", "kill_timeout", "delegate", "transient", "escape",
         "devices", "gpus", "ptys",
-        "asked", "restore", "on_vacate", "checkpoint_every",
+        "asked", "restore", "on_vacate", "checkpoint_every", "image", "image_cache",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
@@ -117,7 +117,7 @@ class JobSpec(Spec):
         "seccomp": "default", "allow_userns": False, "userns_root": False, "rlimits": (),
         "oom_policy": "kill", "kill_timeout": KILL_TIMEOUT,
         "delegate": False, "transient": None, "escape": "report",
-        "devices": (), "gpus": (), "ptys": M.PTYS_DEFAULT,
+        "devices": (), "gpus": (), "ptys": M.PTYS_DEFAULT, "image": None, "image_cache": None,
     }
 
 
@@ -270,6 +270,28 @@ def overlay_from(raw, environ, caller=None, lan=()):
     if key and not key.startswith("/"):
         raise SpecError("net-key", f"{V.show(key)} must be an absolute path")
     return Overlay(net_id=net_id, vni=vni, node=node, peers=peers, transport=transport, key=key)
+
+
+def image_cache(value=None):
+    """--image-cache, else $STARTER_IMAGE_CACHE (root's: a caller's
+    environment is emptied), else /var/lib/starter/images."""
+    from starter.image.cache import DEFAULT_CACHE
+
+    return V.host_path("image-cache", value or os.environ.get("STARTER_IMAGE_CACHE") or DEFAULT_CACHE)
+
+
+def image_ref(field, value):
+    """--image: "sha256:<hex>" (an image in the node's cache) or a file's
+    path (a squashfs or SIF file, imported into the cache first)."""
+    value = V.string(field, value)
+    if value.startswith("sha256:"):
+        from starter.image.cache import CacheError, check_digest
+
+        try:
+            return "sha256:" + check_digest(value)
+        except CacheError as e:
+            raise SpecError(field, e.args[0], e.hint) from None
+    return V.host_path(field, value)
 
 
 def _peers_in_lan(peers, lan):
@@ -435,6 +457,8 @@ def _make(raw, caller=None, asked=None):
 
     cwd = raw.get("cwd")
     return JobSpec(
+        image=image_ref("image", raw["image"]) if raw.get("image") is not None else None,
+        image_cache=image_cache(raw.get("image-cache")) if raw.get("image") is not None else None,
         on_vacate=on_vacate, checkpoint_every=every,
         id=job_id,
         argv=argv,
