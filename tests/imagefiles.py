@@ -90,3 +90,89 @@ def rootfs(tree, out, name="Starter Test Image"):
     os.makedirs(os.path.join(tree, "opt"), exist_ok=True)
     os.chmod(os.path.join(tree, "opt"), 0o1777)
     return squashfs(tree, out, {})
+
+
+# -- OCI images ------------------------------------------------------------------
+
+def layer(entries, gz=True):
+    """A layer's bytes: entries [(name, kind, data)], kind "file" (data: bytes),
+    "dir", "symlink"/"hardlink" (data: the target), "chr" (a device node),
+    or a tarfile.TarInfo-ready (name, "tree", path): a directory of the host
+    taken whole."""
+    import io
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w:gz" if gz else "w") as t:
+        for name, kind, data in entries:
+            if kind == "tree":
+                t.add(data, arcname=name)
+                continue
+            ti = tarfile.TarInfo(name)
+            ti.mode = 0o755 if kind == "dir" else 0o644
+            if kind == "file":
+                ti.size = len(data)
+                t.addfile(ti, io.BytesIO(data))
+                continue
+            ti.type = {"dir": tarfile.DIRTYPE, "symlink": tarfile.SYMTYPE, "hardlink": tarfile.LNKTYPE,
+                       "chr": tarfile.CHRTYPE}[kind]
+            if kind in ("symlink", "hardlink"):
+                ti.linkname = data
+            if kind == "chr":
+                ti.devmajor, ti.devminor = 1, 3
+            t.addfile(ti)
+    return buf.getvalue()
+
+
+def oci_layout(path, layers, drop_blob=None, corrupt_blob=None):
+    """An OCI image layout at path with these layers (bytes, bottom first)."""
+    import hashlib
+    import json
+
+    blobs = os.path.join(path, "blobs", "sha256")
+    os.makedirs(blobs)
+
+    def put(data):
+        h = hashlib.sha256(data).hexdigest()
+        with open(os.path.join(blobs, h), "wb") as f:
+            f.write(data)
+        return {"digest": "sha256:" + h, "size": len(data)}
+
+    descs = [dict(put(l), mediaType="application/vnd.oci.image.layer.v1.tar+gzip") for l in layers]
+    config = dict(put(json.dumps({"architecture": "amd64", "os": "linux",
+                                  "rootfs": {"type": "layers", "diff_ids": []}}).encode()),
+                  mediaType="application/vnd.oci.image.config.v1+json")
+    manifest = dict(put(json.dumps({"schemaVersion": 2, "config": config, "layers": descs}).encode()),
+                    mediaType="application/vnd.oci.image.manifest.v1+json")
+    with open(os.path.join(path, "index.json"), "w") as f:
+        json.dump({"schemaVersion": 2, "manifests": [manifest]}, f)
+    with open(os.path.join(path, "oci-layout"), "w") as f:
+        f.write('{"imageLayoutVersion": "1.0.0"}')
+    if drop_blob is not None:
+        os.unlink(os.path.join(blobs, descs[drop_blob]["digest"][7:]))
+    if corrupt_blob is not None:
+        with open(os.path.join(blobs, descs[corrupt_blob]["digest"][7:]), "r+b") as f:
+            f.seek(40)
+            f.write(b"\xff" * 8)
+    return str(path)
+
+
+def docker_archive(path, layers):
+    """A docker-archive tarball (docker save's) with these layers (uncompressed tar bytes)."""
+    import io
+    import json
+    import tarfile
+
+    with tarfile.open(path, "w") as t:
+        names = []
+        for i, data in enumerate(layers):
+            name = f"l{i}/layer.tar"
+            names.append(name)
+            ti = tarfile.TarInfo(name)
+            ti.size = len(data)
+            t.addfile(ti, io.BytesIO(data))
+        m = json.dumps([{"Config": "config.json", "RepoTags": ["test:1"], "Layers": names}]).encode()
+        ti = tarfile.TarInfo("manifest.json")
+        ti.size = len(m)
+        t.addfile(ti, io.BytesIO(m))
+    return str(path)

@@ -87,7 +87,7 @@ def test_bad_images_are_one_line_and_leave_nothing(cache, tmp_path):
         (IF.write(tmp_path / "corrupt.sqfs", bytes(corrupt)), (), "truncated"),
         (IF.write(tmp_path / "ext3.sif", IF.sif([(fs, 2, 2)])), (), "no squashfs system partition"),
         (IF.write(tmp_path / "short.sif", IF.sif([(fs, 1, 2)])[:6000]), (), "lies outside the file's data"),
-        (IF.write(tmp_path / "text", b"hello\n" * 100), (), "neither a squashfs nor a SIF file"),
+        (IF.write(tmp_path / "text", b"hello\n" * 100), (), "is neither a squashfs, a SIF file"),
         (sqfs, ("--digest", "sha256:" + "0" * 64), "not the sha256:" + "0" * 64),
         (sqfs, ("--digest", "md5:1"), "is not an image digest"),
         (sqfs, ("--limit", "100k"), "past its limit"),
@@ -299,3 +299,59 @@ def test_netd_keeps_an_image_warm_between_jobs_and_lets_go(cache, rootfs, tmp_pa
         netd.terminate()
         netd.wait(timeout=30)
     wait_for(lambda: loops_of(path) == [], "the image's loop device to go")
+
+
+# ---------------------------------------------------------------- OCI images
+
+@pytest.fixture
+def base_layer(rootfs, tmp_path_factory):
+    """A layer of the test root file system's tree (rootfs's)."""
+    tree = os.path.join(os.path.dirname(rootfs), "tree")
+    return IF.layer([(".", "tree", tree)])
+
+
+def test_oci_layouts_and_docker_archives_are_unpacked_once_and_run(cache, base_layer, tmp_path):
+    """Two layers: the second replaces /etc/os-release, removes a file
+    (a whiteout) and empties a directory (an opaque whiteout); the job sees
+    the result.  The same through a docker-archive."""
+    top = IF.layer([("etc/os-release", "file", b'PRETTY_NAME="From OCI"\n'), ("bin/.wh.ls", "file", b""),
+                    ("opt/.wh..wh..opq", "file", b""), ("opt/new", "file", b"fresh\n"),
+                    ("lib/link-abs", "symlink", "/etc/os-release")])
+    layout = IF.oci_layout(tmp_path / "layout", [base_layer, top])
+    r = image(cache, "import", layout, "--json")
+    assert r.returncode == 0, r.stderr
+    got = json.loads(r.stdout)
+    assert got["format"] == "oci" and got["answer"] == "stored"
+    r = run_in(cache, "--image", got["digest"], "--", "sh", "-c",
+               "cat /etc/os-release /lib/link-abs /opt/new; test -e /bin/ls || echo no-ls; test -e /opt/x || echo no-x")
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.count('PRETTY_NAME="From OCI"') == 2 and "fresh" in r.stdout and "no-ls" in r.stdout, r.stdout
+    import gzip
+
+    archive = IF.docker_archive(tmp_path / "image.tar", [gzip.decompress(base_layer), gzip.decompress(top)])
+    r = run_in(cache, "--image", archive, "--", "cat", "/opt/new")
+    assert r.returncode == 0 and r.stdout == "fresh\n", r.stderr
+    formats = sorted(e["format"] for e in json.loads(image(cache, "ls", "--json").stdout))
+    assert formats == ["oci"]         # the same file system both ways: one image
+    assert leftovers(cache) == []
+
+
+def test_hostile_oci_images_are_refused_in_one_line_with_nothing_left(cache, base_layer, tmp_path):
+    f = ("etc/x", "file", b"x")
+    cases = [
+        (dict(layers=[base_layer], drop_blob=0), "has no blob"),
+        (dict(layers=[base_layer], corrupt_blob=0), "does not have its digest"),
+        (dict(layers=[IF.layer([("../escape", "file", b"x")])]), "climbs out"),
+        (dict(layers=[IF.layer([("/abs", "file", b"x")])]), "climbs out"),
+        (dict(layers=[IF.layer([("dev/null", "chr", None)])]), "device node"),
+        (dict(layers=[IF.layer([("evil", "symlink", "/etc"), f]), IF.layer([("evil/passwd", "file", b"x")])]),
+         "through a symlink to outside"),
+        (dict(layers=[IF.layer([("evil", "hardlink", "../../etc/passwd")])]), "climbs out"),
+        (dict(layers=[b"not a tar at all" * 10]), "not a tar archive"),
+    ]
+    for i, (kw, what) in enumerate(cases):
+        layout = IF.oci_layout(tmp_path / f"bad{i}", **kw)
+        r = image(cache, "import", layout)
+        assert r.returncode == 125 and r.stderr.count("\n") == 1 and what in r.stderr, (i, r.stderr)
+        assert leftovers(cache) == [] and image(cache, "ls").stdout == "", i
+    assert not os.path.exists("/etc/passwd.x") and not os.path.exists(tmp_path / "escape")

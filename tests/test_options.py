@@ -17,8 +17,11 @@ BAD = {
     "size": "12Q", "cpus": "lots", "weight": "0", "count": "-1", "duration": "soon", "inodes": "1",
     "cidr": "10.0.0.0/33", "cidrs": ["10.0.0.0/33"], "ifnames": ["../x"], "ip": "1.2.3.999",
     "ports": ["tcp:99999"], "ipv6": "maybe", "dir": "/a/../b", "profile": "../x", "user": "$(id)",
-    "rlimits": {"nofile": "lots"}, "netrate": "fast",
+    "rlimits": {"nofile": "lots"}, "netrate": "fast", "transport": "ipsec", "file": "/a/../b",
 }
+# What a --net job option needs beside it to be looked at (a job network).
+JOB = {"cli": ["--net", "job", "--net-id", "5", "--peers", "n1=10.0.0.1", "--node", "n1"],
+       "file": {"mode": "job", "net_id": "5", "peers": "n1=10.0.0.1", "node": "n1"}}
 # [defaults] gpus takes only "slurm" (each job gets its step's GPUs): a
 # different question from --gpus LIST, so a different answer.
 NOT_THE_SAME = {"gpus"}
@@ -48,13 +51,17 @@ def test_a_bad_value_gets_the_same_message_from_the_cli_the_job_file_and_the_pol
     key, check = opt.default
     bad = BAD[check]
     nat = opt.who == "nat" or opt.name == "net-rate"
+    job = opt.who == "job"
+    wg = ["--net-transport", "wireguard"] if opt.name == "net-key" else []
     if check == "rlimits":
         argv = ["--rlimit", "nofile=lots"]
     else:
         argv = [a for v in (bad if isinstance(bad, list) else [bad]) for a in ("--" + opt.name, v)]
-    cli = starter("run", *(["--net", "nat"] if nat else []), *argv, "--", "true", cwd=tmp_path)
+    cli = starter("run", *(["--net", "nat"] if nat else []), *(JOB["cli"] + wg if job else []), *argv, "--", "true",
+                  cwd=tmp_path)
 
-    doc = {"network": {"mode": "nat"}} if nat else {}
+    doc = {"network": {"mode": "nat"}} if nat else {"network": dict(JOB["file"], **(
+        {"transport": "wireguard"} if wg else {}))} if job else {}
     section, _, name = opt.file.rpartition(".")
     (doc.setdefault(section, {}) if section else doc)[name] = bad
     job = tmp_path / "job.json"

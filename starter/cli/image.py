@@ -15,8 +15,9 @@ squashfs, in DIR (default $STARTER_IMAGE_CACHE, the node policy's
 
 commands:
   import FILE [--digest sha256:HEX] [--limit SIZE]
-                      store a squashfs file, or a SIF file's squashfs partition, unless
-                      the cache has it; prints DIGEST SIZE FORMAT ANSWER (stored | have).
+                      store a squashfs file, a SIF file's squashfs partition, or an OCI
+                      image (a layout directory or a docker-archive, made a squashfs)
+                      unless the cache has it; prints DIGEST SIZE FORMAT ANSWER (stored | have).
                       --digest: refuse it unless it has that digest; --limit: the
                       cache's size, all images together (default 64G)
   ls [--json]         the images: DIGEST SIZE FORMAT SOURCE

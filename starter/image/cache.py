@@ -108,13 +108,54 @@ class Cache:
         return p
 
     # -- import -----------------------------------------------------------------
-    def import_(self, src_fd, source, want=None):
+    def import_oci(self, src_fd, source, want=None):
+        """An OCI image layout directory or a docker-archive open at src_fd
+        (root's: its blobs are read as root): unpacked in a staging
+        directory of the cache, made a squashfs, stored as import_ does ->
+        as import_, format "oci" or "docker-archive"."""
+        import shutil
+
+        from starter.image import oci
+
+        st = os.fstat(src_fd)
+        where = f"/proc/self/fd/{src_fd}"
+        if stat.S_ISDIR(st.st_mode) and oci.is_layout(where):
+            fmt, layers = "oci", lambda: oci.layout_layers(where, source)
+        elif stat.S_ISREG(st.st_mode) and oci.is_docker_archive(src_fd):
+            fmt, layers = "docker-archive", lambda: oci.archive_layers(src_fd, source)
+        else:
+            return None
+        self._open(create=True)
+        tag = f"{TMP_PREFIX}{os.getpid()}-{os.urandom(6).hex()}"
+        staging, out = os.path.join(self.path, tag + ".d"), os.path.join(self.path, tag + SUFFIX)
+        try:
+            os.mkdir(staging, 0o700)
+            oci.unpack_to_squashfs(layers(), staging, out, self.limit, source)
+            fd = os.open(out, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+            try:
+                got = self.import_(fd, source, want, label=fmt)
+            finally:
+                os.close(fd)
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
+            try:
+                os.unlink(out)
+            except FileNotFoundError:
+                pass
+        return got
+
+    def import_(self, src_fd, source, want=None, label=None, oci=True):
         """Store the image open at src_fd (a squashfs or SIF file; source: its
         name, for the record) -> (hex digest, size, format, stored: False if
-        it was there already).  want: a digest it must have."""
+        it was there already).  want: a digest it must have; label: the
+        format to record instead (an OCI image made a squashfs); oci: take
+        OCI images too (root's: their blobs are read as root)."""
         st = os.fstat(src_fd)
         if not stat.S_ISREG(st.st_mode):
-            raise CacheError(f"{source} is not a regular file")
+            got = self.import_oci(src_fd, source, want) if oci and stat.S_ISDIR(st.st_mode) else None
+            if got is not None:
+                return got
+            raise CacheError(f"{source} is not a regular file (nor an OCI image layout)")
         size = st.st_size
 
         def read_at(off, n):
@@ -127,8 +168,11 @@ class Cache:
         elif fmt == "sif":
             off, length = formats.sif_partition(read_at, size, what)
         else:
-            raise formats.ImageError(f"{what} is neither a squashfs nor a SIF file",
-                                     "an OCI image is not imported by this version")
+            got = self.import_oci(src_fd, source, want) if oci and label is None else None
+            if got is not None:
+                return got
+            raise formats.ImageError(f"{what} is neither a squashfs, a SIF file, an OCI image layout nor a "
+                                     "docker-archive")
         sb = formats.squashfs(lambda o, n: read_at(off + o, min(n, max(0, length - o))), length, what)
         # What is stored: the file system's bytes, then zeros to a 4 KiB
         # boundary (a loop device sees whole sectors only), whatever padding
@@ -164,9 +208,10 @@ class Cache:
                                  "the file is not the image the digest names")
             name = PREFIX + hexd + SUFFIX
             if os.path.exists(os.path.join(self.path, name)):
-                return hexd, length, fmt, False
+                return hexd, length, label or fmt, False
             import json
 
+            fmt = label or fmt
             meta = json.dumps({"digest": "sha256:" + hexd, "size": length, "format": fmt, "source": source,
                                "imported_at": round(time.time(), 3), "compression": sb.compression}).encode()
             mfd = os.open(PREFIX + hexd + META, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW | os.O_CLOEXEC,
@@ -222,7 +267,12 @@ class Cache:
                         continue
                 else:
                     continue
-                if _unlink(name, dfd):
+                if name.startswith(TMP_PREFIX) and name.endswith(".d") and os.path.isdir(os.path.join(self.path, name)):
+                    import shutil
+
+                    shutil.rmtree(os.path.join(self.path, name), ignore_errors=True)
+                    removed.append(name)
+                elif _unlink(name, dfd):
                     removed.append(name)
             return removed
         finally:

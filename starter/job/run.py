@@ -478,7 +478,8 @@ class Job:
                 except OSError as e:
                     raise StarterError(f"--image {ref}: {e.strerror}") from None
             try:
-                hexd = cache.import_(fd, ref)[0]
+                # (an OCI image's blobs are read as root: root's to import)
+                hexd = cache.import_(fd, ref, oci=self.caller is None)[0]
             finally:
                 os.close(fd)
         fd = IM.squashfs(cache.path_of(hexd))

@@ -275,9 +275,12 @@ def overlay_from(raw, environ, caller=None, lan=()):
 def image_cache(value=None):
     """--image-cache, else $STARTER_IMAGE_CACHE (root's: a caller's
     environment is emptied), else /var/lib/starter/images."""
-    from starter.image.cache import DEFAULT_CACHE
+    value = value or os.environ.get("STARTER_IMAGE_CACHE")
+    if value is None:
+        from starter.image.cache import DEFAULT_CACHE
 
-    return V.host_path("image-cache", value or os.environ.get("STARTER_IMAGE_CACHE") or DEFAULT_CACHE)
+        value = DEFAULT_CACHE
+    return V.host_path("image-cache", value)
 
 
 def image_ref(field, value):
@@ -458,7 +461,8 @@ def _make(raw, caller=None, asked=None):
     cwd = raw.get("cwd")
     return JobSpec(
         image=image_ref("image", raw["image"]) if raw.get("image") is not None else None,
-        image_cache=image_cache(raw.get("image-cache")) if raw.get("image") is not None else None,
+        image_cache=image_cache(raw.get("image-cache"))
+        if raw.get("image") is not None or raw.get("image-cache") is not None else None,
         on_vacate=on_vacate, checkpoint_every=every,
         id=job_id,
         argv=argv,

@@ -139,7 +139,7 @@ OPTIONS = (
            "checkpoint:DIR  a vacate first dumps the job to DIR with CRIU (bounded by --grace; if it fails: the ordinary vacate)"),
     Option("checkpoint-every", "value", None, None, None, "root",
            "DURATION  with --on-vacate checkpoint:DIR, also dump the running job there this often (the last good image is kept)"),
-    Option("image-cache", "value", None, ("image_cache", "dir"), None, "root",
+    Option("image-cache", "value", "image_cache", ("image_cache", "dir"), None, "root",
            "DIR  the node's image cache, where --image finds and imports images (default $STARTER_IMAGE_CACHE, else /var/lib/starter/images)"),
     Option("image", "value", "image", None, None, "any",
            "REF  the job's root: an image of the node's cache (sha256:HEX) or a squashfs or SIF file (imported first); read-only, the job's writes in a tmpfs of its own"),
