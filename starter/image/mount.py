@@ -160,7 +160,7 @@ def keep_warm(state_dir, hexd, fd):
     """Hand the image's squashfs (a detached mount) to netd, where it runs,
     which holds it a while after this job's start: the next job on the
     image finds its superblock and page cache warm (a first one decompresses
-    what it reads: +30 ms for a shell's start, measured).  Best effort."""
+    what it reads: docs/benchmarks.md has both).  Best effort."""
     from starter.net import SOCKET_NAME, netd
 
     try:
