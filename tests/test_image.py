@@ -161,6 +161,19 @@ def test_a_job_runs_in_its_image_and_leaves_it_as_it_was(cache, rootfs, tmp_path
     assert not [l for l in mountinfo if l.split(" - ")[1].split()[1] == host_root], mountinfo
     with open(report) as f:
         image = json.load(f)["image"]
+    # the metrics name a running job's image
+    job = subprocess.Popen([STARTER, "run", "--id", "img-metrics", "--image", image["digest"], "--", "sleep", "30"],
+                           env=dict(os.environ, STARTER_IMAGE_CACHE=cache), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        from conftest import wait_running
+
+        wait_running(os.environ["STARTER_STATE_DIR"], "img-metrics", job)
+        m = subprocess.run([STARTER, "metrics"], capture_output=True, text=True, timeout=60).stdout
+        assert any(l.startswith("starter_job_image_info{") and 'job_id="img-metrics"' in l and image["digest"] in l
+                   and l.endswith(" 1") for l in m.splitlines()), m
+    finally:
+        job.terminate()
+        job.wait(timeout=60)
     assert image["digest"].startswith("sha256:") and len(image["digest"]) == 71
     # the next job: the image as it was; by digest; through a SIF file
     with open(rootfs, "rb") as f:
@@ -272,9 +285,21 @@ def test_a_caller_runs_the_images_the_policy_allows(cache, rootfs, home, policy,
     for ref in (rootfs, "sha256:" + "ab" * 32):
         r = caller("--image", ref, "--", "true")
         assert r.returncode == 125 and "callers.images" in r.stderr and r.stderr.count("\n") == 1, (ref, r.stderr)
+    # An OCI layout of its own, every file opened with its rights: one it
+    # may not read (a blob of root's, 0600) refuses the image.
+    tree = os.path.join(os.path.dirname(rootfs), "tree")
+    layout = IF.oci_layout(os.path.join(home, "layout"), [IF.layer([(".", "tree", tree)]),
+                                                          IF.layer([("etc/os-release", "file", b"PRETTY_NAME=\"Users\"\n")])])
+    r = caller("--image", layout, "--", "cat", "/etc/os-release")
+    assert r.returncode == 0 and "Users" in r.stdout, r.stderr
+    blobs = os.path.join(layout, "blobs", "sha256")
+    for b in os.listdir(blobs):
+        os.chmod(os.path.join(blobs, b), 0o600)
+    r = caller("--image", layout, "--", "true")
+    assert r.returncode == 125 and "Permission denied" in r.stderr and r.stderr.count("\n") == 1, r.stderr
     r = caller("--image-cache", str(tmp_path), "--image", mine, "--", "true")
     assert r.returncode == 125 and "only root sets it" in r.stderr, r.stderr
-    assert len([e for e in os.listdir(cache) if e.endswith(".sqfs")]) == 1 and not os.path.exists(
+    assert len([e for e in os.listdir(cache) if e.endswith(".sqfs")]) == 2 and not os.path.exists(
         "/var/lib/starter/images")
 
 

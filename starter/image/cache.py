@@ -108,19 +108,25 @@ class Cache:
         return p
 
     # -- import -----------------------------------------------------------------
-    def import_oci(self, src_fd, source, want=None):
-        """An OCI image layout directory or a docker-archive open at src_fd
-        (root's: its blobs are read as root): unpacked in a staging
-        directory of the cache, made a squashfs, stored as import_ does ->
-        as import_, format "oci" or "docker-archive"."""
+    def import_oci(self, src_fd, source, want=None, rights=None):
+        """An OCI image layout directory or a docker-archive open at src_fd:
+        unpacked in a staging directory of the cache, made a squashfs,
+        stored as import_ does -> as import_, format "oci" or
+        "docker-archive".  rights: a context in which the layout's files
+        are opened (a caller's: Caller.rights); the archive is read from
+        src_fd, which its opener opened."""
         import shutil
 
         from starter.image import oci
 
         st = os.fstat(src_fd)
-        where = f"/proc/self/fd/{src_fd}"
-        if stat.S_ISDIR(st.st_mode) and oci.is_layout(where):
-            fmt, layers = "oci", lambda: oci.layout_layers(where, source)
+        if stat.S_ISDIR(st.st_mode) and oci.is_layout(src_fd):
+            def layers():
+                if rights is None:
+                    return oci.layout_layers(src_fd, source)
+                with rights():
+                    return oci.layout_layers(src_fd, source)
+            fmt = "oci"
         elif stat.S_ISREG(st.st_mode) and oci.is_docker_archive(src_fd):
             fmt, layers = "docker-archive", lambda: oci.archive_layers(src_fd, source)
         else:
@@ -144,15 +150,15 @@ class Cache:
                 pass
         return got
 
-    def import_(self, src_fd, source, want=None, label=None, oci=True):
+    def import_(self, src_fd, source, want=None, label=None, rights=None):
         """Store the image open at src_fd (a squashfs or SIF file; source: its
         name, for the record) -> (hex digest, size, format, stored: False if
         it was there already).  want: a digest it must have; label: the
-        format to record instead (an OCI image made a squashfs); oci: take
-        OCI images too (root's: their blobs are read as root)."""
+        format to record instead (an OCI image made a squashfs); rights: a
+        context an OCI layout's files are opened in (import_oci)."""
         st = os.fstat(src_fd)
         if not stat.S_ISREG(st.st_mode):
-            got = self.import_oci(src_fd, source, want) if oci and stat.S_ISDIR(st.st_mode) else None
+            got = self.import_oci(src_fd, source, want, rights) if stat.S_ISDIR(st.st_mode) else None
             if got is not None:
                 return got
             raise CacheError(f"{source} is not a regular file (nor an OCI image layout)")
@@ -168,7 +174,7 @@ class Cache:
         elif fmt == "sif":
             off, length = formats.sif_partition(read_at, size, what)
         else:
-            got = self.import_oci(src_fd, source, want) if oci and label is None else None
+            got = self.import_oci(src_fd, source, want, rights) if label is None else None
             if got is not None:
                 return got
             raise formats.ImageError(f"{what} is neither a squashfs, a SIF file, an OCI image layout nor a "

@@ -33,8 +33,21 @@ MAX_JSON = 4 << 20
 MEDIA_INDEX = ("application/vnd.oci.image.index.v1+json", "application/vnd.docker.distribution.manifest.list.v2+json")
 
 
-def is_layout(path):
-    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "oci-layout"))
+def _open(dfd, rel, what):
+    """A file of the layout (relative to its directory's fd), not through
+    a link at its end."""
+    try:
+        return os.fdopen(os.open(rel, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC, dir_fd=dfd), "rb")
+    except OSError as e:
+        raise ImageError(f"{what}: the OCI layout's {rel}: {e.strerror}") from None
+
+
+def is_layout(dfd):
+    try:
+        st = os.stat("oci-layout", dir_fd=dfd, follow_symlinks=False)
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode)
 
 
 def _from_start(fd):
@@ -69,18 +82,27 @@ class Budget:
 
 # -- reading the two formats ------------------------------------------------------
 def _blob(layout, digest, what):
+    """An open blob of the layout (its dir fd) -> (file, hex digest)."""
     algo, _, hexd = str(digest).partition(":")
     if algo != "sha256" or len(hexd) != 64 or not all(c in "0123456789abcdef" for c in hexd):
         raise ImageError(f"{what}: {str(digest)[:80]!r} is not a sha256 digest")
-    p = os.path.join(layout, "blobs", "sha256", hexd)
-    if not os.path.isfile(p) or os.path.islink(p):
-        raise ImageError(f"{what}: the OCI layout has no blob {digest}", "copy the whole image (skopeo copy)")
-    return p, hexd
+    try:
+        fd = os.open(os.path.join("blobs", "sha256", hexd), os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC,
+                     dir_fd=layout)
+    except FileNotFoundError:
+        raise ImageError(f"{what}: the OCI layout has no blob {digest}", "copy the whole image (skopeo copy)") from None
+    except OSError as e:
+        raise ImageError(f"{what}: the OCI layout's blob {digest}: {e.strerror}") from None
+    f = os.fdopen(fd, "rb")
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        f.close()
+        raise ImageError(f"{what}: the OCI layout's blob {digest} is not a file")
+    return f, hexd
 
 
 def _json_blob(layout, digest, what):
-    p, hexd = _blob(layout, digest, what)
-    with open(p, "rb") as f:
+    f, hexd = _blob(layout, digest, what)
+    with f:
         data = f.read(MAX_JSON + 1)
     if len(data) > MAX_JSON or hashlib.sha256(data).hexdigest() != hexd:
         raise ImageError(f"{what}: blob {digest} does not have its digest (corrupt)")
@@ -95,12 +117,10 @@ def _loads(data, what):
 
 
 def layout_layers(layout, what):
-    """The layers of an OCI layout's image, bottom first: [(file object, name)]."""
-    try:
-        with open(os.path.join(layout, "index.json"), "rb") as f:
-            index = _loads(f.read(MAX_JSON), what)
-    except OSError as e:
-        raise ImageError(f"{what}: the OCI layout has no index.json ({e.strerror})") from None
+    """The layers of an OCI layout's image (its directory's fd), bottom
+    first, each open and checked against its digest: [(file object, name)]."""
+    with _open(layout, "index.json", what) as f:
+        index = _loads(f.read(MAX_JSON), what)
     manifest = None
     for _ in range(4):       # an index may name an index (multi-platform): amd64/linux, else the first
         entries = index.get("manifests") if isinstance(index, dict) else None
@@ -117,23 +137,28 @@ def layout_layers(layout, what):
     if not isinstance(manifest, dict) or not isinstance(manifest.get("layers"), list):
         raise ImageError(f"{what}: the OCI layout's manifest lists no layers")
     out = []
-    for layer in manifest["layers"]:
-        p, hexd = _blob(layout, (layer or {}).get("digest"), what)
-        _check_digest(p, hexd, what)        # (before a byte of it is unpacked)
-        out.append((open(p, "rb"), f"layer {layer['digest'][:19]}"))
+    try:
+        for layer in manifest["layers"]:
+            f, hexd = _blob(layout, (layer or {}).get("digest"), what)
+            out.append((f, f"layer {layer['digest'][:19]}"))
+            _check_digest(f, hexd, what)        # (before a byte of it is unpacked)
+    except BaseException:
+        for f, _n in out:
+            f.close()
+        raise
     return out
 
 
-def _check_digest(path, hexd, what):
+def _check_digest(f, hexd, what):
     h = hashlib.sha256()
-    with open(path, "rb") as f:
-        while True:
-            b = f.read(1 << 20)
-            if not b:
-                break
-            h.update(b)
+    while True:
+        b = f.read(1 << 20)
+        if not b:
+            break
+        h.update(b)
     if h.hexdigest() != hexd:
         raise ImageError(f"{what}: blob sha256:{hexd} does not have its digest (corrupt)")
+    f.seek(0)
 
 
 def archive_layers(fd, what):

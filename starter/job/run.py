@@ -478,8 +478,8 @@ class Job:
                 except OSError as e:
                     raise StarterError(f"--image {ref}: {e.strerror}") from None
             try:
-                # (an OCI image's blobs are read as root: root's to import)
-                hexd = cache.import_(fd, ref, oci=self.caller is None)[0]
+                # (an OCI layout's files opened with the caller's rights too)
+                hexd = cache.import_(fd, ref, rights=self.rights if self.caller is not None else None)[0]
             finally:
                 os.close(fd)
         fd = IM.squashfs(cache.path_of(hexd))
@@ -493,6 +493,7 @@ class Job:
             self.undo.push(os.close, upper, label="image upper")
         self.image_root = (fd, spec.limits.memory, upper)
         self.report.image = {"digest": "sha256:" + hexd}
+        self.job_state.update(image="sha256:" + hexd)      # (the metrics' starter_job_image_info)
 
     def _take_part(self):
         """--net job: the node's part of the job network, made by this task

@@ -36,6 +36,7 @@ STATES = ("starting", "running", "suspended", "exited", "reclaiming", "dead")
 FAMILIES = {
     "starter_jobs": ("gauge", "Jobs on this node by state."),
     "starter_job_state": ("gauge", "1 for the state the job is in, 0 for the others."),
+    "starter_job_image_info": ("gauge", "1 for a job that runs in an image (--image), by the image's digest."),
     "starter_job_start_time_seconds": ("gauge", "When the job's starter began, Unix time."),
     "starter_job_cpu_seconds_total": ("counter", "CPU time of every process the job ever had, by mode."),
     "starter_job_memory_bytes": ("gauge", "Memory the job's cgroup uses now."),
@@ -123,6 +124,8 @@ def job_samples(entry, live, usage, network):
     for s in STATES + ((state,) if state not in STATES else ()):
         add("starter_job_state", int(s == state), _STATE_LABELS.get(s) or "," + labels(state=s))
     add("starter_job_start_time_seconds", entry.get("started_at"))
+    if entry.get("image"):
+        add("starter_job_image_info", 1, "," + labels(digest=entry["image"]))
     if usage:
         add("starter_job_cpu_seconds_total", usage.get("cpu_user_s"), ',mode="user"')
         add("starter_job_cpu_seconds_total", usage.get("cpu_system_s"), ',mode="system"')
