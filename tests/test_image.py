@@ -179,8 +179,14 @@ def test_a_job_runs_in_its_image_and_leaves_it_as_it_was(cache, rootfs, tmp_path
     with open(rootfs, "rb") as f:
         sif = IF.write(tmp_path / "root.sif", IF.sif([(f.read(), 1, 2)]))
     for ref in (image["digest"], sif):
-        r = run_in(cache, "--image", ref, "--", "ls", "/opt")
+        r = run_in(cache, "--image", ref, "--image-digest", image["digest"], "--", "ls", "/opt")
         assert r.returncode == 0 and r.stdout == "", (ref, r.stdout, r.stderr)
+    # a pinned digest the image does not have refuses the job, from a job file too
+    job = tmp_path / "job.json"
+    job.write_text(json.dumps({"image": sif, "image_digest": "sha256:" + "0" * 64, "command": ["true"]}))
+    for args in (["--image", sif, "--image-digest", "sha256:" + "0" * 64, "--", "true"], ["--job", str(job), "--", "true"]):
+        r = run_in(cache, *args)
+        assert r.returncode == 125 and "not the sha256:" + "0" * 64 in r.stderr and r.stderr.count("\n") == 1, r.stderr
     assert host_mounts() == before and loops_of(os.path.join(cache, "sha256-" + image["digest"][7:] + ".sqfs")) == []
 
 

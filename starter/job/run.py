@@ -471,6 +471,9 @@ class Job:
         ref = spec.image
         if ref.startswith("sha256:"):
             hexd = C.check_digest(ref)
+            if spec.image_digest is not None and spec.image_digest != ref:
+                raise StarterError(f"--image {ref} is not the image pinned by --image-digest {spec.image_digest}",
+                                   "the job names two images: give one")
         else:
             with self.rights():
                 try:
@@ -479,7 +482,8 @@ class Job:
                     raise StarterError(f"--image {ref}: {e.strerror}") from None
             try:
                 # (an OCI layout's files opened with the caller's rights too)
-                hexd = cache.import_(fd, ref, rights=self.rights if self.caller is not None else None)[0]
+                hexd = cache.import_(fd, ref, spec.image_digest,
+                                     rights=self.rights if self.caller is not None else None)[0]
             finally:
                 os.close(fd)
         fd = IM.squashfs(cache.path_of(hexd))

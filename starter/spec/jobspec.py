@@ -109,7 +109,7 @@ class JobSpec(Spec):
         "seccomp", "allow_userns", "userns_root", "rlimits",
         "oom_policy", "kill_timeout", "delegate", "transient", "escape",
         "devices", "gpus", "ptys",
-        "asked", "restore", "on_vacate", "checkpoint_every", "image", "image_cache",
+        "asked", "restore", "on_vacate", "checkpoint_every", "image", "image_cache", "image_digest",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
@@ -117,7 +117,7 @@ class JobSpec(Spec):
         "seccomp": "default", "allow_userns": False, "userns_root": False, "rlimits": (),
         "oom_policy": "kill", "kill_timeout": KILL_TIMEOUT,
         "delegate": False, "transient": None, "escape": "report",
-        "devices": (), "gpus": (), "ptys": M.PTYS_DEFAULT, "image": None, "image_cache": None,
+        "devices": (), "gpus": (), "ptys": M.PTYS_DEFAULT, "image": None, "image_cache": None, "image_digest": None,
     }
 
 
@@ -281,6 +281,20 @@ def image_cache(value=None):
 
         value = DEFAULT_CACHE
     return V.host_path("image-cache", value)
+
+
+def image_pin(raw):
+    """--image-digest: the digest the image must have (a job file pins its
+    image so); only with --image."""
+    pin = raw.get("image-digest")
+    if pin is None:
+        return None
+    if raw.get("image") is None:
+        raise SpecError("image-digest", "only applies with --image")
+    pin = image_ref("image-digest", pin)
+    if not pin.startswith("sha256:"):
+        raise SpecError("image-digest", f"{V.show(pin)} is not sha256:HEX")
+    return pin
 
 
 def image_ref(field, value):
@@ -463,6 +477,7 @@ def _make(raw, caller=None, asked=None):
         image=image_ref("image", raw["image"]) if raw.get("image") is not None else None,
         image_cache=image_cache(raw.get("image-cache"))
         if raw.get("image") is not None or raw.get("image-cache") is not None else None,
+        image_digest=image_pin(raw),
         on_vacate=on_vacate, checkpoint_every=every,
         id=job_id,
         argv=argv,

@@ -141,6 +141,8 @@ OPTIONS = (
            "DURATION  with --on-vacate checkpoint:DIR, also dump the running job there this often (the last good image is kept)"),
     Option("image-cache", "value", "image_cache", ("image_cache", "dir"), None, "root",
            "DIR  the node's image cache, where --image finds and imports images (default $STARTER_IMAGE_CACHE, else /var/lib/starter/images)"),
+    Option("image-digest", "value", "image_digest", None, None, "any",
+           "sha256:HEX  with --image FILE: the digest the image must have (pinned), else the job is refused"),
     Option("image", "value", "image", None, None, "any",
            "REF  the job's root: an image of the node's cache (sha256:HEX) or a squashfs or SIF file (imported first); read-only, the job's writes in a tmpfs of its own"),
     Option("restore", "value", None, None, None, "any",
