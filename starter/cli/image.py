@@ -4,7 +4,7 @@ Imported only when `starter image` runs."""
 import os
 import sys
 
-from starter.cli.parse import UsageError, parse
+from starter.cli.parse import UsageError, leading_option, parse
 
 IMAGE_USAGE = """\
 usage: starter image [--cache DIR] COMMAND [options] ...
@@ -38,16 +38,8 @@ def cmd_image(argv):
     from starter.image import cache as C
 
     argv = list(argv)
-    path = os.environ.get("STARTER_IMAGE_CACHE") or _policy_cache() or C.DEFAULT_CACHE
-    if argv[:1] and argv[0].startswith("--cache"):
-        name, eq, val = argv.pop(0).partition("=")
-        if name != "--cache":
-            raise UsageError(f"unknown option {name}")
-        if not eq:
-            if not argv:
-                raise UsageError("--cache needs a value")
-            val = argv.pop(0)
-        path = val
+    path = leading_option(argv, "--cache", None) or os.environ.get("STARTER_IMAGE_CACHE") or _policy_cache() \
+        or C.DEFAULT_CACHE
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(IMAGE_USAGE)
         return 0 if argv else 2

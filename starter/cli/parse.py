@@ -17,6 +17,22 @@ class UsageError(StarterError):
     pass
 
 
+def leading_option(argv, name, default):
+    """A subcommand's own option before its command (`starter spool --spool
+    DIR ...`, `starter image --cache DIR ...`): its value, or `default`;
+    taken off argv (a list)."""
+    if not (argv[:1] and argv[0].startswith(name)):
+        return default
+    given, eq, value = argv.pop(0).partition("=")
+    if given != name:
+        raise UsageError(f"unknown option {given}")
+    if not eq:
+        if not argv:
+            raise UsageError(f"{name} needs a value")
+        value = argv.pop(0)
+    return value
+
+
 class HelpRequested(Exception):
     """--help or -h among the options: main() prints `text` and exits 0."""
 

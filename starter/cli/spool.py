@@ -6,7 +6,7 @@ spool/store.py.  Imported only when `starter spool` runs.
 import os
 import sys
 
-from starter.cli.parse import UsageError, parse
+from starter.cli.parse import UsageError, leading_option, parse
 
 
 SPOOL_USAGE = """\
@@ -63,16 +63,7 @@ def cmd_spool(argv):
     from starter.spool import store as spool
 
     argv = list(argv)
-    spool_dir = os.environ.get("STARTER_SPOOL") or spool.DEFAULT_SPOOL
-    if argv[:1] and argv[0].startswith("--spool"):
-        name, eq, val = argv.pop(0).partition("=")
-        if name != "--spool":
-            raise UsageError(f"unknown option {name}")
-        if not eq:
-            if not argv:
-                raise UsageError("--spool needs a value")
-            val = argv.pop(0)
-        spool_dir = val
+    spool_dir = leading_option(argv, "--spool", os.environ.get("STARTER_SPOOL") or spool.DEFAULT_SPOOL)
     if not argv or argv[0] in ("-h", "--help"):
         sys.stdout.write(SPOOL_USAGE)
         return 0 if argv else 2

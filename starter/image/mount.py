@@ -93,15 +93,8 @@ def loop_for(path):
     try:
         st = os.fstat(src)
         ident = (st.st_dev, st.st_ino)
-        for _ in range(TRIES):
-            got = _open_bound(path, ident)
-            if got is not None:
-                return got
-            try:
-                return _attach(path, src)
-            except ImageMountError:
-                raise
-        raise ImageMountError(f"--image: {path}'s loop device kept changing", "retry the job")
+        # (under the cache's lock: nobody attaches it meanwhile)
+        return _open_bound(path, ident) or _attach(path, src)
     finally:
         os.close(src)
 

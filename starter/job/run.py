@@ -497,7 +497,7 @@ class Job:
             self.undo.push(os.close, upper, label="image upper")
         self.image_root = (fd, spec.limits.memory, upper)
         self.report.image = {"digest": "sha256:" + hexd}
-        self.job_state.update(image="sha256:" + hexd)      # (the metrics' starter_job_image_info)
+        self.job_state.stage(image="sha256:" + hexd)       # (the metrics' starter_job_image_info)
 
     def _take_part(self):
         """--net job: the node's part of the job network, made by this task

@@ -378,6 +378,11 @@ class JobState:
         self.data.update(fields)
         self.save()
 
+    def stage(self, **fields):
+        """Fields written with the next update (what only a running job's
+        readers need: no write of the entry of its own)."""
+        self.data.update(fields)
+
     def save(self):
         try:
             write_atomic(self.path, dumps(self.data) + "\n")
