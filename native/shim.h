@@ -168,6 +168,10 @@ struct shim_spec {
     int image_fd;
     const char *image_tmpfs_size;
     int image_upper_fd;       /* image 2: a bind of a directory of root's in the job's scratch (shim_image_tree) */
+    /* A starter without root and without subordinate ids (starter/rootless):
+     * its user namespace denies setgroups, so the job keeps the starter's
+     * supplementary groups (the pilot's own: the job is the pilot's uid). */
+    int keep_groups;
 };
 
 struct shim_child {
@@ -183,6 +187,12 @@ struct shim_child {
 int shim_spawn(const struct shim_spec *spec, struct shim_child *out);
 int shim_enter(const struct shim_spec *spec, struct shim_child *out);
 int shim_setns(int fd, int nstype);
+/* unshare(2), for a starter without root (starter/rootless/userns.py): its own user namespace. */
+int shim_unshare(int flags);
+/* prctl(PR_SET_DUMPABLE): a starter without root makes itself dumpable again
+ * after a helper sharing its memory changed uid (native/uidkill.c), or the
+ * job it clones next could not be looked at from its own user namespace. */
+int shim_set_dumpable(int on);
 int shim_pidfd_open(int pid);
 /* native/shim_enter.c, for starter/net/part.py: a --net job part's /dev/shm
  * on the host, a tmpfs (nosuid, nodev, `options`) at dir, made private (no

@@ -13,7 +13,7 @@ void drop_privileges(const struct child_ctx *c)
     const struct shim_spec *s = c->s;
     if (syscall(SYS_setresgid, s->gid, s->gid, s->gid) < 0)
         fail(c, "setresgid", NULL);
-    if (syscall(SYS_setgroups, s->ngroups, s->groups) < 0)
+    if (!s->keep_groups && syscall(SYS_setgroups, s->ngroups, s->groups) < 0)
         fail(c, "setgroups", NULL);
     /* Needs CAP_SETPCAP: before the uid changes. */
     for (int cap = 0; cap <= s->cap_last_cap; cap++)

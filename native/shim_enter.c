@@ -6,7 +6,7 @@
  * entering process with CLONE_PARENT|CLONE_INTO_CGROUP, so its parent is the
  * starter and it is in the job's cgroup from its first instruction.  That
  * process joins the job's cgroup namespace from inside, then goes the
- * job's way (become_job) minus namespaces and mounts.  Also shim_setns,
+ * job's way (become_job) minus namespaces and mounts.  Also shim_setns, shim_unshare,
  * shim_pidfd_open and the two mount calls of a --net job part, the
  * starter's own small calls.
  */
@@ -146,6 +146,16 @@ int shim_enter(const struct shim_spec *s, struct shim_child *out)
 int shim_setns(int fd, int nstype)
 {
     return setns(fd, nstype) < 0 ? -errno : 0;
+}
+
+int shim_unshare(int flags)
+{
+    return unshare(flags) < 0 ? -errno : 0;
+}
+
+int shim_set_dumpable(int on)
+{
+    return prctl(PR_SET_DUMPABLE, on, 0, 0, 0) < 0 ? -errno : 0;
 }
 
 int shim_pidfd_open(int pid)

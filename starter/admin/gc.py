@@ -107,7 +107,7 @@ def _reclaim_uids(state_dir):
 
     lines, held = [], False
     for uid, (sd, job_id) in sorted(uids.leases().items()):
-        if S.is_live(sd, job_id) or _entry_to_come(uids.LEASES, uid, sd, job_id):
+        if S.is_live(sd, job_id) or _entry_to_come(uids.where_leases(), uid, sd, job_id):
             continue
         if S.load(sd, job_id).get("state") == "reclaiming":
             held = held or sd == os.path.abspath(state_dir)

@@ -61,6 +61,14 @@ from starter.errors import StarterError
 DEFAULT_FIRST = 0x70000000          # 1879048192
 DEFAULT_COUNT = 0x10000
 LEASES = "/run/starter-uids"
+
+
+def where_leases():
+    """The leases' directory: root's LEASES, or a pilot's under its state
+    directory (starter/rootless: its namespace's uids are its own)."""
+    from starter.rootless import pilot
+
+    return LEASES if pilot.ACTIVE is None else os.path.join(pilot.ACTIVE_STATE, "uids")
 MAX_TRIES = 4096
 
 
@@ -99,7 +107,7 @@ def acquire(state_dir, job_id, first=DEFAULT_FIRST, last=DEFAULT_FIRST + DEFAULT
             return False
         return True
 
-    uid = lease(LEASES, state_dir, job_id, first, last, usable)
+    uid = lease(where_leases(), state_dir, job_id, first, last, usable)
     if uid is None:
         tried = min(last - first + 1, MAX_TRIES)
         if alive:
@@ -186,17 +194,19 @@ def _local_ids(files=("/etc/passwd", "/etc/group")):
     return {int(f[2]) for path in files for f in account_entries(path) if len(f) > 2 and f[2].isdigit()}
 
 
-def holder(uid, where=LEASES):
+def holder(uid, where=None):
     """(state dir, job id) a lease names, or None (no lease)."""
+    where = where or where_leases()
     try:
         return os.path.split(os.readlink(os.path.join(where, str(uid))).partition("#")[0])
     except OSError:
         return None
 
 
-def maker_alive(uid, where=LEASES):
+def maker_alive(uid, where=None):
     """Is the starter that made lease `uid` still running (its pid with the
     start time it recorded)?  False for a lease that names no maker."""
+    where = where or where_leases()
     from starter.state.store import process_start_time
 
     try:
@@ -207,8 +217,9 @@ def maker_alive(uid, where=LEASES):
         return False
 
 
-def release(uid, state_dir, job_id, where=LEASES):
+def release(uid, state_dir, job_id, where=None):
     """Give the uid back, if that job holds it."""
+    where = where or where_leases()
     if holder(uid, where) != (os.path.abspath(state_dir), job_id):
         return False
     try:
@@ -218,8 +229,9 @@ def release(uid, state_dir, job_id, where=LEASES):
     return True
 
 
-def leases(state_dir=None, where=LEASES):
+def leases(state_dir=None, where=None):
     """{uid: (state dir, job id)} of every lease (of state_dir's jobs only, if given)."""
+    where = where or where_leases()
     try:
         names = os.listdir(where)
     except OSError as e:

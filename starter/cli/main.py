@@ -65,8 +65,15 @@ def cmd_run(argv):
         return 0
     trace.mark("import")
     values, _, command = parse(argv, RUN_OPTIONS, usage="starter run [options] -- CMD [ARGS]")
-    caller = None
-    if os.geteuid() == 0:
+    caller = pilot = None
+    if os.geteuid() != 0 and os.getuid() != 0:
+        # No root anywhere (a pilot's own jobs): the starter's own user
+        # namespace first, while this process has no threads (rootless/).
+        from starter.rootless import pilot as rootless
+
+        pilot = rootless.begin()
+        rootless.check_values(values)
+    elif os.geteuid() == 0:
         # First: the first cgroup migration's RCU wait then overlaps what follows.
         from starter.cgroups import warm_up
 
@@ -91,7 +98,8 @@ def cmd_run(argv):
         # A root caller may name another policy file (tests, a trial); a caller
         # that is not root has an empty environment here (the launcher's doing).
         image = None
-        pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH)
+        pol = policy.load(os.environ.get("STARTER_POLICY") or policy.PATH) if pilot is None else \
+            rootless.policy(pilot)
         if "restore" in values:
             from starter.checkpoint import criu as checkpoint, directory as checkpoint_dir
 
@@ -120,6 +128,8 @@ def cmd_run(argv):
         raise
     if image is not None:
         js = js.replace(restore=image)
+    if pilot is not None:
+        js = rootless.check_spec(js)
     trace.mark("spec")
     from starter.job.run import run
 

@@ -35,14 +35,15 @@ class ChildSpec:
     __slots__ = ("argv", "env", "cwd", "uid", "gid", "groups", "namespaces", "hostname",
                  "mounts", "private_tmp", "keep_fds", "init", "cgroup_fd",
                  "die_with_parent", "drop_privileges", "stdio", "cwd_fallbacks", "seccomp",
-                 "userns_root", "reset_inherited", "rlimits", "cgroupns_at_clone", "join", "image")
+                 "userns_root", "reset_inherited", "rlimits", "cgroupns_at_clone", "join", "image",
+                 "keep_groups")
 
     def __init__(self, argv, env, cwd="/", uid=0, gid=0, groups=(),
                  namespaces=DEFAULT_NAMESPACES, hostname=None, mounts=(), private_tmp=True,
                  keep_fds=(), init=False, cgroup_fd=None, die_with_parent=True,
                  drop_privileges=True, stdio=(None, None, None), cwd_fallbacks=(), seccomp=None,
                  userns_root=False, reset_inherited=True, rlimits=None, cgroupns_at_clone=False, join=None,
-                 image=None):
+                 image=None, keep_groups=False):
         self.argv = argv              # list[str]; argv[0] searched in env["PATH"]
         self.env = env                # dict[str, str]: exactly the job's environment
         self.cwd = cwd
@@ -70,6 +71,9 @@ class ChildSpec:
         # {"net": fd, "ipc": fd, "pid": fd}: namespaces to join, not make (a
         # --net job task joining its part on the node: starter/net/part.py)
         self.join = join or {}
+        # the starter's supplementary groups stay (its user namespace denies
+        # setgroups: a starter without root, without subordinate ids)
+        self.keep_groups = keep_groups
         # --image: (the image's squashfs, a detached mount's fd; tmpfs size
         # or None; the directory for the job's writes, an fd, or None: a
         # tmpfs): the child makes it its root (native/shim_image.c); None:
@@ -192,6 +196,7 @@ def build(spec, keep, entering=False, src_fds=None):
     c.userns_root = 1 if spec.userns_root else 0
     c.reset_inherited = 1 if spec.reset_inherited else 0
     c.cgroupns_at_clone = 1 if spec.cgroupns_at_clone else 0
+    c.keep_groups = 1 if spec.keep_groups else 0
     if spec.image is not None:
         if entering or "mnt" not in names:
             raise SpecError("image", "a root of its own needs a mount namespace of the job's own")

@@ -349,13 +349,15 @@ _DEV_FLAGS = ("nosuid", "noexec")
 PTYS_DEFAULT = 1024     # the node policy's defaults.ptys
 
 
-def dev(ptys=PTYS_DEFAULT):
+def dev(ptys=PTYS_DEFAULT, bind_nodes=False):
     """The job's /dev: a tmpfs (0755, nosuid, noexec), copies of the
     DEV_NODES the host has (character devices only), the DEV_LINKS, a devpts instance
     of its own (newinstance: its ptys are counted apart from the host's,
     at most `ptys`).  private_dirs() then mounts /dev/shm and
     /dev/mqueue on it; seal_dev() makes it read-only once the spec's binds
-    (an admin's --bind /dev/xyz) have their mount points."""
+    (an admin's --bind /dev/xyz) have their mount points.  bind_nodes:
+    the host's nodes bound instead of copied (a starter without root: a
+    user namespace may not mknod)."""
     out = [Mount.fs("tmpfs", "/dev", DEV_TMPFS, _DEV_FLAGS)]
     for name in DEV_NODES:
         p = "/dev/" + name
@@ -364,7 +366,8 @@ def dev(ptys=PTYS_DEFAULT):
         except OSError:
             continue
         if stat.S_ISCHR(st.st_mode):
-            out.append(Mount.node(p, stat.S_IFCHR | stat.S_IMODE(st.st_mode), st.st_rdev))
+            out.append(Mount("bind", p, p) if bind_nodes else
+                       Mount.node(p, stat.S_IFCHR | stat.S_IMODE(st.st_mode), st.st_rdev))
     out += [Mount.link(target, "/dev/" + name) for name, target in DEV_LINKS]
     out.append(Mount.fs("devpts", "/dev/pts", f"newinstance,ptmxmode=0666,mode=0620,max={int(ptys)}",
                         ("nosuid", "noexec")))

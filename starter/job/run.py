@@ -101,6 +101,9 @@ class Job:
         from starter.job.supervisor import Signals
 
         self.spec, self.caller, self.policy = spec, caller, policy
+        from starter.rootless.pilot import ACTIVE as pilot
+
+        self.pilot = pilot              # a starter without root: its rootless/userns.Pilot, or None
         self.t0 = time.time()
         self.undo = Undo()
         if spec.restore is not None:    # a checkpoint's images (a caller's private copy of them, too)
@@ -435,7 +438,7 @@ class Job:
 
         spec = self.spec
         self.first_mounts = (M.cgroup_view(self.backend.view(), writable=spec.delegate)
-                             + M.dev(spec.ptys)
+                             + M.dev(spec.ptys, bind_nodes=self.pilot is not None)
                              + M.private_dirs(spec.uid, spec.gid, spec.limits.memory, self.run_through)
                              + M.device_binds(d[0] for d in spec.devices))
         self.last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
@@ -584,7 +587,10 @@ class Job:
         self.undo.push(cg.destroy, label="cgroup")
         fault("cgroup-create")
         # What the kernel lets the job open, by any path: before anything runs.
-        self.report.device_rules = cg.set_devices(M.dev_rules(spec.devices))
+        if self.pilot is None:
+            self.report.device_rules = cg.set_devices(M.dev_rules(spec.devices))
+        else:   # (a cgroup device program needs the host's root: the job's own /dev only)
+            self.report.device_rules = "none"
         self.oom_watch = cg.end_on_oom() if spec.oom_policy == "kill" else None
         trace.mark("cgroup")
 
@@ -630,8 +636,13 @@ class Job:
             mounts=tuple(self.first_mounts + self.mounts + self.last_mounts), init=spec.init,
             cgroup_fd=self.cg.clone_fd(), seccomp=self.sc_filter,
             userns_root=spec.userns_root, rlimits=self.rlimits, cgroupns_at_clone=spec.delegate,
-            join={k: fd for k, fd in self.part_ns.items() if k in ("net", "ipc", "pid")}, image=self.image_root)
+            join={k: fd for k, fd in self.part_ns.items() if k in ("net", "ipc", "pid")}, image=self.image_root,
+            keep_groups=self.pilot is not None and not self.pilot.mapped)
         trace.mark("plan")
+        if self.pilot is not None:
+            from starter.rootless import userns
+
+            userns.redump()
         if self.image is None:
             child = ns.spawn(child_spec)
         else:

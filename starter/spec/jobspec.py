@@ -19,7 +19,7 @@ from starter.errors import SpecError
 from starter.spec.options import IPV6_MODES, MAX_CPUS, MAX_DISK_INODES, MAX_PIDS, MAX_WALL, NAT_MODES, NET_MODES  # noqa: F401
 from starter.spec.options import DEFAULT_NET_KEY, NET_TRANSPORTS
 from starter.spec.options import ipv6_mode, seccomp_choice
-from starter.spec.options import DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS, caller_user, check_cwd, parse_env, parse_host_port, parse_io_max, parse_net_rate, parse_mount, parse_on_signal, parse_rlimit, resolve_group, resolve_user, rlimit_table, own_cpus, state_dir, thread_count
+from starter.spec.options import DEFAULT_RLIMITS, RLIM_INFINITY, THREAD_VARS, caller_user, check_cwd, parse_env, parse_host_port, parse_io_max, parse_net_rate, parse_mount, parse_on_signal, parse_require, parse_rlimit, resolve_group, resolve_user, rlimit_table, own_cpus, state_dir, thread_count
 
 MAX_ARGS = 4096
 MAX_MEMORY = V.MAX_SIZE
@@ -110,6 +110,7 @@ class JobSpec(Spec):
         "oom_policy", "kill_timeout", "delegate", "transient", "escape",
         "devices", "gpus", "ptys",
         "asked", "restore", "on_vacate", "checkpoint_every", "image", "image_cache", "image_digest",
+        "require",
     )
     DEFAULTS = {
         "grace": 10.0, "init": False, "mounts": (), "env": None, "groups": (),
@@ -118,6 +119,7 @@ class JobSpec(Spec):
         "oom_policy": "kill", "kill_timeout": KILL_TIMEOUT,
         "delegate": False, "transient": None, "escape": "report",
         "devices": (), "gpus": (), "ptys": M.PTYS_DEFAULT, "image": None, "image_cache": None, "image_digest": None,
+        "require": (),
     }
 
 
@@ -513,6 +515,7 @@ def _make(raw, caller=None, asked=None):
         # end (starter/job/strays.py): the policy's choice, per kind of uid.
         escape=raw.get("escape-transient" if transient else "escape-named") or ("kill" if transient else "report"),
         devices=tuple(devices), gpus=gpus, ptys=ptys, asked=asked,
+        require=parse_require("require", _list("require", raw.get("require", []))),
         kill_timeout=V.number("STARTER_KILL_TIMEOUT", os.environ.get("STARTER_KILL_TIMEOUT") or KILL_TIMEOUT,
                                   0.1, MAX_GRACE),
     )

@@ -78,6 +78,26 @@ def state_dir(value=None):
     return V.host_path("state-dir", value or os.environ.get("STARTER_STATE_DIR") or "/run/starter")
 
 
+GUARANTEES = ("memory", "cpu", "pids", "kill", "freeze", "accounting", "own-uid", "network")
+
+
+def parse_require(field, items):
+    """--require LIST (repeatable; commas): guarantees a starter without
+    root must give or refuse the job (starter/rootless/pilot.py); "all"
+    names every one."""
+    out = []
+    for item in items:
+        for g in V.string(field, item).split(","):
+            g = g.strip()
+            if g == "all":
+                out += GUARANTEES
+            elif g in GUARANTEES:
+                out.append(g)
+            elif g:
+                raise SpecError(field, f"{V.show(g)} is not one of {', '.join(GUARANTEES)}, all")
+    return tuple(dict.fromkeys(out))
+
+
 def parse_env(field, items):
     env = {}
     for item in items:

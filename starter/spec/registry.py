@@ -61,6 +61,9 @@ OPTIONS = (
            "keep a tiny init as PID 1 (reaps orphans, forwards signals)"),
     Option("seccomp", "value", "seccomp", ("seccomp", "profile"), None, "any",
            "default|off|FILE  syscall filter (default: the built-in profile)"),
+    Option("require", "multi", "require", None, None, "any",
+           "LIST  refuse the job unless these are enforced (memory,cpu,pids,kill,freeze,accounting,own-uid,"
+           "network; or all): for a starter without root"),
     Option("allow-userns", "flag", "allow_userns", None, "allow_userns", "any",
            "let the job create user namespaces (unprivileged container runtimes)"),
     Option("memory", "value", "limits.memory", ("memory", "size"), "max_memory", "any",

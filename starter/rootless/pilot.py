@@ -1,0 +1,130 @@
+"""What a starter without root does differently (package docstring).
+
+begin() is `starter run`'s first step for a caller that is not root and
+has no set-user-ID launcher: it enters the starter's own user namespace
+(userns.py) and sets what the rest of the start reads: the state directory
+(the pilot's runtime directory), the job's ids, and the pilot's policy.
+From then on the start is root's, inside that namespace, but for what
+needs the host's root: no netd, no NAT table (the user-mode network,
+net/usermode.py, instead), no --disk loop device, no images, no node policy.
+
+Which of the guarantees root mode gives this start cannot give, and why, is
+`not_enforced()`: the report's `not_enforced`, and what `--require` refuses.
+"""
+
+import os
+
+from starter.errors import StarterError
+
+ACTIVE = None           # the Pilot, once begin() ran (userns.Pilot)
+ACTIVE_STATE = None     # its state directory
+
+
+
+def begin():
+    """Enter the starter's user namespace; -> the Pilot."""
+    global ACTIVE, ACTIVE_STATE
+    from starter.rootless import userns
+
+    pilot = userns.who()
+    userns.enter(pilot)
+    os.environ.setdefault("STARTER_STATE_DIR", state_dir(pilot))
+    ACTIVE_STATE = os.environ["STARTER_STATE_DIR"]
+    try:
+        os.makedirs(ACTIVE_STATE, 0o700, exist_ok=True)
+    except OSError as e:
+        raise StarterError(f"the state directory {ACTIVE_STATE}: {e.strerror}",
+                           "set --state-dir, $STARTER_STATE_DIR or $XDG_RUNTIME_DIR to a directory of the pilot's")
+    ACTIVE = pilot
+    return pilot
+
+
+def state_dir(pilot):
+    """The pilot's jobs' state: $XDG_RUNTIME_DIR/starter, else under its home."""
+    run = os.environ.get("XDG_RUNTIME_DIR")
+    if run and run.startswith("/"):
+        return os.path.join(run, "starter")
+    return os.path.join(pilot.home, ".starter", "run")
+
+
+def default_state_dir():
+    """`starter ps` and the other commands of a pilot that is not root:
+    where its `starter run` keeps its jobs' state (never /run/starter)."""
+    from starter.rootless import userns
+
+    return state_dir(userns.who())
+
+
+def policy(pilot):
+    """The pilot's policy: no node policy applies (it is root's, for root's
+    starter); the job's ids come from the pilot's namespace."""
+    from starter.callers.policy import Policy
+
+    rng = pilot.payload_range()
+    return Policy(defaults={"job-uids": f"{rng[0]}-{rng[1]}"} if rng else {"job-uids": "none", "user": "0"})
+
+
+ROOT_ONLY = {   # run options that need the host's root, with why
+    "disk": "a --disk file system is a loop device",
+    "image": "an image is a loop device's squashfs",
+    "net-id": "a --net job network is the node's",
+    "user": "a pilot's job runs under its own mapped id",
+    "group": "a pilot's job runs under its own mapped id",
+    "restore": "CRIU restores as root",
+    "on-vacate": "CRIU dumps as root",
+}
+
+
+def check_values(values):
+    """Refuse, in one line, an option a starter without root cannot honour."""
+    for opt, why in ROOT_ONLY.items():
+        if values.get(opt) is not None:
+            raise StarterError(f"--{opt} needs the host's root: {why}",
+                               "run this job through a root starter, or leave the option out")
+
+
+def check_spec(js):
+    """The same for what the job file asked; -> the spec with the pilot's
+    identity where its namespace maps only 0."""
+    if js.image is not None or js.limits.disk is not None or js.on_vacate:
+        raise StarterError("--image, --disk and --on-vacate need the host's root (a loop device, CRIU)",
+                           "run this job through a root starter, or leave them out")
+    mode = js.network.mode
+    if mode not in ("none", "host", "nat"):
+        raise StarterError(f"--net {mode} needs the host's root",
+                           "a pilot's job has --net nat (a user-mode network), none or host")
+    if ACTIVE.mapped and js.transient is None or not ACTIVE.mapped and js.uid != 0:
+        raise StarterError("--user needs the host's root: a pilot's job runs under its own mapped id",
+                           "leave user out of the job file")
+    if js.transient is None:
+        env = dict(js.env)
+        env["HOME"] = ACTIVE.home
+        env["USER"] = env["LOGNAME"] = ACTIVE.name
+        js = js.replace(uid=0, gid=0, groups=(), user=ACTIVE.name, home=ACTIVE.home, env=env)
+    return js
+
+
+def not_enforced(pilot, cgroup_kind, net_mode):
+    """[(guarantee, why)] that this job goes without."""
+    out = []
+    if cgroup_kind == "none":
+        why = "no cgroup is delegated to the pilot"
+        out += [("memory", why), ("cpu", why), ("pids", why),
+                ("kill", why + ": the job is ended through its PID namespace's init"),
+                ("freeze", why), ("accounting", why)]
+    if not pilot.mapped:
+        out.append(("own-uid", "no subordinate ids (/etc/subuid, newuidmap): the job runs as the pilot's uid"))
+    if net_mode == "host":
+        out.append(("network", "--net host"))
+    return out
+
+
+def check_required(required, missing):
+    """--require: refuse the job, in one line, where a guarantee it names is
+    missing (not_enforced's list)."""
+    lacking = [(g, why) for g, why in missing if g in required]
+    if lacking:
+        raise StarterError("--require " + ", ".join(g for g, _ in lacking) + ": not enforced here ("
+                           + "; ".join(f"{g}: {why}" for g, why in lacking) + ")",
+                           "run the job where a cgroup is delegated to the pilot (systemd's Delegate=yes, "
+                           "the batch system's slot cgroup) and subordinate ids are set up, or drop --require")
