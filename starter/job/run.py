@@ -277,7 +277,16 @@ class Job:
         from starter import cgroups
 
         spec = self.spec
-        backend = self.backend = cgroups.open_backend(spec.cgroup_parent)
+        if self.pilot is None:
+            backend = self.backend = cgroups.open_backend(spec.cgroup_parent)
+        else:   # a pilot's delegated cgroup, or none (the report says what that leaves out)
+            from starter.rootless import pilot
+
+            backend = self.backend = pilot.cgroup_backend(spec.cgroup_parent)
+            missing = pilot.not_enforced(self.pilot, backend.kind, spec.network.mode)
+            self.report.rootless = {"pilot_uid": self.pilot.uid, "subordinate_ids": self.pilot.mapped}
+            self.report.not_enforced = {g: why for g, why in missing}
+            pilot.check_required(spec.require, missing)
         if spec.limits.cpuset is not None or spec.limits.mems is not None:
             backend.add_cpuset()    # v1 layouts: the cpuset hierarchy too, for this job only
         if spec.delegate:   # refused before anything of the job exists

@@ -36,7 +36,7 @@ class Report:
         "device_rules", "oom", "oom_policy", "psi", "cgroup", "network", "delegated", "payloads",
         "payloads_truncated", "payloads_oom", "unkillable", "kill_reason", "scratch_bytes", "disk", "uid",
         "escaped", "escaped_action", "gpu", "gpu_error", "checkpoint", "checkpoint_error", "segments", "total",
-        "peer_lost", "image",
+        "peer_lost", "image", "rootless", "not_enforced",
     )
     __slots__ = FIELDS
 

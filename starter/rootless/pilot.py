@@ -104,6 +104,28 @@ def check_spec(js):
     return js
 
 
+def cgroup_backend(parent):
+    """The pilot's cgroups: the host's backend where every directory its
+    jobs' cgroups go in is the pilot's to write (delegated: made, or to be
+    made, in a cgroup that is the pilot's), else none (cgroups/nocgroup.py)."""
+    from starter import cgroups
+    from starter.cgroups import nocgroup
+
+    try:
+        backend = cgroups.open_backend(parent)
+    except StarterError:
+        return nocgroup.NoBackend()
+    for d in backend.distinct_parents():
+        probe = d if os.path.isdir(d) else os.path.dirname(d)
+        if not (os.access(probe, os.W_OK) and os.access(os.path.join(probe, "cgroup.procs"), os.W_OK)):
+            if parent is not None:
+                raise StarterError(f"--cgroup-parent {parent}: {probe} is not delegated to {ACTIVE.name}",
+                                   "name a cgroup the pilot was given (its directory and cgroup.procs "
+                                   "its own), or leave --cgroup-parent out")
+            return nocgroup.NoBackend()
+    return backend
+
+
 def not_enforced(pilot, cgroup_kind, net_mode):
     """[(guarantee, why)] that this job goes without."""
     out = []
