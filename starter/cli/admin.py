@@ -81,7 +81,7 @@ def cmd_enter(argv):
     values, pos, command = parse(argv, table, positional=1, usage="starter enter JOB [--user USER] [-- CMD [ARGS]]")
     if not pos:
         raise UsageError("which job? (starter ps lists them)")
-    need_root("starter enter")
+    _root_or_pilot("starter enter", values, pos[0])
     from starter.admin import jobs as admin
 
     return admin.enter(_state_dir(values), pos[0], command or ["/bin/sh"], values.get("user"))
@@ -102,7 +102,7 @@ def cmd_status(argv):
                            usage="starter status JOB [--json] [--processes] [--state-dir DIR]")
     if not pos:
         raise UsageError("which job? (starter ps lists them)")
-    need_root("starter status")       # the state directory is root-only
+    _root_or_pilot("starter status", values, pos[0])       # the state directory is root-only
     from starter.admin import jobs as admin
 
     return admin.status(_state_dir(values), pos[0], values.get("json", False), values.get("processes", False))
@@ -177,7 +177,7 @@ def cmd_control(action, argv):
                            usage=f"starter {action} JOB [--state-dir DIR]")
     if not pos:
         raise UsageError(f"usage: starter {action} JOB")
-    need_root(f"starter {action}")
+    _root_or_pilot(f"starter {action}", values, pos[0])
     from starter.admin import jobs as admin
 
     return admin.control(_state_dir(values), pos[0], action)
@@ -203,7 +203,7 @@ def cmd_checkpoint(argv):
 def cmd_gc(argv):
     table = {"--state-dir": ("state-dir", "value", "DIR  state directory")}
     values, _, _ = parse(argv, table, command_after=False, usage="starter gc [--state-dir DIR]")
-    need_root("starter gc")
+    _root_or_pilot("starter gc", values, None)
     from starter.admin.gc import gc
 
     lines, ok = gc(_state_dir(values))
@@ -228,12 +228,32 @@ def cmd_netd(argv):
     return 0
 
 
+def _root_or_pilot(what, values, job):
+    """Root, or a pilot (not root, starter/rootless) on its own jobs: for one
+    job, inside the user namespace its starter made (whose root the pilot
+    is), where its namespaces and processes are ours; for gc, in a new one
+    mapped as its starters' are (what a dead one left is of those ids)."""
+    if os.geteuid() == 0:
+        return
+    from starter.rootless import pilot
+
+    os.environ["STARTER_STATE_DIR"] = _state_dir(values)   # (root's default, once 0 in the namespace)
+    if job is None:
+        pilot.begin()
+    else:
+        pilot.join_job(os.environ["STARTER_STATE_DIR"], job)
+
+
 def _state_dir(values):
     """--state-dir, else $STARTER_STATE_DIR, else the node policy's
     defaults.state_dir, else /run/starter."""
     from starter.spec.jobspec import state_dir
 
     value = values.get("state-dir")
+    if value is None and not os.environ.get("STARTER_STATE_DIR") and os.geteuid() != 0:
+        from starter.rootless import pilot       # a pilot's own jobs
+
+        return state_dir(pilot.default_state_dir())
     if value is None and not os.environ.get("STARTER_STATE_DIR"):
         from starter.callers import policy
 

@@ -39,6 +39,47 @@ def begin():
     return pilot
 
 
+def join_job(state_dir_, job_id):
+    """An admin command of the pilot's on one of its jobs (`starter enter`,
+    status, vacate ...): into the user namespace of the job's starter, whose
+    0 is the pilot.  The job's process names it; the namespace is checked to
+    be one the pilot owns (not the host's), and the process to be the one
+    the entry names (the pidfd, after the open)."""
+    import fcntl
+
+    from starter.isolate.ns import setns
+    from starter.state import store as S
+
+    global ACTIVE, ACTIVE_STATE
+    NS_GET_OWNER_UID = 0xB704
+    st = S.load(state_dir_, job_id)
+    pid = st.get("pid")
+    if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
+        raise StarterError(f"job {job_id} is not running (state {st.get('state')!r})")
+    try:
+        fd = os.open(f"/proc/{pid}/ns/user", os.O_RDONLY | os.O_CLOEXEC)
+    except OSError as e:
+        raise StarterError(f"job {job_id}: its process {pid}: {e.strerror}") from None
+    try:
+        import array
+
+        buf = array.array("I", [0])
+        fcntl.ioctl(fd, NS_GET_OWNER_UID, buf, True)
+        host = os.stat("/proc/1/ns/user") if os.access("/proc/1/ns/user", os.R_OK) else None
+        mine = os.fstat(fd)
+        if buf[0] != os.getuid() or (host is not None and (host.st_dev, host.st_ino) == (mine.st_dev, mine.st_ino)):
+            raise StarterError(f"job {job_id} is not one of this pilot's (its user namespace is uid {buf[0]}'s)")
+        from starter.rootless import userns
+
+        ACTIVE = userns.who()
+        setns(fd, 0x10000000)
+    except OSError as e:
+        raise StarterError(f"job {job_id}: joining its user namespace failed: {e.strerror}") from None
+    finally:
+        os.close(fd)
+    ACTIVE_STATE = state_dir_
+
+
 def state_dir(pilot):
     """The pilot's jobs' state: $XDG_RUNTIME_DIR/starter, else under its home."""
     run = os.environ.get("XDG_RUNTIME_DIR")
