@@ -456,7 +456,7 @@ class Job:
             self._image_root()
         self.rlimits = rlimit_table(spec.rlimits)
         self.cwd_fallbacks = () if self.cwd else default_cwds(spec)
-        if spec.network.mode in NAT_MODES:
+        if spec.network.mode in NAT_MODES and self.pilot is None:
             from starter import net
 
             self.netcfg = net.config_for(spec)
@@ -621,8 +621,9 @@ class Job:
                 write_atomic(hosts, overlay.Plan.of(self.netcfg.overlay).hosts_text(overlay.has_ipv6()), 0o644)
                 self.undo.push(unlink_quiet, hosts, label="hosts")
                 self.mounts.append(M.Mount("ro-bind", "/etc/hosts", hosts))
-        elif spec.network.mode == "host":
-            self.mounts += M.resolv_conf(None, self.private_run)     # the host's, where it lies in /run
+        elif spec.network.mode == "host" or self.pilot is not None and spec.network.mode in NAT_MODES:
+            # the host's, where it lies in /run (a pilot's job reaches its servers through pasta)
+            self.mounts += M.resolv_conf(None, self.private_run)
 
     # -- the job's process ---------------------------------------------------
     def clone(self):
@@ -718,6 +719,32 @@ class Job:
                 self._wire(fd)
             finally:
                 self._let_go(fd)
+        elif self.pilot is not None and spec.network.mode in NAT_MODES:
+            self._user_net()
+
+    def _user_net(self):
+        """A pilot's --net nat: the user-mode stack and the job's counters in
+        its namespace (net/usermode.py); read into the report, then stopped,
+        at the end (after the job, before its cgroup goes)."""
+        from starter.net import usermode
+
+        fd = os.open(f"/proc/{self.child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
+        try:
+            un = usermode.UserNet(self.spec.id, fd, self.spec.network.lan, self.spec.state_dir)
+        finally:
+            os.close(fd)
+        self.undo.push(self._user_net_end, un, label="net")
+        self.job_state.update(pasta_pidfile=un.pidfile)
+        un.start()
+        fault("net-setup")
+        trace.mark("net")
+
+    def _user_net_end(self, un):
+        try:
+            if un.pid is not None:
+                self.report.network = un.report()
+        finally:
+            un.stop()
 
     def _wire(self, fd):
         """The job's network, in the namespace fd (_let_go() after)."""

@@ -395,3 +395,33 @@ def overlay_table(ifname, peers, skip_port=None):
                 _match(_meta(dev), ifname), _match(_meta("nfproto"), "ipv4" if fam == "4" else "ipv6"),
                 _ctr_map(_payload(proto, field), d + fam)])}})
     return cmds
+
+
+# -- a pilot's job network (no root: net/usermode.py), in its namespace --------
+USERMODE_TABLE = "starter_usermode"
+
+
+def usermode_table(ifname, lan):
+    """The job's own table in its network namespace, where a starter
+    without root counts what crosses the user-mode stack's device `ifname`:
+    the named counters ZONES (IPv4 and IPv6 together), LAN by the CIDRs
+    `lan`, the rest WAN.  The job has no capability in its namespace and
+    cannot change it.  Pure: JSON commands for libnftables."""
+    t = {"family": FAMILY, "table": USERMODE_TABLE}
+    obj = lambda **kw: dict(t, **kw)  # noqa: E731
+    cmds = [{"add": {"table": {"family": FAMILY, "name": USERMODE_TABLE}}}]
+    cmds += [{"add": {"counter": obj(name=z)}} for z in ZONES]
+    lan4, lan6 = split_families(lan)
+    for name, typ, cidrs in (("lan4", "ipv4_addr", lan4), ("lan6", "ipv6_addr", lan6)):
+        s = obj(name=name, type=typ, flags=["interval"])
+        if cidrs:
+            s["elem"] = [_prefix(c) for c in cidrs]
+        cmds.append({"add": {"set": s}})
+    for d, hook, dev, field in (("out", "output", "oifname", "daddr"), ("in", "input", "iifname", "saddr")):
+        cmds.append({"add": {"chain": obj(name=d, type="filter", hook=hook, prio=0, policy="accept")}})
+        for proto, s in (("ip", "@lan4"), ("ip6", "@lan6")):
+            cmds.append({"add": {"rule": obj(chain=d, expr=[
+                _match(_meta(dev), ifname), _match(_payload(proto, field), s),
+                {"counter": f"lan_{d}"}, {"return": None}])}})
+        cmds.append({"add": {"rule": obj(chain=d, expr=[_match(_meta(dev), ifname), {"counter": f"wan_{d}"}])}})
+    return cmds
