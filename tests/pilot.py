@@ -120,7 +120,7 @@ def _mounts():
                 out.setdefault("unified", point)
             elif fstype == "cgroup":
                 for o in opts.split(","):
-                    if o in ("memory", "pids", "cpu", "cpuacct", "blkio", "freezer"):
+                    if o in ("memory", "pids", "cpu", "cpuacct", "blkio"):
                         out.setdefault(o, point)
     return out
 
@@ -137,6 +137,7 @@ class Delegated:
     def __init__(self):
         self.name = "pilot-" + secrets.token_hex(4)
         self.dirs = []
+        self.parents = []       # the project's parents this made (removed again when empty)
 
     def __enter__(self):
         pw = account()
@@ -145,7 +146,9 @@ class Delegated:
             if own is None:
                 continue
             parent = os.path.join(point + own, "starter")
-            os.makedirs(parent, exist_ok=True)
+            if not os.path.isdir(parent):
+                os.mkdir(parent)
+                self.parents.append(parent)
             if role == "unified":
                 _enable(point, own, parent)
             d = os.path.join(parent, self.name)
@@ -170,6 +173,11 @@ class Delegated:
                     os.rmdir(root)
                 except OSError:
                     pass
+        for p in self.parents:
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass        # (a job of another test's there now)
         left = [d for d in self.dirs if os.path.exists(d)]
         assert not left, f"delegated cgroups left: {left}"
 

@@ -14,6 +14,8 @@ kill, enter) are in admin/jobs.py.
 
 import os
 
+from starter.fileio import unlink_quiet
+
 from starter.admin.live import job_cgroup
 from starter.state import store as S
 from starter.spec.options import NAT_MODES
@@ -188,7 +190,14 @@ def _reclaim_locked(state_dir, job_id, st, quick=False):
                 done.append("cgroup removed")
         except (StarterError, OSError) as e:
             held.append(f"cgroup: {e}")
-    if st.get("net") in NAT_MODES:
+    if st.get("pasta_pidfile"):
+        # A pilot's user-mode network (net/usermode.py): pasta died with its
+        # starter (its parent-death signal); its pid file is what is left.
+        pidfile = st["pasta_pidfile"]
+        if os.path.dirname(pidfile) == os.path.abspath(state_dir) and pidfile.endswith(".pasta.pid"):
+            unlink_quiet(pidfile)
+        done.append("user-mode network removed")
+    elif st.get("net") in NAT_MODES:
         if quick:
             held.append("network: left for `starter gc`")
         else:

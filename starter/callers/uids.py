@@ -63,12 +63,13 @@ DEFAULT_COUNT = 0x10000
 LEASES = "/run/starter-uids"
 
 
-def where_leases():
-    """The leases' directory: root's LEASES, or a pilot's under its state
-    directory (starter/rootless: its namespace's uids are its own)."""
-    from starter.rootless import pilot
+PILOT_LEASES = None     # a pilot's, under its state directory (set by starter/rootless/pilot.py)
 
-    return LEASES if pilot.ACTIVE is None else os.path.join(pilot.ACTIVE_STATE, "uids")
+
+def where_leases():
+    """The leases' directory: root's LEASES, or a pilot's (starter/rootless:
+    its namespace's uids are its own)."""
+    return PILOT_LEASES or LEASES
 MAX_TRIES = 4096
 
 

@@ -36,6 +36,7 @@ def begin():
         raise StarterError(f"the state directory {ACTIVE_STATE}: {e.strerror}",
                            "set --state-dir, $STARTER_STATE_DIR or $XDG_RUNTIME_DIR to a directory of the pilot's")
     ACTIVE = pilot
+    _leases()
     return pilot
 
 
@@ -78,6 +79,14 @@ def join_job(state_dir_, job_id):
     finally:
         os.close(fd)
     ACTIVE_STATE = state_dir_
+    _leases()
+
+
+def _leases():
+    from starter.callers import uids
+
+    # Beside the state directory, as root's /run/starter-uids is beside /run/starter.
+    uids.PILOT_LEASES = os.path.join(os.path.dirname(os.path.normpath(ACTIVE_STATE)), "starter-uids")
 
 
 def state_dir(pilot):
@@ -117,7 +126,13 @@ ROOT_ONLY = {   # run options that need the host's root, with why
 
 
 def check_values(values):
-    """Refuse, in one line, an option a starter without root cannot honour."""
+    """Refuse, in one line, an option a starter without root cannot honour;
+    a --state-dir given is where its leases go too."""
+    global ACTIVE_STATE
+    if values.get("state-dir"):
+        ACTIVE_STATE = os.path.abspath(values["state-dir"])
+        _leases()
+    _check_net(values.get("net"))
     for opt, why in ROOT_ONLY.items():
         if values.get(opt) is not None:
             raise StarterError(f"--{opt} needs the host's root: {why}",
@@ -130,10 +145,7 @@ def check_spec(js):
     if js.image is not None or js.limits.disk is not None or js.on_vacate:
         raise StarterError("--image, --disk and --on-vacate need the host's root (a loop device, CRIU)",
                            "run this job through a root starter, or leave them out")
-    mode = js.network.mode
-    if mode not in ("none", "host", "nat"):
-        raise StarterError(f"--net {mode} needs the host's root",
-                           "a pilot's job has --net nat (a user-mode network), none or host")
+    _check_net(js.network.mode)
     if ACTIVE.mapped and js.transient is None or not ACTIVE.mapped and js.uid != 0:
         raise StarterError("--user needs the host's root: a pilot's job runs under its own mapped id",
                            "leave user out of the job file")
@@ -165,6 +177,12 @@ def cgroup_backend(parent):
                                    "its own), or leave --cgroup-parent out")
             return nocgroup.NoBackend()
     return backend
+
+
+def _check_net(mode):
+    if mode not in (None, "none", "host", "nat"):
+        raise StarterError(f"--net {mode} needs the host's root",
+                           "a pilot's job has --net nat (a user-mode network), none or host")
 
 
 def not_enforced(pilot, cgroup_kind, net_mode):

@@ -103,3 +103,23 @@ def test_the_graph_is_read():
 def test_no_import_cycles():
     found = cycles(graph())
     assert not found, "import cycles among starter modules: " + "; ".join(" <-> ".join(c) for c in found)
+
+
+def test_every_package_is_installed():
+    """Every directory of starter/ with modules is a package (an
+    __init__.py) that pyproject.toml's packages list names: a wheel or a
+    Debian package without it would fail at its first import (starter.image
+    was missing from both)."""
+    import tomllib
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    with open(os.path.join(root, "pyproject.toml"), "rb") as f:
+        listed = set(tomllib.load(f)["tool"]["setuptools"]["packages"])
+    found = set()
+    for d, dirs, files in os.walk(os.path.join(root, "starter")):
+        dirs[:] = [x for x in dirs if x != "__pycache__"]
+        if any(f.endswith(".py") for f in files):
+            rel = os.path.relpath(d, root).replace(os.sep, ".")
+            assert "__init__.py" in files, f"{rel} has modules and no __init__.py"
+            found.add(rel)
+    assert found == listed, (sorted(found - listed), sorted(listed - found))
