@@ -73,6 +73,10 @@ def cmd_run(argv):
 
         pilot = rootless.begin()
         rootless.check_values(values)
+        from starter.cgroups import warm_up
+
+        warm_up()       # (a thread: after the user namespace, which wants none)
+        trace.mark("warm-up")
     elif os.geteuid() == 0:
         # First: the first cgroup migration's RCU wait then overlaps what follows.
         from starter.cgroups import warm_up

@@ -45,11 +45,12 @@ class UserNet:
         self.netns_fd = os.dup(netns_fd)      # kept: the counters are read after the job is gone
         self.pidfile = os.path.join(state_dir, job_id + ".pasta.pid")
         self.pid = None
+        self.sock = None        # a netfilter socket in the job's namespace (the counters' reads)
 
     def start(self):
         """The counters first (nothing crosses eth0 uncounted), then pasta;
         returns once pasta has made and configured eth0."""
-        from starter.net import nft, nftrules
+        from starter.net import nft, nftrules, nftwire
 
         if not (os.access(PASTA, os.X_OK) and os.access(SETPRIV, os.X_OK)):
             raise NetworkError("--net nat without root needs pasta, and it is not installed",
@@ -59,7 +60,10 @@ class UserNet:
                                "the site makes it mode 0666 (udev does by default), or run with --net none")
         cmds = nftrules.usermode_table(IFNAME, self.lan)
         nft._load()     # (imported and loaded before the fork)
-        _in_job(self.netns_fd, lambda: nft.Nft().run(cmds, "the job's network counters") and None)
+        # The table made, and a netfilter socket opened, in the job's
+        # namespace: the counters are read on it, with no helper, at the end.
+        self.sock = _in_job(self.netns_fd, lambda: nft.Nft().run(cmds, "the job's network counters") and None,
+                            socket_proto=nftwire.NETLINK_NETFILTER)
         try:
             os.unlink(self.pidfile)
         except FileNotFoundError:
@@ -113,32 +117,23 @@ class UserNet:
 
     def read(self):
         """{"lan_in"|...: {"bytes", "packets"}}, or None where the table is gone."""
-        import _socket
-
         from starter.net import netlink, nftrules, nftwire
 
         names = nftrules.ZONES
-        request = b"".join(nftwire.getobj_request(nftrules.USERMODE_TABLE, n, 1 + k) for k, n in enumerate(names))
-
-        def work():
-            sock = _socket.socket(_socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC,
-                                  nftwire.NETLINK_NETFILTER)
-            try:
-                sock.settimeout(5.0)
-                sock.send(request)
-                answers = netlink.collect(sock, 1, len(names), ack=False)
-            finally:
-                sock.close()
-            out = {}
-            for n, (replies, err) in zip(names, answers):
-                c = nftwire.counter_of(replies[0][1]) if not err and replies else {}
-                out[n] = {"bytes": int(c.get("bytes", 0)), "packets": int(c.get("packets", 0))}
-            return out
-
-        try:
-            return _in_job(self.netns_fd, work)
-        except (OSError, NetworkError):
+        if self.sock is None:
             return None
+        try:
+            self.sock.settimeout(5.0)
+            self.sock.send(b"".join(nftwire.getobj_request(nftrules.USERMODE_TABLE, n, 1 + k)
+                                    for k, n in enumerate(names)))
+            answers = netlink.collect(self.sock, 1, len(names), ack=False)
+        except OSError:
+            return None
+        out = {}
+        for n, (replies, err) in zip(names, answers):
+            c = nftwire.counter_of(replies[0][1]) if not err and replies else {}
+            out[n] = {"bytes": int(c.get("bytes", 0)), "packets": int(c.get("packets", 0))}
+        return out
 
     def report(self):
         """The report's `network`: the counters, and how the job was connected.
@@ -148,7 +143,7 @@ class UserNet:
         counters = self.read() or {}
         deadline = time.monotonic() + DRAIN_WAIT
         while counters and time.monotonic() < deadline:
-            time.sleep(0.02)
+            time.sleep(0.005)
             again = self.read() or {}
             if again == counters:
                 break
@@ -157,24 +152,16 @@ class UserNet:
 
     def stop(self):
         if self.pid is not None:
+            # Nothing of pasta's is left to flush once the counters stood
+            # still: the job's flows are done.  Not waited for here: its tap
+            # device's removal takes the kernel ~25 ms, the job's end need
+            # not wait for it; reaped by the starter's exit (or by init).
             pid, self.pid = self.pid, None
             try:
-                os.kill(pid, 15)
-            except ProcessLookupError:
+                os.kill(pid, 9)
+                os.waitpid(pid, os.WNOHANG)
+            except (ProcessLookupError, ChildProcessError):
                 pass
-            deadline = time.monotonic() + 2.0
-            while True:
-                got, _ = os.waitpid(pid, os.WNOHANG)
-                if got:
-                    break
-                if time.monotonic() > deadline:
-                    try:
-                        os.kill(pid, 9)
-                    except ProcessLookupError:
-                        pass
-                    os.waitpid(pid, 0)
-                    break
-                time.sleep(0.005)
         try:
             os.unlink(self.pidfile)
         except OSError as e:
@@ -183,48 +170,54 @@ class UserNet:
         if self.netns_fd is not None:
             os.close(self.netns_fd)
             self.netns_fd = None
+        if self.sock is not None:
+            self.sock.close()
+            self.sock = None
 
 
-def _in_job(netns_fd, work):
-    """work() -> its result (JSON), run by a forked process in the job's
-    network namespace: a starter without root cannot setns() a thread of its
-    own there and back (net/veth.in_netns), the host's namespace not being
-    its user namespace's.  The child only makes system calls and what work()
-    brings, imported before the fork; it never returns into the starter."""
-    import json
+def _in_job(netns_fd, work, socket_proto=None):
+    """work() run by a forked process in the job's network namespace, and
+    with socket_proto a netlink socket of that protocol opened there; ->
+    the socket (a socket.socket, the starter's from now on).  A starter
+    without root cannot setns() a thread of its own there and back
+    (net/veth.in_netns): the host's namespace is not its user namespace's.
+    The child only makes system calls and what work() brings, imported
+    before the fork; it never returns into the starter."""
+    import _socket
+    import socket
 
     from starter.isolate.ns import setns
 
-    r, w = os.pipe()
+    parent, child = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            os.close(r)
+            parent.close()
+            fds = []
             try:
                 setns(netns_fd, 0x40000000)
-                out = {"value": work()}
+                work()
+                if socket_proto is not None:
+                    fds.append(_socket.socket(_socket.AF_NETLINK, _socket.SOCK_RAW | _socket.SOCK_CLOEXEC,
+                                              socket_proto).detach())
+                msg = b"ok"
             except Exception as e:  # noqa: BLE001 - carried to the starter
-                out = {"error": str(e) or type(e).__name__}
-            os.write(w, json.dumps(out).encode())
+                msg = ("error " + (str(e) or type(e).__name__)).encode()[:4000]
+            socket.send_fds(child, [msg], fds)
             code = 0
         finally:
             os._exit(code)
-    os.close(w)
-    data = b""
+    child.close()
     try:
-        while True:
-            b = os.read(r, 65536)
-            if not b:
-                break
-            data += b
+        msg, fds, _flags, _addr = socket.recv_fds(parent, 4096, 1)
     finally:
-        os.close(r)
+        parent.close()
         os.waitpid(pid, 0)
-    try:
-        out = json.loads(data)
-    except ValueError:
-        raise NetworkError("the job's network namespace: its helper gave no answer") from None
-    if "error" in out:
-        raise NetworkError(f"the job's network namespace: {out['error']}")
-    return out["value"]
+    if msg != b"ok":
+        for fd in fds:
+            os.close(fd)
+        raise NetworkError("the job's network namespace: " + (msg.decode("utf-8", "replace")[6:] or "its helper gave no answer"))
+    if socket_proto is None:
+        return None
+    return socket.socket(_socket.AF_NETLINK, _socket.SOCK_RAW, socket_proto, fileno=fds[0])
