@@ -138,6 +138,7 @@ class Job:
         self.image_root = None          # --image: what the child makes its root (ChildSpec.image)
         self.stage_fd = None            # the scratch's root (a --disk file system's), once made
         self.cg = self.child = None
+        self.reap_last = []             # children killed in the teardown, reaped after the report
 
     def run(self):
         watchdog.on_takeover(self._taken_over)
@@ -228,6 +229,11 @@ class Job:
             self.signals.close()
         trace.mark("report")
         trace.report()
+        for pid in self.reap_last:      # what was killed at the end and need not have been waited for
+            try:
+                os.waitpid(pid, 0)
+            except ChildProcessError:
+                pass
 
     def _taken_over(self, msg):
         # Setup's watchdog (job/watchdog.py), while this thread waits in the
@@ -744,7 +750,9 @@ class Job:
             if un.pid is not None:
                 self.report.network = un.report()
         finally:
-            un.stop()
+            pid = un.stop()
+            if pid is not None:
+                self.reap_last.append(pid)
 
     def _wire(self, fd):
         """The job's network, in the namespace fd (_let_go() after)."""

@@ -151,16 +151,18 @@ class UserNet:
         return {"usermode": {"stack": "pasta", "address": ADDRESS, "gateway": GATEWAY}, **counters}
 
     def stop(self):
+        """-> pasta's pid where it was killed here and is still to be reaped
+        (Job.end does so after the report), else None."""
+        left = None
         if self.pid is not None:
             # Nothing of pasta's is left to flush once the counters stood
             # still: the job's flows are done.  Not waited for here: its tap
-            # device's removal takes the kernel ~25 ms, the job's end need
-            # not wait for it; reaped by the starter's exit (or by init).
+            # device's removal takes the kernel ~25 ms: reaped after the report.
             pid, self.pid = self.pid, None
             try:
                 os.kill(pid, 9)
-                os.waitpid(pid, os.WNOHANG)
-            except (ProcessLookupError, ChildProcessError):
+                left = pid
+            except ProcessLookupError:
                 pass
         try:
             os.unlink(self.pidfile)
@@ -173,6 +175,7 @@ class UserNet:
         if self.sock is not None:
             self.sock.close()
             self.sock = None
+        return left
 
 
 def _in_job(netns_fd, work, socket_proto=None):
