@@ -237,3 +237,11 @@ def test_gc_after_kill_9_leaves_nothing(venv, state):
 ])
 def test_what_needs_root_is_refused_in_one_line(venv, state, args, what):
     refused(run(*args), what)
+
+
+def test_root_starter_refuses_only_what_the_job_gave_up(starter):
+    """Root's starter enforces everything --require names, but the network
+    of a --net host job."""
+    assert starter("run", "--require", "all", "--", "true").returncode == 0
+    r = starter("run", "--net", "host", "--require", "network", "--", "true")
+    refused(r, "--require network: not enforced here (network: --net host)")

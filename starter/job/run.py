@@ -285,6 +285,10 @@ class Job:
         spec = self.spec
         if self.pilot is None:
             backend = self.backend = cgroups.open_backend(spec.cgroup_parent)
+            if spec.require:
+                from starter.rootless import pilot
+
+                pilot.check_required(spec.require, pilot.not_enforced(None, backend.kind, spec.network.mode))
         else:   # a pilot's delegated cgroup, or none (the report says what that leaves out)
             from starter.rootless import pilot
 

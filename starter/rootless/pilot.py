@@ -186,14 +186,15 @@ def _check_net(mode):
 
 
 def not_enforced(pilot, cgroup_kind, net_mode):
-    """[(guarantee, why)] that this job goes without."""
+    """[(guarantee, why)] that this job goes without (pilot None: root's
+    starter, which lacks only what the job itself gave up)."""
     out = []
     if cgroup_kind == "none":
         why = "no cgroup is delegated to the pilot"
         out += [("memory", why), ("cpu", why), ("pids", why),
                 ("kill", why + ": the job is ended through its PID namespace's init"),
                 ("freeze", why), ("accounting", why)]
-    if not pilot.mapped:
+    if pilot is not None and not pilot.mapped:
         out.append(("own-uid", "no subordinate ids (/etc/subuid, newuidmap): the job runs as the pilot's uid"))
     if net_mode == "host":
         out.append(("network", "--net host"))
@@ -207,5 +208,6 @@ def check_required(required, missing):
     if lacking:
         raise StarterError("--require " + ", ".join(g for g, _ in lacking) + ": not enforced here ("
                            + "; ".join(f"{g}: {why}" for g, why in lacking) + ")",
+                           "leave out --net host, or drop --require" if [g for g, _ in lacking] == ["network"] else
                            "run the job where a cgroup is delegated to the pilot (systemd's Delegate=yes, "
                            "the batch system's slot cgroup) and subordinate ids are set up, or drop --require")

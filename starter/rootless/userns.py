@@ -54,7 +54,8 @@ class Pilot:
         last), or None where only 0 is mapped."""
         if not self.mapped:
             return None
-        last = min(self.subuid[1], self.subgid[1])
+        # (not 65534 and up: the kernel's overflow ids, what an unmapped id looks like)
+        last = min(self.subuid[1], self.subgid[1], 65533)
         first = min(PAYLOAD_FIRST, last)
         return first, last
 
