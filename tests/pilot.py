@@ -12,6 +12,7 @@ environment empty but for HOME, USER, PATH (the venv's bin first) and
 XDG_RUNTIME_DIR (a directory of its home's: su gives none).
 """
 
+import errno
 import os
 import pwd
 import secrets
@@ -162,9 +163,25 @@ class Delegated:
         return self
 
     def enter(self, pid):
+        """Put `pid` in the delegated cgroup, or, on v2 once the pilot's
+        starter enabled controllers in it (no internal processes then), in a
+        leaf of it, the pilot's own (as a pilot keeps its processes)."""
         for d in self.dirs:
-            with open(os.path.join(d, "cgroup.procs"), "w") as f:
-                f.write(str(pid))
+            try:
+                with open(os.path.join(d, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
+            except OSError as e:
+                if e.errno != errno.EBUSY:
+                    raise
+                leaf = os.path.join(d, "pilot-procs")
+                if not os.path.isdir(leaf):
+                    os.mkdir(leaf)
+                    pw = account()
+                    for x in (leaf, *(os.path.join(leaf, f) for f in self.FILES)):
+                        if os.path.exists(x):
+                            os.chown(x, pw.pw_uid, pw.pw_gid)
+                with open(os.path.join(leaf, "cgroup.procs"), "w") as f:
+                    f.write(str(pid))
 
     def __exit__(self, *exc):
         for d in self.dirs:

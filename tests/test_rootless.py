@@ -245,3 +245,29 @@ def test_root_starter_refuses_only_what_the_job_gave_up(starter):
     assert starter("run", "--require", "all", "--", "true").returncode == 0
     r = starter("run", "--net", "host", "--require", "network", "--", "true")
     refused(r, "--require network: not enforced here (network: --net host)")
+
+
+def _pure_v2():
+    with open("/proc/self/mountinfo") as f:
+        kinds = {line.partition(" - ")[2].split()[0] for line in f if " - cgroup" in line}
+    return kinds == {"cgroup2"}
+
+
+def test_a_pilot_inside_an_outer_starters_delegated_cgroup(venv, starter, tmp_path):
+    """The pilot as a job of root's starter with --delegate (and
+    --allow-userns: its own starter makes a user namespace): its jobs get
+    cgroups in the subtree the outer job was given.  The outer job has
+    NO_NEW_PRIVS, so newuidmap cannot help: the pilot's jobs run as its uid."""
+    if not _pure_v2():
+        pytest.skip("--delegate needs a pure cgroup v2 host: this runs in the v2 VM")
+    inner = ("starter run --memory 60M --report /tmp/r.json -- python3 -c "
+             "\"import os; print(os.getpid()); b = bytearray(100 << 20)\"; cat /tmp/r.json")
+    r = starter("run", "--delegate", "--allow-userns", "--user", P.NAME, "--memory", "500M",
+                "--env", f"PATH={venv}/bin:/usr/bin:/bin", "--env", "XDG_RUNTIME_DIR=/tmp",
+                "--", "sh", "-c", inner, timeout=120)
+    assert r.returncode == 0, r.stderr
+    pid, doc = r.stdout.split("\n", 1)
+    rep = json.loads(doc)
+    assert pid == "1"
+    assert rep["cgroup"] == "v2" and rep["oom"] is True, rep
+    assert set(rep["not_enforced"]) == {"own-uid"}, rep

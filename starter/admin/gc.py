@@ -92,7 +92,11 @@ def gc(state_dir, cgroup_parent=None):
         from starter import cgroups
 
         if not any(S.is_live(state_dir, j) for j in S.list_ids(state_dir)):
-            cgroups.open_backend(cgroup_parent).prune()
+            from starter.rootless import pilot
+
+            # A pilot's parents are where its own cgroup is delegated to it, or none.
+            (cgroups.open_backend(cgroup_parent) if pilot.ACTIVE is None else
+             pilot.cgroup_backend(cgroup_parent)).prune()
     except StarterError as e:
         lines.append(f"cgroups: parents not pruned ({e})")
     return lines, ok
