@@ -203,15 +203,33 @@ def test_ns_exec_fresh_network(starter):
     assert len(links) == 1 and ": lo:" in links[0]
 
 
-def test_refuses_without_root(tmp_path):
+def test_without_root_a_start_is_a_pilots(tmp_path):
     """Not through the set-user-ID launcher (tests/test_callers.py): the
-    interpreter itself, run by a user, says how users start jobs."""
+    interpreter itself, run by a user, starts the job without root, in a
+    user namespace of its own (starter/rootless/; tests/test_rootless.py);
+    its state where the user's runtime directory is, and one line where
+    that cannot be made."""
     from conftest import starter_in_python
 
-    p = subprocess.run(["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups",
-                        *starter_in_python(), "run", "--", "true"], capture_output=True, text=True, timeout=30)
+    import shutil
+    import tempfile
+
+    run = tempfile.mkdtemp(prefix="starter-test-run-")      # (pytest's tmp_path is root's alone)
+    os.chown(run, 65534, 65534)
+    argv = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups", "env", "-i", "PATH=/usr/bin:/bin",
+            *starter_in_python(), "run", "--report", "/dev/stdout", "--", "sh", "-c", "echo $$"]
+    try:
+        p = subprocess.run(argv[:6] + [f"XDG_RUNTIME_DIR={run}"] + argv[6:], capture_output=True, text=True,
+                           timeout=60)
+        assert os.listdir(os.path.join(run, "starter")) == []
+    finally:
+        shutil.rmtree(run, ignore_errors=True)
+    assert p.returncode == 0, p.stderr
+    pid, doc = p.stdout.split("\n", 1)
+    assert pid == "1" and json.loads(doc)["rootless"]["pilot_uid"] == 65534
+    p = subprocess.run(argv, capture_output=True, text=True, timeout=30)    # nobody: no runtime directory, no home
     assert p.returncode == 125
-    assert "not set-user-ID" in p.stderr and len(p.stderr.splitlines()) == 1
+    assert "state directory" in p.stderr and len(p.stderr.splitlines()) == 1
 
 
 def test_report_schema(starter, tmp_path):
