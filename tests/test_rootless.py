@@ -147,7 +147,8 @@ def test_user_mode_network_counts_lan_and_wan_bytes(venv, state):
                 "c.send(b'x'); c.close(); print('got', n)\n"
                 f"w = socket.create_connection(('{s.wan_addr}', {wan.port})); w.sendall(b'y' * {n_wan})\n"
                 "w.shutdown(socket.SHUT_WR); w.recv(1); w.close()\n")
-        r = run("--net", "nat", "--lan", s.lan_cidr, "--", "python3", "-c", code, cgroup=d)
+        # (--uplink: pasta's template interface; a node without a default route, as the VMs, needs it)
+        r = run("--net", "nat", "--lan", s.lan_cidr, "--uplink", s.uplink, "--", "python3", "-c", code, cgroup=d)
         rep = report_of()
         assert r.returncode == 0, r.stderr
         assert f"got {n_lan}" in r.stdout
@@ -212,8 +213,9 @@ def test_without_subordinate_ids_the_job_is_the_pilot_without_capabilities(venv,
 
 
 def test_gc_after_kill_9_leaves_nothing(venv, state):
-    with P.Delegated() as d:
-        job = P.as_pilot(["starter", "run", "--id", "pj2", "--net", "nat", "--", "sleep", "60"], cgroup=d, popen=True)
+    with nethosts.site() as s, P.Delegated() as d:
+        job = P.as_pilot(["starter", "run", "--id", "pj2", "--net", "nat", "--uplink", s.uplink, "--", "sleep", "60"],
+                         cgroup=d, popen=True)
         deadline = time.monotonic() + 20
         while "running" not in P.as_pilot(["starter", "ps"], check=False).stdout:
             assert time.monotonic() < deadline and job.poll() is None, job.communicate()

@@ -740,7 +740,8 @@ class Job:
 
         fd = os.open(f"/proc/{self.child.pid}/ns/net", os.O_RDONLY | os.O_CLOEXEC)
         try:
-            un = usermode.UserNet(self.spec.id, fd, self.spec.network.lan, self.spec.state_dir)
+            un = usermode.UserNet(self.spec.id, fd, self.spec.network.lan, self.spec.state_dir,
+                                  self.spec.network.uplink)
         finally:
             os.close(fd)
         self.undo.push(self._user_net_end, un, label="net")

@@ -40,8 +40,9 @@ class UserNet:
     """One job's user-mode network: start() before the job runs, read()
     its counters, stop() at its end (idempotent)."""
 
-    def __init__(self, job_id, netns_fd, lan, state_dir):
+    def __init__(self, job_id, netns_fd, lan, state_dir, uplink=()):
         self.job_id, self.lan = job_id, tuple(lan)
+        self.uplink = tuple(uplink)[:1]     # pasta's template interface (default: the default route's)
         self.netns_fd = os.dup(netns_fd)      # kept: the counters are read after the job is gone
         self.pidfile = os.path.join(state_dir, job_id + ".pasta.pid")
         self.pid = None
@@ -74,7 +75,8 @@ class UserNet:
         argv = [SETPRIV, "--pdeathsig", "KILL", "--", PASTA, "--foreground", "--quiet", "--runas", "0:0", "--config-net",
                 "--netns", "/proc/self/fd/3", "--ns-ifname", IFNAME,
                 "--address", ADDRESS, "--netmask", str(PREFIX), "--gateway", GATEWAY, "--no-map-gw",
-                "-t", "none", "-u", "none", "-T", "none", "-U", "none", "--pid", self.pidfile]
+                "-t", "none", "-u", "none", "-T", "none", "-U", "none", "--pid", self.pidfile,
+                *(("--interface", self.uplink[0]) if self.uplink else ())]
         null = os.open("/dev/null", os.O_RDWR | os.O_CLOEXEC)
         try:
             self.pid = os.posix_spawn(SETPRIV, argv, {"PATH": "/usr/bin:/bin"}, file_actions=[
@@ -108,8 +110,10 @@ class UserNet:
                 except OSError:
                     text = ""
                 lines = [ln for ln in text.splitlines() if ln.strip() and "syslog" not in ln]
-                raise NetworkError(f"pasta (the job's user-mode network) failed: "
-                                   f"{lines[-1] if lines else 'exit status ' + str(status >> 8)}",
+                why = lines[-1] if lines else "exit status " + str(status >> 8)
+                raise NetworkError(f"pasta (the job's user-mode network) failed: {why}",
+                                   "name the host's interface to the network with --uplink IFNAME (this "
+                                   "host has no default route)" if "External interface" in why else
                                    "check that pasta runs for this user: pasta --config-net true")
             if time.monotonic() > deadline:
                 raise NetworkError(f"pasta did not configure the job's network in {READY_WAIT:g}s")

@@ -195,7 +195,8 @@ def not_enforced(pilot, cgroup_kind, net_mode):
                 ("kill", why + ": the job is ended through its PID namespace's init"),
                 ("freeze", why), ("accounting", why)]
     if pilot is not None and not pilot.mapped:
-        out.append(("own-uid", "no subordinate ids (/etc/subuid, newuidmap): the job runs as the pilot's uid"))
+        out.append(("own-uid", f"no subordinate ids ({pilot.why_unmapped or 'none mapped'}): "
+                               "the job runs as the pilot's uid"))
     if net_mode == "host":
         out.append(("network", "--net host"))
     return out

@@ -38,11 +38,12 @@ class Pilot:
     its subordinate ranges ((first, count) or None); `ids`: how many ids the
     namespace maps (1 + the range's count)."""
 
-    __slots__ = ("uid", "gid", "name", "home", "subuid", "subgid")
+    __slots__ = ("uid", "gid", "name", "home", "subuid", "subgid", "why_unmapped")
 
     def __init__(self, uid, gid, name, home, subuid=None, subgid=None):
         self.uid, self.gid, self.name, self.home = uid, gid, name, home
         self.subuid, self.subgid = subuid, subgid
+        self.why_unmapped = None    # where not mapped: why (the report's not_enforced)
 
     @property
     def mapped(self):
@@ -95,9 +96,29 @@ def who():
     except KeyError:
         name, home = str(uid), os.environ.get("HOME") or "/"
     sub = [None, None]
-    if os.environ.get("STARTER_NO_SUBIDS") != "1" and all(os.access(t, os.X_OK) for t in MAP_TOOLS):
+    if os.environ.get("STARTER_NO_SUBIDS") == "1":
+        why = "STARTER_NO_SUBIDS=1"
+    elif not all(os.access(t, os.X_OK) for t in MAP_TOOLS):
+        why = "no newuidmap and newgidmap (Debian's uidmap)"
+    elif _no_new_privs():
+        why = "no_new_privs is set (inside another job?): the set-user-ID newuidmap cannot help"
+    else:
         sub = [subordinate(p, name, uid) for p in ("/etc/subuid", "/etc/subgid")]
-    return Pilot(uid, gid, name, home, *sub)
+        why = None if None not in sub else f"no range of {name}'s in /etc/subuid and /etc/subgid"
+    p = Pilot(uid, gid, name, home, *sub)
+    p.why_unmapped = why
+    return p
+
+
+def _no_new_privs():
+    try:
+        with open("/proc/self/status", "rb") as f:
+            for line in f:
+                if line.startswith(b"NoNewPrivs:"):
+                    return line.split()[1] != b"0"
+    except OSError:
+        pass
+    return False
 
 
 def enter(pilot):
