@@ -59,7 +59,10 @@ def gc(state_dir, cgroup_parent=None):
     more, held = _reclaim_uids(state_dir)
     lines += more
     ok = ok and not held
-    lines += _reclaim_project_leases()
+    from starter.rootless import pilot
+
+    if pilot.ACTIVE is None:        # (--disk's project quotas are root's alone)
+        lines += _reclaim_project_leases()
     from starter.isolate import seccomp
 
     lines += [f"seccomp cache: removed {n} (not a whole cache file)" for n in seccomp.check_cache(state_dir)]

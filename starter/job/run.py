@@ -101,9 +101,9 @@ class Job:
         from starter.job.supervisor import Signals
 
         self.spec, self.caller, self.policy = spec, caller, policy
-        from starter.rootless.pilot import ACTIVE as pilot
-
-        self.pilot = pilot              # a starter without root: its rootless/userns.Pilot, or None
+        # A starter without root: its rootless/userns.Pilot, or None (root's
+        # start never imports the module: sys.modules has it only if begun).
+        self.pilot = getattr(sys.modules.get("starter.rootless.pilot"), "ACTIVE", None)
         self.t0 = time.time()
         self.undo = Undo()
         if spec.restore is not None:    # a checkpoint's images (a caller's private copy of them, too)

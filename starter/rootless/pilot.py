@@ -54,6 +54,9 @@ def join_job(state_dir_, job_id):
     global ACTIVE, ACTIVE_STATE
     NS_GET_OWNER_UID = 0xB704
     st = S.load(state_dir_, job_id)
+    if not st:
+        raise StarterError(f"no job {job_id!r} in {state_dir_}: this user's own jobs, started without root, are "
+                           "there", "a job of root's starter needs root (`starter ps` lists this user's)")
     pid = st.get("pid")
     if not isinstance(pid, int) or isinstance(pid, bool) or pid <= 1:
         raise StarterError(f"job {job_id} is not running (state {st.get('state')!r})")
