@@ -32,7 +32,10 @@ void drop_privileges(const struct child_ctx *c)
      * (or the batch daemon's) session keyring is not the job's to possess,
      * and without one the kernel falls back to the per-uid user-session
      * keyring that every job of this user would share. */
-    if (syscall(SYS_keyctl, KEYCTL_JOIN_SESSION_KEYRING, NULL) < 0 && errno != ENOSYS)
+    /* ENOSYS: no keys in this kernel; EPERM: a syscall filter above the
+     * starter (it runs inside another job: a pilot's) refuses keyctl, and
+     * it refuses it to the job too, which inherits that filter. */
+    if (syscall(SYS_keyctl, KEYCTL_JOIN_SESSION_KEYRING, NULL) < 0 && errno != ENOSYS && errno != EPERM)
         fail(c, "keyctl", "join session keyring");
     /* uid 0 keeps its sets across setresuid; empty them explicitly.  With an
      * empty bounding set, exec as root gains nothing either. */

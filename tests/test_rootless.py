@@ -274,8 +274,8 @@ def test_a_pilot_inside_an_outer_starters_delegated_cgroup(venv, starter, tmp_pa
                 "--env", f"PATH={venv}/bin:/usr/bin:/bin", "--env", "XDG_RUNTIME_DIR=/tmp",
                 "--", "sh", "-c", inner, timeout=120)
     assert r.returncode == 0, r.stderr
-    pid, doc = r.stdout.split("\n", 1)
+    pid, _, doc = r.stdout.partition("\n")
+    assert pid == "1", (r.stdout, r.stderr)
     rep = json.loads(doc)
-    assert pid == "1"
     assert rep["cgroup"] == "v2" and rep["oom"] is True, rep
     assert set(rep["not_enforced"]) == {"own-uid"}, rep

@@ -460,7 +460,12 @@ class Job:
                              + M.dev(spec.ptys, bind_nodes=self.pilot is not None)
                              + M.private_dirs(spec.uid, spec.gid, spec.limits.memory, self.run_through)
                              + M.device_binds(d[0] for d in spec.devices))
-        self.last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR))
+        # A job that may make user namespaces (--allow-userns: a container
+        # runtime, a pilot's own starter) keeps /proc/keys: the kernel lets a
+        # user namespace mount a fresh /proc only where no file of the one it
+        # sees is covered.
+        self.last_mounts = M.seal_dev() + M.hide((spec.state_dir, M.DEFAULT_STATE_DIR),
+                                                 () if spec.allow_userns else M.MASKED_FILES)
         if spec.image is not None:
             self.last_mounts = M.seal_dev()     # (the host's state directory is not in an image's view)
             self._image_root()
