@@ -71,7 +71,7 @@ def cmd_run(argv):
         # namespace first, while this process has no threads (rootless/).
         from starter.rootless import pilot as rootless
 
-        pilot = rootless.begin()
+        pilot = rootless.begin(values.get("state-dir"))
         rootless.check_values(values)
         from starter.cgroups import warm_up
 

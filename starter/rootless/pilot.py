@@ -21,15 +21,17 @@ ACTIVE_STATE = None     # its state directory
 
 
 
-def begin():
-    """Enter the starter's user namespace; -> the Pilot."""
+def begin(given_state_dir=None):
+    """Enter the starter's user namespace; -> the Pilot.  Its state
+    directory (and beside it the leases): the one given (--state-dir), else
+    $STARTER_STATE_DIR, else state_dir(); made if missing."""
     global ACTIVE, ACTIVE_STATE
     from starter.rootless import userns
 
     pilot = userns.who()
     userns.enter(pilot)
     os.environ.setdefault("STARTER_STATE_DIR", state_dir(pilot))
-    ACTIVE_STATE = os.environ["STARTER_STATE_DIR"]
+    ACTIVE_STATE = os.path.abspath(given_state_dir or os.environ["STARTER_STATE_DIR"])
     try:
         os.makedirs(ACTIVE_STATE, 0o700, exist_ok=True)
     except OSError as e:
@@ -129,12 +131,7 @@ ROOT_ONLY = {   # run options that need the host's root, with why
 
 
 def check_values(values):
-    """Refuse, in one line, an option a starter without root cannot honour;
-    a --state-dir given is where its leases go too."""
-    global ACTIVE_STATE
-    if values.get("state-dir"):
-        ACTIVE_STATE = os.path.abspath(values["state-dir"])
-        _leases()
+    """Refuse, in one line, an option a starter without root cannot honour."""
     _check_net(values.get("net"))
     for opt, why in ROOT_ONLY.items():
         if values.get(opt) is not None:

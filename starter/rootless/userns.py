@@ -60,9 +60,6 @@ class Pilot:
         first = min(PAYLOAD_FIRST, last)
         return first, last
 
-    def as_dict(self):
-        return {"uid": self.uid, "gid": self.gid, "subuid": self.subuid, "subgid": self.subgid}
-
 
 def subordinate(path, name, uid):
     """The first range of `path` (/etc/subuid's format: NAME-OR-ID:FIRST:COUNT
